@@ -1,11 +1,14 @@
-"""The command line. Thin on purpose: it parses, builds a Recipe and calls into the package.
+"""The command line. Thin on purpose: it parses, builds a Recipe and calls :mod:`autotune.commands`.
 
-Every user mistake surfaces as ``error: <one line>`` with exit status 2 (see autotune.errors).
+The options that describe a search are derived from the :class:`Recipe` dataclass (its field
+metadata holds each help text, its defaults are the only defaults), so the CLI, the saved
+recipe.yaml and the README cannot drift apart. Every user mistake surfaces as ``error: <one
+line>`` with exit status 2 (:class:`autotune.errors.UsageError` is a ``click.ClickException``).
 """
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 import logging
 import re
@@ -16,31 +19,86 @@ from typing import Any, Callable
 import click
 
 from autotune import __version__
-from autotune.errors import SearchStopped, UsageError
-from autotune.recipe import Recipe, default_study_name, parse_duration
+from autotune.errors import UsageError
+from autotune.recipe import Recipe, default_study_name, format_duration, parse_duration
 from autotune.runners import RUNNERS
 
-log = logging.getLogger("autotune")
+FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
+CHOICES = {"runner": RUNNERS, "device": ("cuda", "cpu")}
+TYPES = {"int": int, "float": float, "str": str}
 
 
-def friendly(func: Callable) -> Callable:
-    """Turn UsageError into one line and exit 2; a stopped search into one line and exit 1."""
+def recipe_option(name: str, **overrides: Any) -> Callable[[Callable], Callable]:
+    """A click option for the Recipe field ``name``: flag, help and default from the field."""
+    f = FIELDS[name]
+    meta = f.metadata
+    flag = meta.get("flag") or "--" + name.replace("_", "-")
+    kwargs: dict[str, Any] = {"help": meta["help"], "default": None}
+    if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+        kwargs["required"] = True
+    elif f.default not in (None, dataclasses.MISSING) and not meta.get("resolved"):
+        kwargs.update(show_default=True,
+                      default=format_duration(f.default) if meta.get("kind") == "duration" else f.default)
+    base = str(f.type).split("|")[0].strip()
+    if name in CHOICES:
+        kwargs["type"] = click.Choice(CHOICES[name])
+    elif name == "pins":
+        kwargs.update(multiple=True, metavar="NAME=VALUE", default=())
+    elif name == "space":
+        kwargs["type"] = click.Path(path_type=Path)
+    elif meta.get("kind") == "duration":
+        kwargs["type"] = str
+    else:
+        kwargs["type"] = TYPES.get(base, str)
+    kwargs.update(overrides)
+    return click.option(flag, name, **kwargs)
 
-    @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+
+def recipe_options(commands: tuple[str, ...]) -> Callable[[Callable], Callable]:
+    """Every Recipe field that the given commands take, in the dataclass's order."""
+    names = [n for n, f in FIELDS.items() if f.metadata.get("commands") in commands]
+
+    def decorate(func: Callable) -> Callable:
+        for name in reversed(names):
+            func = recipe_option(name)(func)
+        return func
+
+    return decorate
+
+
+runs_dir_option = click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"),
+                               show_default=True, help="Folder that holds the studies.")
+
+
+class Group(click.Group):
+    """Ctrl-C leaves the study resumable and says so, instead of click's bare 'Aborted!'."""
+
+    def invoke(self, ctx: click.Context) -> Any:
         try:
-            return func(*args, **kwargs)
-        except UsageError as exc:
-            click.echo(f"error: {exc}", err=True)
-            sys.exit(2)
-        except SearchStopped as exc:
-            click.echo(f"search stopped: {exc}", err=True)
-            sys.exit(1)
+            return super().invoke(ctx)
         except KeyboardInterrupt:
             click.echo("interrupted: the study is saved; continue with autotune resume", err=True)
             sys.exit(130)
 
-    return wrapper
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="autotune")
+@click.option("-v", "--verbose", count=True, help="More log detail (-vv for debug).")
+def main(verbose: int) -> None:
+    """Find the fastest GRPO configuration that fits your GPUs, by running short trials."""
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
+                        format="%(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@recipe_options(("recipe", "search"))
+@runs_dir_option
+def search(runs_dir: Path, **kw: Any) -> None:
+    """Search for the fastest configuration that stays in memory."""
+    from autotune.commands import start_search
+
+    start_search(recipe_from_flags(kw), runs_dir)
 
 
 def parse_pins(items: tuple[str, ...]) -> dict[str, str]:
@@ -53,107 +111,41 @@ def parse_pins(items: tuple[str, ...]) -> dict[str, str]:
     return pins
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(__version__, prog_name="autotune")
-@click.option("-v", "--verbose", count=True, help="More log detail (-vv for debug).")
-def main(verbose: int) -> None:
-    """Find the fastest GRPO configuration that fits your GPUs, by running short trials."""
-    level = logging.WARNING - 10 * verbose
-    logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
-
-
-def recipe_options(func: Callable) -> Callable:
-    """Flags shared by search and estimate that describe the training run."""
-    options = [
-        click.option("--model", required=True, help="Card name (Qwen2.5-7B-Instruct), HF cache id, or a directory with config.json."),
-        click.option("--gpus", type=int, required=True, help="GPUs per trial (one node)."),
-        click.option("--gpu-type", default=None, help="GPU model when not visible through NVML, e.g. A100-80GB."),
-        click.option("--gpu-memory", type=float, default=None, help="Memory per GPU in GiB (overrides the type's)."),
-        click.option("--max-prompt-length", type=int, default=512, show_default=True),
-        click.option("--max-completion-length", type=int, default=1024, show_default=True),
-        click.option("--global-batch", type=int, default=None, help="Completions per optimizer step; accumulation is derived."),
-        click.option("--space", "space_path", type=click.Path(path_type=Path), default=None, help="Search-space YAML (default: search_spaces/grpo.yaml)."),
-        click.option("--set", "sets", multiple=True, metavar="NAME=VALUE", help="Pin a parameter (repeatable)."),
-        click.option("--beta", type=float, default=0.0, show_default=True, help="KL coefficient; > 0 loads a reference model."),
-        click.option("--lora-rank", type=int, default=None, help="Train LoRA adapters of this rank instead of all weights."),
-    ]
-    for option in reversed(options):
-        func = option(func)
-    return func
-
-
-@main.command()
-@recipe_options
-@click.option("--runner", type=click.Choice(RUNNERS), default="trl", show_default=True)
-@click.option("--command", "command", default=None, help="Trainer command template with {placeholders} (runner: command).")
-@click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True)
-@click.option("--memory-limit", type=float, default=None, help="Cap each trial's address space at GIB (RLIMIT_AS).")
-@click.option("--trials", type=int, default=30, show_default=True, help="Trials to launch (invalid ones are free).")
-@click.option("--time-budget", default=None, help="Stop launching when the next trial would pass it, e.g. 8h.")
-@click.option("--headroom", type=float, default=0.05, show_default=True, help="Memory fraction the exported config must leave free.")
-@click.option("--confirm", type=int, default=2, show_default=True, help="Leading candidates re-run longer before export (0: none).")
-@click.option("--warmup-steps", type=int, default=2, show_default=True)
-@click.option("--measure-steps", type=int, default=3, show_default=True)
-@click.option("--trial-timeout", default="30m", show_default=True)
-@click.option("--hang-timeout", default="5m", show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
-@click.option("--sim-time-scale", type=float, default=0.002, show_default=True, help="Simulator: wall seconds per simulated second.")
-@click.option("--name", default=None, help="Study name (default: from model, GPUs and GPU type).")
-@click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
-@click.option("--storage", default=None, help="Optuna storage URL (default: sqlite in the study folder).")
-@friendly
-def search(**kw: Any) -> None:
-    """Search for the fastest configuration that stays in memory."""
-    from autotune.session import start_search
-
-    recipe = recipe_from_flags(kw)
-    start_search(recipe, kw["runs_dir"])
-
-
 def recipe_from_flags(kw: dict[str, Any]) -> Recipe:
     """Check every flag and build the recipe; the first mistake found is reported."""
-    from autotune.session import resolve_inputs
+    from autotune.commands import resolve_inputs
 
-    for flag, value in (("--trials", kw.get("trials")), ("--max-prompt-length", kw["max_prompt_length"]),
-                        ("--max-completion-length", kw["max_completion_length"]),
-                        ("--warmup-steps", kw.get("warmup_steps", 1) + 1),
-                        ("--measure-steps", kw.get("measure_steps", 1))):
-        if value is not None and value < 1:
-            raise UsageError(f"{flag} must be at least 1")
-    if kw["global_batch"] is not None and kw["global_batch"] < 1:
+    for name in ("trials", "max_prompt_length", "max_completion_length", "measure_steps"):
+        if kw.get(name) is not None and kw[name] < 1:
+            raise UsageError(f"{FIELDS[name].metadata.get('flag') or '--' + name.replace('_', '-')} must be at least 1")
+    if kw.get("warmup_steps") is not None and kw["warmup_steps"] < 0:
+        raise UsageError("--warmup-steps must be at least 0")
+    if kw.get("global_batch") is not None and kw["global_batch"] < 1:
         raise UsageError("--global-batch must be at least 1")
-    if kw.get("gpu_memory") is not None and kw["gpu_memory"] <= 0:
+    if kw.get("gpu_memory_gib") is not None and kw["gpu_memory_gib"] <= 0:
         raise UsageError("--gpu-memory is GiB per GPU and must be positive, e.g. 79.3")
-    if kw.get("memory_limit") is not None and kw["memory_limit"] <= 0:
+    if kw.get("memory_limit_gib") is not None and kw["memory_limit_gib"] <= 0:
         raise UsageError("--memory-limit is GiB per trial and must be positive, e.g. 3")
     if kw.get("lora_rank") is not None and kw["lora_rank"] < 1:
         raise UsageError("--lora-rank must be at least 1 (leave it out for full fine-tuning)")
-    if kw["beta"] < 0:
+    if kw.get("beta") is not None and kw["beta"] < 0:
         raise UsageError("--beta is a KL coefficient and cannot be negative")
     name = kw.get("name")
     if name and (name in (".", "..") or not re.fullmatch(r"[A-Za-z0-9._-]+", name)):
         raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only (it names a folder)")
-    headroom = kw.get("headroom", 0.05)
-    if not 0 <= headroom < 1:
+    if kw.get("headroom") is not None and not 0 <= kw["headroom"] < 1:
         raise UsageError("--headroom is a fraction of GPU memory between 0 and 1, e.g. 0.05")
-    if kw.get("command") and kw.get("runner", "trl") == "trl":
+    if kw.get("min_util") is not None and not 0 <= kw["min_util"] <= 1:
+        raise UsageError("--min-util is a fraction between 0 and 1, e.g. 0.5")
+    if kw.get("command") and kw.get("runner") == "trl":
         kw["runner"] = "command"
-    recipe = Recipe(
-        model=kw["model"], gpus=kw["gpus"], gpu_type="", gpu_memory_gib=0.0,
-        max_prompt_length=kw["max_prompt_length"], max_completion_length=kw["max_completion_length"],
-        global_batch=kw["global_batch"], runner=kw.get("runner", "sim"), command=kw.get("command"),
-        device=kw.get("device", "cuda"), memory_limit_gib=kw.get("memory_limit"),
-        beta=kw["beta"], lora_rank=kw["lora_rank"], trials=kw.get("trials", 30),
-        time_budget_s=parse_duration(kw.get("time_budget")), headroom=headroom,
-        confirm=max(kw.get("confirm", 2), 0),
-        warmup_steps=kw.get("warmup_steps", 2), measure_steps=kw.get("measure_steps", 3),
-        trial_timeout_s=parse_duration(kw.get("trial_timeout", "30m")) or 1800.0,
-        hang_timeout_s=parse_duration(kw.get("hang_timeout", "5m")) or 300.0,
-        seed=kw.get("seed", 0), sim_time_scale=kw.get("sim_time_scale", 0.002),
-        name=kw.get("name") or "", storage=kw.get("storage"), workdir=str(Path.cwd()),
-    )
-    resolve_inputs(recipe, kw["gpu_type"], kw["gpu_memory"], kw["space_path"], parse_pins(kw["sets"]))
+    for duration in ("time_budget_s", "trial_timeout_s", "hang_timeout_s"):
+        kw[duration] = parse_duration(kw.get(duration))
+    if kw.get("confirm") is not None:
+        kw["confirm"] = max(kw["confirm"], 0)
+    raw = {k: kw.pop(k) for k in ("gpu_type", "gpu_memory_gib", "space", "pins")}
+    recipe = Recipe(**{k: v for k, v in kw.items() if k in FIELDS and v is not None}, workdir=str(Path.cwd()))
+    resolve_inputs(recipe, raw["gpu_type"], raw["gpu_memory_gib"], raw["space"], parse_pins(raw["pins"]))
     if not recipe.name:
         recipe.name = default_study_name(recipe.model, recipe.gpus, recipe.gpu_type)
     return recipe
@@ -161,37 +153,34 @@ def recipe_from_flags(kw: dict[str, Any]) -> Recipe:
 
 @main.command()
 @click.argument("study")
-@click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
-@click.option("--trials", type=int, default=None, help="New total of launched trials.")
-@click.option("--time-budget", default=None)
-@friendly
-def resume(study: str, runs_dir: Path, trials: int | None, time_budget: str | None) -> None:
+@runs_dir_option
+@recipe_option("trials", help="New total of launched trials.", default=None, show_default=False)
+@recipe_option("time_budget_s", help="New total time budget, e.g. 8h.", default=None, show_default=False)
+def resume(study: str, runs_dir: Path, trials: int | None, time_budget_s: str | None) -> None:
     """Go on with a stopped or killed search where it left off."""
-    from autotune.session import resume_search
+    from autotune.commands import resume_search
 
-    resume_search(study, runs_dir, trials=trials, time_budget_s=parse_duration(time_budget))
+    resume_search(study, runs_dir, trials=trials, time_budget_s=parse_duration(time_budget_s))
 
 
 @main.command()
 @click.argument("study")
-@click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
+@runs_dir_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@friendly
 def show(study: str, runs_dir: Path, as_json: bool) -> None:
     """The trials so far, best first."""
-    from autotune.session import show_study
+    from autotune.commands import show_study
 
     show_study(study, runs_dir, as_json)
 
 
 @main.command()
 @click.argument("study")
-@click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
+@runs_dir_option
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Folder (default: runs/<study>/best).")
-@friendly
 def export(study: str, runs_dir: Path, out: Path | None) -> None:
     """(Re)write the launch configs of the best trial so far."""
-    from autotune.session import export_named
+    from autotune.commands import export_named
 
     for path in export_named(study, runs_dir, out):
         click.echo(str(path))
@@ -199,33 +188,29 @@ def export(study: str, runs_dir: Path, out: Path | None) -> None:
 
 @main.command()
 @click.argument("study")
-@click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"), show_default=True)
+@runs_dir_option
 @click.option("--steps", type=int, default=20, show_default=True, help="Measured steps after warm-up.")
-@friendly
 def verify(study: str, runs_dir: Path, steps: int) -> None:
     """Run best/params.json as one longer trial: does it hold?"""
-    from autotune.session import verify_best
+    from autotune.commands import verify_best
 
     if not verify_best(study, runs_dir, steps):
         sys.exit(1)
 
 
 @main.command()
-@recipe_options
+@recipe_options(("recipe",))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-@friendly
 def estimate(as_json: bool, **kw: Any) -> None:
     """Predicted peak memory per GPU of one candidate, part by part (no GPU needed)."""
-    from autotune.session import estimate_candidate
+    from autotune.commands import estimate_candidate
 
     kw.update(runner="sim", device="cuda")
-    recipe = recipe_from_flags(kw)
-    estimate_candidate(recipe, as_json)
+    estimate_candidate(recipe_from_flags(kw), as_json)
 
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
-@friendly
 def doctor(as_json: bool) -> None:
     """What is there and what is missing for real trials."""
     from autotune.doctor import report

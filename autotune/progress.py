@@ -14,8 +14,8 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
-from autotune.metrics import StepRecord
-from autotune.outcome import Outcome
+from autotune.trial.metrics import StepRecord
+from autotune.trial.outcome import Outcome
 
 SHORT = {
     "per_device_train_batch_size": "bs", "gradient_accumulation_steps": "ga", "num_generations": "G",

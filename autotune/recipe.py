@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from autotune.errors import UsageError
+from autotune.units import duration_seconds
 
 # Fields that change what a trial measures. Two recipes that differ here are different studies;
 # the rest (trial count, budgets, timeouts) may change between `search` and `resume`.
@@ -25,41 +26,68 @@ IDENTITY_FIELDS = (
 )
 
 
+def _opt(help: str, *, flag: str | None = None, kind: str | None = None, commands: str = "search",
+         resolved: bool = False) -> dict[str, Any]:
+    """Field metadata the CLI derives its options from: the help text, the flag when it is not
+    ``--field-name``, how the value is read (``duration``: '30m'), which commands take it
+    (``search``, or ``recipe`` for the flags that describe the training run, shared with estimate),
+    and whether the default is only a placeholder that is resolved later (the GPU from NVML)."""
+    return {"help": help, "flag": flag, "kind": kind, "commands": commands, "resolved": resolved}
+
+
 @dataclass
 class Recipe:
-    """What is trained and the rules of the search. Defaults match a typical GRPO run."""
+    """What is trained and the rules of the search: the one place that documents every field
+    and holds its default. The command line derives its options from these fields."""
 
-    model: str
-    gpus: int
-    gpu_type: str
-    gpu_memory_gib: float
-    max_prompt_length: int = 512
-    max_completion_length: int = 1024
-    global_batch: int | None = None
-    pins: dict[str, Any] = field(default_factory=dict)
-    space: str = ""                  # path of the search-space YAML used
-    space_digest: str = ""           # hash of its contents, so an edited space is noticed
-    runner: str = "sim"
-    command: str | None = None
-    device: str = "cuda"
-    memory_limit_gib: float | None = None
-    beta: float = 0.0
-    lora_rank: int | None = None
-    dataset: str | None = None
-    train_script: str | None = None
-    trials: int = 30
-    time_budget_s: float | None = None
-    headroom: float = 0.05
-    confirm: int = 3                 # longer confirmation runs of the leading candidates
-    warmup_steps: int = 2
-    measure_steps: int = 3
-    trial_timeout_s: float = 1800.0
-    hang_timeout_s: float = 300.0
-    min_util: float = 0.5
-    seed: int = 0
-    sim_time_scale: float = 0.002
-    name: str = ""
-    storage: str | None = None
+    model: str = field(metadata=_opt(
+        "Card name (Qwen2.5-7B-Instruct), HF cache id, or a directory with config.json.", commands="recipe"))
+    gpus: int = field(metadata=_opt("GPUs per trial (one node).", commands="recipe"))
+    gpu_type: str = field(default="", metadata=_opt(
+        "GPU model when not visible through NVML, e.g. A100-80GB.", commands="recipe", resolved=True))
+    gpu_memory_gib: float = field(default=0.0, metadata=_opt(
+        "Memory per GPU in GiB (overrides the type's).", flag="--gpu-memory", commands="recipe", resolved=True))
+    max_prompt_length: int = field(default=512, metadata=_opt(
+        "Prompt tokens every trial uses (the worst case).", commands="recipe"))
+    max_completion_length: int = field(default=1024, metadata=_opt(
+        "Completion tokens every trial generates (the worst case).", commands="recipe"))
+    global_batch: int | None = field(default=None, metadata=_opt(
+        "Completions per optimizer step; accumulation is derived.", commands="recipe"))
+    pins: dict[str, Any] = field(default_factory=dict, metadata=_opt(
+        "Pin a parameter (repeatable).", flag="--set", commands="recipe"))
+    space: str = field(default="", metadata=_opt(
+        "Search-space YAML (default: search_spaces/grpo.yaml).", commands="recipe", resolved=True))
+    space_digest: str = ""           # hash of the space file's contents, so an edited space is noticed
+    runner: str = field(default="trl", metadata=_opt("What runs a trial: trl, sim or command."))
+    command: str | None = field(default=None, metadata=_opt(
+        "Trainer command template with {placeholders} (implies --runner command)."))
+    device: str = field(default="cuda", metadata=_opt("cuda, or cpu for real trials on the CPU."))
+    memory_limit_gib: float | None = field(default=None, metadata=_opt(
+        "Cap each trial's address space at GIB (RLIMIT_AS).", flag="--memory-limit"))
+    beta: float = field(default=0.0, metadata=_opt(
+        "KL coefficient; > 0 loads a reference model.", commands="recipe"))
+    lora_rank: int | None = field(default=None, metadata=_opt(
+        "Train LoRA adapters of this rank instead of all weights.", commands="recipe"))
+    dataset: str | None = None       # prompts file for real trials (default: synthetic worst-case prompts)
+    train_script: str | None = None  # the user's training script, named in the exported launch.sh
+    trials: int = field(default=30, metadata=_opt("Trials to launch (refused and repeated candidates are free)."))
+    time_budget_s: float | None = field(default=None, metadata=_opt(
+        "Stop launching when the next trial would pass it, e.g. 8h.", flag="--time-budget", kind="duration"))
+    headroom: float = field(default=0.05, metadata=_opt("Memory fraction the exported config must leave free."))
+    confirm: int = field(default=3, metadata=_opt("Leading candidates re-run longer before export (0: none)."))
+    warmup_steps: int = field(default=2, metadata=_opt("Steps before a trial's throughput is measured."))
+    measure_steps: int = field(default=3, metadata=_opt("Measured steps per trial (a stable one stops sooner)."))
+    trial_timeout_s: float = field(default=1800.0, metadata=_opt(
+        "Kill a trial at this wall time.", flag="--trial-timeout", kind="duration"))
+    hang_timeout_s: float = field(default=300.0, metadata=_opt(
+        "Kill a trial after this long without output.", flag="--hang-timeout", kind="duration"))
+    min_util: float = field(default=0.5, metadata=_opt(
+        "Mean GPU utilization below which a trial is diagnosed as low-utilization."))
+    seed: int = field(default=0, metadata=_opt("Seed of the sampler (and the simulator)."))
+    sim_time_scale: float = field(default=0.002, metadata=_opt("Simulator: wall seconds per simulated second."))
+    name: str = field(default="", metadata=_opt("Study name (default: from model, GPUs and GPU type)."))
+    storage: str | None = field(default=None, metadata=_opt(
+        "Optuna storage URL (default: SQLite in the study folder)."))
     workdir: str | None = None       # where relative paths in --command resolve
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,22 +133,24 @@ class Recipe:
                 * self.dp_gpus(params))
 
 
-_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhd]?)\s*$", re.I)
-
-
 def parse_duration(text: str | None) -> float | None:
-    """'8h', '90m', '45s', '1.5d' or plain seconds -> seconds."""
+    """'8h', '90m', '45s', '1h30m', '1.5d' or plain seconds -> seconds; None for no value."""
     if text is None or text == "":
         return None
-    total = 0.0
-    parts = re.findall(r"(\d+(?:\.\d+)?)\s*([smhd]?)", str(text).lower())
-    if not parts or re.sub(r"[\d.smhd\s]", "", str(text).lower()):
+    seconds = duration_seconds(text)
+    if seconds is None:
         raise UsageError(f"cannot read duration '{text}': use e.g. 8h, 90m, 45s or 1h30m")
-    for number, unit in parts:
-        total += float(number) * {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}[unit]
-    if total <= 0:
+    if seconds <= 0:
         raise UsageError(f"duration '{text}' must be positive")
-    return total
+    return seconds
+
+
+def format_duration(seconds: float) -> str:
+    """The inverse, for help texts: 1800 -> '30m'."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
 
 
 def default_study_name(model: str, gpus: int, gpu_type: str) -> str:

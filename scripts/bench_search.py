@@ -9,7 +9,7 @@ run (warm-up + 3 x measured steps) with the headroom left free. Every policy the
 ``--trials`` launched trials; after each launch we look at the configuration it would export at
 that moment and score its *true* value (same fixed truth seed for everyone, so run-to-run noise
 does not flatter anyone). Simulated GPU-hours count start-up and every step a trial ran, times
-the GPUs. Our policy runs through the real Controller (planner, Optuna TPE, pruning, confirmation)
+the GPUs. Our policy runs through the real search loop (planner, Optuna TPE, pruning, confirmation)
 with an in-process executor that replays the same truth the simulated trainer prints.
 
 The truth (autotune/sim/landscape.py) shares no code or constants with the memory model or the
@@ -36,20 +36,20 @@ import optuna
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from autotune import constraints  # noqa: E402
-from autotune.controller import Controller, TrialControl, candidate_key  # noqa: E402
 from autotune.hardware import find_gpu_type  # noqa: E402
 from autotune.models import resolve_model  # noqa: E402
-from autotune.outcome import Outcome  # noqa: E402
 from autotune.progress import Reporter  # noqa: E402
 from autotune.recipe import Recipe  # noqa: E402
 from autotune.runners import TrialContext  # noqa: E402
 from autotune.runners.sim import SimRunner  # noqa: E402
 from autotune.sim.landscape import evaluate  # noqa: E402
 from autotune.sim.replay import TruthExecutor  # noqa: E402
-from autotune.space import load_space  # noqa: E402
-from autotune.stopping import StopRule  # noqa: E402
-from autotune.study import StudyPaths  # noqa: E402
+from autotune.search import constraints  # noqa: E402
+from autotune.search.loop import Search  # noqa: E402
+from autotune.search.space import load_space  # noqa: E402
+from autotune.study import StudyPaths, candidate_key  # noqa: E402
+from autotune.trial.control import StopRule, TrialControl  # noqa: E402
+from autotune.trial.outcome import Outcome  # noqa: E402
 
 # The true value of a configuration averages its long runs over several seeds: with one seed the
 # maximum over ~20,000 noisy values ("best possible") is inflated by the luckiest draw.
@@ -178,13 +178,12 @@ class Tracker:
         self.run = Run()
         self.hours = 0.0
         self.choice: tuple[float, dict[str, Any]] | None = None
-        self.confirming = False
 
     def __call__(self, params: dict[str, Any], trial_dir: Path, number: int, control: TrialControl) -> Outcome:
         before = self.executor.simulated_s
         outcome = self.executor(params, trial_dir, number, control)
         self.hours += (self.executor.simulated_s - before) * self.land.recipe.gpus / 3600
-        if self.confirming:
+        if control.purpose == "confirm":
             return outcome
         if outcome.status == "oom":
             self.run.ooms += 1
@@ -292,16 +291,9 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     context = TrialContext(recipe, land.context.space, land.context.model, land.context.gpu)
     tracker = Tracker(land, TruthExecutor(SimRunner(context)))
     with tempfile.TemporaryDirectory() as tmp:
-        controller = Controller(recipe, StudyPaths(Path(tmp), recipe.name), context, Quiet(trials),
-                                execute=tracker, storage=optuna.storages.InMemoryStorage())
-        original_confirm = controller.confirm
-
-        def confirm(*args: Any) -> int:
-            tracker.confirming = True
-            return original_confirm(*args)
-
-        controller.confirm = confirm  # type: ignore[method-assign]
-        result = controller.run()
+        search = Search(recipe, StudyPaths(Path(tmp), recipe.name), context, Quiet(trials),
+                        execute=tracker, storage=optuna.storages.InMemoryStorage())
+        result = search.run()
     tracker.run.final = land.value(result.best.params if result.best else None)
     tracker.run.total_hours = tracker.hours
     return tracker.run

@@ -1,8 +1,8 @@
 import pytest
 
-from autotune import constraints
+from autotune.search import constraints
 from autotune.errors import UsageError
-from autotune.space import load_space
+from autotune.search.space import load_space
 
 OK = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=8,
           zero_stage=3, offload="none", use_vllm=True, vllm_mode="colocate",

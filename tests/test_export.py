@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from autotune import launch_configs as lc
-from autotune.export import TrialRow, write_best
+from autotune import configs as lc
+from autotune.export import write_best
+from autotune.study import TrialRow
 from autotune.recipe import Recipe
 
 VALID_ZERO = [(0, "none"), (1, "none"), (2, "none"), (2, "optimizer"),
@@ -492,7 +493,7 @@ def test_write_best_replaces_atomically(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["best"]        # no temp or old folders left
 
     # a crash while writing leaves the previous best/ untouched and no temp folder behind
-    import autotune.export as export
+    import autotune.export.writer as export
 
     real_chmod = os.chmod
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from autotune.memory import GIB, estimate, zero_model_states_bytes
+from autotune.search.memory import estimate, zero_model_states_bytes
+from autotune.units import GIB
 from autotune.models import resolve_model
 
 QWEN7 = resolve_model("Qwen2.5-7B-Instruct")

@@ -8,31 +8,32 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autotune.metrics import (
-    LogParser,
+from autotune.trial.logparse import LogParser, parse_log_dicts
+from autotune.trial.metrics import (
+    MAX_LITERAL_CHARS,
     MetricsTail,
     StepRecord,
-    format_metrics_line,
-    parse_duration,
-    parse_log_dicts,
+    parse_mapping,
     parse_metrics_line,
-    peak_memory,
     read_metrics_file,
     steady_throughput,
 )
+from autotune.units import duration_seconds
 
 LOGS = Path(__file__).parent / "data" / "logs"
 
 
 def parse_file(name: str, **kwargs) -> LogParser:
     parser = LogParser(**kwargs)
-    parser.feed_text((LOGS / name).read_text(encoding="utf-8"))
+    for line in (LOGS / name).read_text(encoding="utf-8").split("\n"):
+        parser.feed(line)
     return parser
 
 
@@ -144,6 +145,60 @@ def test_parse_log_dicts_finds_dicts_in_noise():
     assert isinstance(parse_log_dicts("{not: a dict, {really}"), list)  # lenient, never raises
 
 
+def test_python_repr_values_that_real_logs_print():
+    d = parse_mapping(
+        "{'a': nan, 'b': -inf, 'c': Infinity, 'd': -Infinity, 'e': INF, 'f': None, 'g': null, 'h': true,"
+        " 'i': False, 'j': np.float64(0.1), 'k': tensor(0.5, device='cuda:0', dtype=torch.bfloat16),"
+        " 'l': (1, -2.5e-06), 'm': array([1.0, 2.0], dtype=float32), 'n': +3, 7: 'seven', 'o': {'p': []},}"
+    )
+    assert d is not None
+    assert math.isnan(d.pop("a"))
+    assert d == {"b": -math.inf, "c": math.inf, "d": -math.inf, "e": math.inf, "f": None, "g": None,
+                 "h": True, "i": False, "j": 0.1, "k": 0.5, "l": [1, -2.5e-06], "m": [1.0, 2.0], "n": 3,
+                 "7": "seven", "o": {"p": []}}
+    # JSON first (NaN, Infinity), and a text that is JSON but not a dict is no dict
+    assert parse_mapping('{"x": Infinity, "y": -Infinity}') == {"x": math.inf, "y": -math.inf}
+    assert parse_mapping("[1, 2]") is None
+
+
+def test_only_plain_data_is_read():
+    for text in ("{'a': foo}", "{'a': __import__('os').getcwd()}", "{'a': 1 + 2}", "{'a': x.y}",
+                 "{'a': [i for i in 'ab']}", "{**other}", "{'a': {1, 2}}", "{'a': -'x'}",
+                 "{'a': lambda: 1}", "{'a': f'{1}'}", "{'a': b'x'}", "{['a']: 1}", "{'a': 1"):
+        assert parse_mapping(text) is None, text
+
+
+def test_a_huge_dict_line_is_refused_quickly():
+    huge = "{" + ", ".join(f"'k{i}': np.float64({i}.5)" for i in range(20000)) + "}"
+    assert len(huge) > MAX_LITERAL_CHARS
+    started = time.monotonic()
+    assert parse_mapping(huge) is None
+    assert parse_log_dicts("[rank0]: " + huge) == []
+    assert LogParser().feed(huge) is None
+    assert time.monotonic() - started < 5
+    # just under the limit it is read as usual
+    fits = "{" + ", ".join(f"'k{i}': {i}" for i in range(4000)) + "}"
+    assert len(fits) < MAX_LITERAL_CHARS and len(parse_mapping(fits)) == 4000
+
+
+def test_malformed_or_deeply_nested_lines_give_no_dict():
+    deep = "{'a': " + "[" * 5000 + "]" * 5000 + "}"
+    deep_calls = "{'a': " + "f(" * 5000 + "1" + ")" * 5000 + "}"
+    deep_dicts = "{'a': " * 400 + "1" + "}" * 400
+    for text in (deep, deep_calls, "{'a': " + "-" * 5000 + "1}", "{'a': 1,, 'b': 2}", "{'a' 1}",
+                 "{'a': '\\x'}", "{'a': 1\x00}", "{'a': 007}", "{'a': 1 2}"):
+        assert parse_mapping(text) is None, text[:40]
+        assert parse_log_dicts(text) == [], text[:40]
+        assert LogParser().feed(text) is None
+    # a nest too deep for Python's parser (200 levels) is refused as a whole, then the dicts inside
+    # it are tried: the outermost one that can be read is found
+    (found,) = parse_log_dicts(deep_dicts)
+    depth = 0
+    while isinstance(found, dict):
+        found, depth = found["a"], depth + 1
+    assert found == 1 and 100 <= depth < 400
+
+
 # --------------------------------------------------------------------------------------------
 # ms-swift
 # --------------------------------------------------------------------------------------------
@@ -162,7 +217,7 @@ def test_swift_cumulative_iter_per_s_gives_per_step_times():
     # per-step times are about 2 s, as the progress bar says (1.95s/it), not the cumulative 1/speed
     assert all(1.8 < r.step_time < 2.1 for r in records[1:])
     assert [r.peak_memory_gib for r in records[:4]] == [4.87, 5.64, 5.64, 6.5]
-    assert parser.peak_memory_gib == 6.5 and peak_memory(records) == 6.5
+    assert parser.peak_memory_gib == 6.5 and max(r.peak_memory_gib for r in records) == 6.5
     assert parser.final["train_runtime"] == 183.4332 and parser.final["global_step/max_steps"] == "94/94"
     # 16 completions per step: the wall clock from step 5 to step 90
     expected = 16 * 85 / (90 / 0.520707 - 5 / 0.461462)
@@ -195,10 +250,20 @@ def test_swift_without_speed_falls_back_to_elapsed_time():
     assert [(r.step, r.step_time, r.peak_memory_gib) for r in parser.records] == [(2, 50.0, 30.0), (4, 40.0, 30.0)]
 
 
-def test_parse_duration():
-    assert parse_duration("2d 16h 57m 8s") == 2 * 86400 + 16 * 3600 + 57 * 60 + 8
-    assert parse_duration("1m 5s") == 65 and parse_duration("34s") == 34 and parse_duration("0s") == 0
-    assert parse_duration("soon") is None and parse_duration(None) is None and parse_duration("3 apples 4s") is None
+def test_swift_elapsed_time_formats():
+    """ms-swift's format_time output, read by units.duration_seconds."""
+    assert duration_seconds("2d 16h 57m 8s") == 2 * 86400 + 16 * 3600 + 57 * 60 + 8
+    assert duration_seconds("1m 5s") == 65 and duration_seconds("34s") == 34 and duration_seconds("0s") == 0
+    assert duration_seconds("soon") is None and duration_seconds(None) is None and duration_seconds("3 apples 4s") is None
+
+
+def test_swift_elapsed_time_without_units_is_not_a_clock():
+    # duration_seconds reads a bare number as seconds; ms-swift always writes units, so a
+    # unit-less (or upper-case) elapsed_time is not its clock and gives no step time
+    for elapsed in ("100", "1m 40", "1M 40S", 100):
+        parser = LogParser()
+        parser.feed(f"{{'loss': 0.1, 'global_step/max_steps': '2/10', 'elapsed_time': {elapsed!r}}}")
+        assert [(r.step, r.step_time, r.elapsed) for r in parser.records] == [(2, None, None)], elapsed
 
 
 # --------------------------------------------------------------------------------------------
@@ -263,7 +328,7 @@ def test_metrics_tail_reads_only_complete_lines(tmp_path):
 )
 def test_metrics_line_round_trip(step, step_time, samples, tokens, peak):
     record = StepRecord(step=step, step_time=step_time, samples=samples, tokens=tokens, peak_memory_gib=peak)
-    line = format_metrics_line(record)
+    line = json.dumps(record.to_json(), separators=(", ", ": "))  # what a trainer appends
     assert "\n" not in line and json.loads(line)["step"] == step
     assert parse_metrics_line(line) == record
 
@@ -310,8 +375,3 @@ def test_steady_throughput_prefers_a_wall_clock():
     records[3] = StepRecord(4, step_time=1.0)
     assert steady_throughput(records, 1, samples_per_step=10) == pytest.approx(10.0)
 
-
-def test_peak_memory():
-    assert peak_memory([StepRecord(1, peak_memory_gib=60.5), StepRecord(2), StepRecord(3, peak_memory_gib=71.25)]) == 71.25
-    assert peak_memory([StepRecord(1)]) is None and peak_memory([]) is None
-    assert not math.isnan(peak_memory([StepRecord(1, peak_memory_gib=0.0)]))

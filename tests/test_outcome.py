@@ -15,17 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune.outcome import (
-    OOM_KINDS,
-    STATUSES,
-    Outcome,
-    classify_failure,
-    describe,
-    diagnose,
-    find_memory_signal,
-    last_error_line,
-    oom_figures,
-)
+from autotune.trial.classify import classify_failure, diagnose, last_error_line
+from autotune.trial.outcome import OOM_KINDS, STATUSES, Outcome, describe
 
 LOGS = Path(__file__).parent / "data" / "logs"
 
@@ -299,13 +290,6 @@ def test_other_accelerator_memory_texts():
         assert classify_failure(1, text)[:2] == ("oom", "cuda"), text
 
 
-def test_find_memory_signal_on_a_live_log():
-    assert find_memory_signal(log("torchrun_rank0_keyerror.log")) is None
-    assert find_memory_signal(log("torchrun_rank1_sigkill.log")) is None  # SIGKILL needs the exit, not just text
-    kind, line = find_memory_signal(log("multirank_cuda_oom_then_nccl_watchdog.log"))
-    assert kind == "cuda" and line.startswith("torch.OutOfMemoryError")
-
-
 def test_last_error_line_skips_consequences():
     # rank 1's "Connection closed by peer" and torchrun's ChildFailedError come after the real error
     assert last_error_line(log("torchrun_rank0_keyerror.log")) == "KeyError: 'format'"
@@ -325,21 +309,6 @@ def test_last_error_line_skips_consequences():
     assert last_error_line("\n\n") is None
     long = "ValueError: " + "x" * 1000
     assert len(last_error_line(long)) == 300
-
-
-def test_oom_figures():
-    figures = oom_figures(log("cuda_oom_new_format.log"))
-    assert figures["tried_gib"] == 2.0 and figures["total_gib"] == 79.14 and figures["free_gib"] == 1.23
-    assert figures["in_use_gib"] == 77.9 and figures["allocated_gib"] == 74.12
-    old = oom_figures(log("cuda_oom_old_format.log"))
-    assert (old["total_gib"], old["allocated_gib"], old["free_gib"], old["reserved_gib"]) == (79.35, 75.5, 1.12, 77.02)
-    assert oom_figures("Tried to allocate 130.00 MiB. GPU 0 has a total capacity of 79.10 GiB of which 0 bytes is free.") == {
-        "tried_gib": 0.127, "total_gib": 79.1, "free_gib": 0.0,
-    }
-    kv = oom_figures(log("vllm_kv_cache_needed.log"))
-    assert kv == {"kv_needed_gib": 24.0, "kv_available_gib": 8.68, "max_model_len_estimate": 94784.0}
-    start = diagnose(1, log("vllm_startup_free_memory.log")).figures
-    assert start == {"device_free_gib": 12.18, "device_total_gib": 23.56, "requested_utilization": 0.92, "requested_gib": 21.67}
 
 
 def test_diagnose_gives_a_detail_line():
@@ -378,22 +347,20 @@ def test_outcome_round_trip(tmp_path):
 def test_outcome_from_json_tolerates_other_writers():
     outcome = Outcome.from_json({"status": "ok", "throughput": 12.5, "gpu": "H100", "step_times": None})
     assert outcome.throughput == 12.5 and outcome.extra == {"gpu": "H100"} and outcome.step_times == []
-    assert outcome.is_ok and not outcome.violates_constraint
+    assert outcome.status == "ok" and outcome.oom_kind is None
 
 
-def test_outcome_validates_and_answers_questions():
+def test_outcome_validates():
     with pytest.raises(ValueError):
         Outcome(status="exploded")
     with pytest.raises(ValueError):
         Outcome(status="oom", oom_kind="disk")
     with pytest.raises(ValueError):
         Outcome(status="crash", oom_kind="cuda")
-    oom = Outcome(status="oom", oom_kind="host")
-    assert oom.is_oom and oom.is_memory_signal and oom.violates_constraint and not oom.is_failure
-    invalid = Outcome(status="invalid", error_line="ValueError: generation_batch_size (3) must be divisible by num_generations (2).")
-    assert invalid.violates_constraint and not invalid.is_memory_signal
-    for status in ("crash", "hang", "timeout", "interrupted"):
-        assert Outcome(status=status).is_failure
+    for status in STATUSES:
+        assert Outcome(status=status).status == status
+    for kind in OOM_KINDS:
+        assert Outcome(status="oom", oom_kind=kind).oom_kind == kind
 
 
 def test_outcome_refuses_nan(tmp_path):

@@ -6,17 +6,17 @@ from pathlib import Path
 
 import pytest
 
-from autotune import constraints
+from autotune.search import constraints
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
-from autotune.planner import Planner, neighbors
+from autotune.search.planner import Planner, neighbors
 from autotune.recipe import Recipe
 from autotune.runners import TrialContext
 from autotune.runners.sim import SimRunner
 from autotune.sim.landscape import evaluate
-from autotune.space import load_space
+from autotune.search.space import load_space
 from autotune.study import choose_best
-from autotune.export import TrialRow
+from autotune.study import TrialRow
 
 BASE = dict(per_device_train_batch_size=4, gradient_accumulation_steps=4, num_generations=8, zero_stage=3,
             offload="none", gradient_checkpointing=True, use_vllm=True, vllm_mode="colocate",

@@ -4,7 +4,7 @@ import optuna
 import pytest
 
 from autotune.errors import UsageError
-from autotune.space import default_space_path, load_space
+from autotune.search.space import default_space_path, load_space
 
 ROOT = Path(__file__).resolve().parents[1]
 

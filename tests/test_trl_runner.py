@@ -15,15 +15,15 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 import yaml
 
-from autotune import launch_configs as lc
+from autotune import configs as lc
 from autotune.errors import UsageError
 from autotune.hardware import find_gpu_type
-from autotune.launcher import LaunchSpec
+from autotune.trial.launch import LaunchSpec
 from autotune.models import resolve_model
 from autotune.runners import trl as trl_runner
 from autotune.runners.base import TrialContext
 from autotune.runners.trl import TrlRunner, free_port, start_sidecar, stop_sidecar, wait_health
-from autotune.space import load_space
+from autotune.search.space import load_space
 
 PLAIN = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=2,
              gradient_checkpointing=True, use_vllm=False, zero_stage=0, offload="none")
@@ -245,7 +245,7 @@ def test_stop_sidecar_ends_its_group(tmp_path):
 def test_synthetic_tokenizer_covers_the_full_vocab_fast():
     import transformers  # noqa: F401  (import time is not what is measured)
 
-    from autotune.tokenizer import synthetic_tokenizer
+    from autotune.worker.tokenizer import synthetic_tokenizer
 
     config = resolve_model("tiny-qwen").config
     start = time.perf_counter()
@@ -260,7 +260,7 @@ def test_synthetic_tokenizer_covers_the_full_vocab_fast():
 
 
 def test_load_tokenizer_prefers_the_models_own(tmp_path):
-    from autotune.tokenizer import has_tokenizer_files, load_tokenizer
+    from autotune.worker.tokenizer import has_tokenizer_files, load_tokenizer
 
     own = _bpe_tokenizer(tmp_path / "tok")
     assert has_tokenizer_files(tmp_path / "tok") and not has_tokenizer_files(tmp_path)
@@ -289,8 +289,8 @@ def _bpe_tokenizer(dest):
 
 
 def test_worst_case_prompts_are_exactly_the_prompt_length():
-    from autotune.data import prompt_length, worst_case_prompts
-    from autotune.tokenizer import synthetic_tokenizer
+    from autotune.worker.data import prompt_length, worst_case_prompts
+    from autotune.worker.tokenizer import synthetic_tokenizer
 
     tok = synthetic_tokenizer(resolve_model("tiny-qwen").config)
     prompts = worst_case_prompts(tok, 32, 5, seed=1)
@@ -301,8 +301,8 @@ def test_worst_case_prompts_are_exactly_the_prompt_length():
 
 
 def test_user_dataset_is_cut_or_padded_to_the_exact_length(tmp_path):
-    from autotune.data import build_dataset, prompt_length
-    from autotune.tokenizer import synthetic_tokenizer
+    from autotune.worker.data import build_dataset, prompt_length
+    from autotune.worker.tokenizer import synthetic_tokenizer
 
     rows = [{"prompt": "short one"},
             {"prompt": " ".join(f"w{i}" for i in range(100))},
@@ -317,8 +317,8 @@ def test_user_dataset_is_cut_or_padded_to_the_exact_length(tmp_path):
 
 
 def test_real_tokenizer_prompts_are_exact_too(tmp_path):
-    from autotune.data import build_dataset, fit_prompt, prompt_length
-    from autotune.tokenizer import load_tokenizer
+    from autotune.worker.data import build_dataset, fit_prompt, prompt_length
+    from autotune.worker.tokenizer import load_tokenizer
 
     _bpe_tokenizer(tmp_path / "tok")
     tok = load_tokenizer({"vocab_size": 300}, tmp_path / "tok")
@@ -332,7 +332,7 @@ def test_real_tokenizer_prompts_are_exact_too(tmp_path):
 
 
 def test_bad_dataset_lines_are_usage_errors(tmp_path):
-    from autotune.data import read_prompts
+    from autotune.worker.data import read_prompts
 
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n{"text": "no prompt"}\n')
@@ -344,7 +344,7 @@ def test_bad_dataset_lines_are_usage_errors(tmp_path):
 
 
 def test_prompts_needed_covers_every_step():
-    from autotune.data import prompts_needed
+    from autotune.worker.data import prompts_needed
 
     # 16 completions per step, 4 per prompt: 4 prompts a step, for 5 steps plus one
     assert prompts_needed(16, 4, 5) == 24
@@ -356,7 +356,7 @@ def test_prompts_needed_covers_every_step():
 def test_reward_is_cheap_varied_and_picklable():
     import pickle
 
-    from autotune.rewards import length_noise_reward
+    from autotune.worker.rewards import length_noise_reward
 
     values = length_noise_reward(["abc"] * 8)
     assert len(values) == 8 and len(set(values)) == 8
@@ -364,14 +364,14 @@ def test_reward_is_cheap_varied_and_picklable():
 
 
 def test_eos_suppression_uses_each_backends_name():
-    from autotune.worker import suppress_eos_kwargs
+    from autotune.worker.config import suppress_eos_kwargs
 
     assert suppress_eos_kwargs(64, use_vllm=False) == {"min_new_tokens": 64}
     assert suppress_eos_kwargs(64, use_vllm=True) == {"min_tokens": 64}
 
 
 def test_grpo_config_is_the_exported_one_plus_trial_fields(runner, tmp_path):
-    from autotune.worker import build_grpo_config
+    from autotune.worker.config import build_grpo_config
 
     run = runner()
     run.prepare(PLAIN, tmp_path / "t", 0)
@@ -396,7 +396,7 @@ def test_shape_only_hooks_redirect_only_the_shape_dir(monkeypatch, tmp_path):
     import trl.generation.vllm_generation as vllm_generation
     import trl.trainer.grpo_trainer as grpo_trainer
 
-    from autotune.worker import _shape_only_hooks, write_shape_dir
+    from autotune.worker.model import _shape_only_hooks, write_shape_dir
 
     calls = []
     monkeypatch.setattr(grpo_trainer, "create_model_from_path", lambda *a, **k: calls.append((a, k)) or "loaded")

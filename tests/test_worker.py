@@ -14,11 +14,11 @@ import re
 import pytest
 
 from autotune.hardware import find_gpu_type
-from autotune.launcher import launch
+from autotune.trial.launch import launch
 from autotune.models import resolve_model
 from autotune.runners.base import TrialContext
 from autotune.runners.trl import TrlRunner
-from autotune.space import load_space
+from autotune.search.space import load_space
 
 pytestmark = pytest.mark.slow
 
@@ -113,7 +113,7 @@ def test_model_with_weights_lora_dataset_and_eos_suppression(recipe_factory, tmp
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from autotune.tokenizer import synthetic_tokenizer
+    from autotune.worker.tokenizer import synthetic_tokenizer
 
     config = dict(resolve_model("tiny-qwen").config, vocab_size=8, eos_token_id=7, bos_token_id=6)
     model_dir = tmp_path / "ckpt"

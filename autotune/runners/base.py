@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
+from autotune.files import write_json
 from autotune.hardware import GpuType
-from autotune.launcher import LaunchSpec
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
-from autotune.space import Space
+from autotune.search.space import Space
+from autotune.trial.control import TrialControl
+from autotune.trial.execute import execute, fresh_trial_dir
+from autotune.trial.launch import LaunchSpec
+from autotune.trial.outcome import Outcome
 
 Rule = Callable[[dict[str, Any]], "str | None"]
 
@@ -26,21 +31,12 @@ class TrialContext:
     gpu: GpuType
 
 
-class ServiceFailed(Exception):
-    """A service a trial needs (a vLLM server) did not come up; carries its log for the verdict."""
-
-    def __init__(self, message: str, returncode: int | None, log_text: str) -> None:
-        super().__init__(message)
-        self.returncode = returncode
-        self.log_text = log_text
-
-
 class Runner:
     """Base class: subclasses implement :meth:`prepare`."""
 
     name = "base"
     # optimizer steps the next prepared trial must be able to run (confirmation and verify runs are
-    # longer than search trials); set by the controller before prepare()
+    # longer than search trials); set by run() before prepare()
     steps_needed: int | None = None
     monitors_gpus = True     # sample NVML/psutil while the trial runs (the simulator uses no GPU)
 
@@ -73,6 +69,25 @@ class Runner:
 
     def prepare(self, params: dict[str, Any], trial_dir: Path, number: int) -> LaunchSpec:
         raise NotImplementedError
+
+    @contextlib.contextmanager
+    def services(self, spec: LaunchSpec) -> Iterator[list[Any]]:
+        """:meth:`start_services` on entry and :meth:`stop_services` on exit, whatever happens."""
+        handles = self.start_services(spec)
+        try:
+            yield handles
+        finally:
+            self.stop_services(handles)
+
+    def run(self, params: dict[str, Any], trial_dir: Path, number: int, control: TrialControl) -> Outcome:
+        """Run one candidate as a real process until ``control`` says it is measured."""
+        fresh_trial_dir(trial_dir)
+        rule = control.rule
+        self.steps_needed = rule.warmup + rule.measure + (rule.extra if rule.adaptive else 0)
+        spec = self.prepare(params, trial_dir, number)
+        write_json(trial_dir / "params.json", params)
+        return execute(spec, params, self.recipe, control, monitors_gpus=self.monitors_gpus,
+                       services=self.services(spec))
 
     def base_env(self, trial_dir: Path) -> dict[str, str]:
         """The trial contract's environment (DESIGN.md): folder, metrics file, GPUs."""

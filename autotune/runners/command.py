@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.launcher import LaunchSpec
+from autotune.trial.launch import LaunchSpec
 from autotune.runners.base import Runner
 
 # placeholders that are not search parameters
@@ -113,7 +113,7 @@ class CommandRunner(Runner):
             "lora_rank": recipe.lora_rank or 0,
         }
         if "deepspeed_config" in self.used:
-            from autotune.launch_configs import deepspeed_config
+            from autotune.configs import deepspeed_config
 
             path = trial_dir / "ds_config.json"
             path.write_text(json.dumps(deepspeed_config(params, recipe), indent=2))

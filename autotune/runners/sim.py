@@ -12,7 +12,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from autotune.launcher import LaunchSpec
+from autotune.trial.launch import LaunchSpec
 from autotune.runners.base import Runner
 
 

@@ -7,7 +7,7 @@ monitor reads its metrics file and the classifier reads its traceback. Files in 
 
     {"version": 1, "number": 7, "trial_dir": "/abs/runs/s/trials/7",
      "params": {...the candidate...},
-     "grpo_config": {...launch_configs.grpo_config_kwargs(params, recipe)...},
+     "grpo_config": {...configs.grpo_config_kwargs(params, recipe)...},
      "model": {"name": "tiny-qwen", "source": "card", "path": null, "has_weights": false,
                "config": {...config.json...}},
      "device": "cuda" | "cpu", "max_prompt_length": 512, "max_completion_length": 1024,
@@ -15,7 +15,7 @@ monitor reads its metrics file and the classifier reads its traceback. Files in 
      "processes": 4, "recipe": {...Recipe.to_dict()...}}
 
 ``accelerate_config.yaml`` (+ ``ds_config.json`` with ZeRO >= 1 on GPUs): for multi-process or
-DeepSpeed trials, from :mod:`autotune.launch_configs`, the same generator the export uses.
+DeepSpeed trials, from :mod:`autotune.configs`, the same generator the export uses.
 
 Launch (no shell; ``python`` is this interpreter)::
 
@@ -30,16 +30,10 @@ N processes with torchrun, and ``use_cpu`` in the config puts them on gloo. The 
 is a free port picked per trial, so a trial's leftovers never block the next rendezvous.
 
 vLLM server mode: the trial's :attr:`LaunchSpec.sidecars` holds the ``trl vllm-serve`` process
-on the GPUs training does not use. The launcher does not start sidecars itself (yet); a
-controller runs, before launching the trial::
-
-    procs = [start_sidecar(side) for side in spec.sidecars]
-    wait_health(vllm_health_url(), timeout_s=600, proc=procs[0])
-    ... launch(spec, ...) ...
-    for proc in procs: stop_sidecar(proc)
-
-and, if ``wait_health`` raises, records the trial from the sidecar's ``stderr.log`` (a vLLM
-startup OOM reads like one).
+on the GPUs training does not use. :meth:`TrlRunner.start_services` starts it and waits for its
+health endpoint before the trial is launched, and :meth:`TrlRunner.stop_services` stops it after;
+a server that does not come up raises :class:`ServiceFailed` with its log, so the trial is
+recorded from the server's own error (a vLLM start-up OOM reads like one).
 """
 
 from __future__ import annotations
@@ -60,10 +54,11 @@ from typing import Any
 
 import yaml
 
-from autotune import launch_configs as lc
+from autotune import configs as lc
 from autotune.errors import UsageError
-from autotune.launcher import LaunchSpec, kill_group
-from autotune.runners.base import ServiceFailed, Rule, Runner
+from autotune.runners.base import Rule, Runner
+from autotune.trial.launch import LaunchSpec, ServiceFailed
+from autotune.trial.processes import kill_group
 
 #: Packages a real trial imports; ``check`` names the missing ones in one line.
 REQUIRED = ("torch", "transformers", "trl", "accelerate", "datasets")
@@ -146,7 +141,7 @@ class TrlRunner(Runner):
                 return None
             what = f"zero_stage={params.get('zero_stage', 0)}, offload={params.get('offload', 'none')}"
             if cpu:
-                # launch_configs runs CPU trials as plain data parallel: a ZeRO label would lie
+                # autotune.configs runs CPU trials as plain data parallel: a ZeRO label would lie
                 return (f"{what}: DeepSpeed ZeRO runs on GPUs only here (--device cpu); "
                         "pin --set zero_stage=0 --set offload=none")
             if not have_deepspeed:
@@ -285,14 +280,14 @@ class TrlRunner(Runner):
         ``--load-format dummy`` and the offline tokenizer's own folder (``--tokenizer``), which
         ``trl vllm-serve`` forwards to ``vllm serve``.
         """
-        from autotune.worker import write_shape_dir, write_tokenizer_dir
+        from autotune.worker.model import write_shape_dir, write_tokenizer_dir
 
         model = self.context.model
         if model.has_weights and model.path:
             served = str(model.path)
             extra: list[str] = []
         else:
-            from autotune.tokenizer import load_tokenizer
+            from autotune.worker.tokenizer import load_tokenizer
 
             info = {"name": model.name, "source": model.source, "config": model.config}
             served = str(write_shape_dir(info, trial_dir, "cuda").resolve())

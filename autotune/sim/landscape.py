@@ -6,13 +6,15 @@ whether, when and how it fails. It is a pure, deterministic function of the spec
 cheap (well under a millisecond) so that a benchmark can score a search strategy over thousands of
 configurations without launching processes.
 
-Why this module is self-contained: the planner/estimator in autotune is supposed to *learn* this
+Why the truth is self-contained: the planner/estimator in autotune is supposed to *learn* this
 landscape from trials. If it imported these formulas or constants, a benchmark would measure
-copying, not learning. So the truth lives here only, and it deliberately contains things a
-textbook estimator does not know: CUDA context and NCCL buffers, allocator fragmentation that
-grows with the micro-batch and creeps over the first steps, a rank-0 surplus, run-to-run noise,
-slow warm-up steps, vLLM's KV-cache arithmetic and start-up checks, host RAM for offload,
-PCIe and CPU-Adam costs, ZeRO communication.
+copying, not learning. So the truth lives in autotune/sim only (this module and what it draws on:
+``scenario`` parses the spec, ``truth`` holds the result types and OOM-message numbers,
+``generation`` times one engine's generation; only the unit ``autotune.units.GIB`` is shared), and
+it deliberately contains things a textbook estimator does not know: CUDA context and NCCL buffers,
+allocator fragmentation that grows with the micro-batch and creeps over the first steps, a rank-0
+surplus, run-to-run noise, slow warm-up steps, vLLM's KV-cache arithmetic and start-up checks, host
+RAM for offload, PCIe and CPU-Adam costs, ZeRO communication.
 
 Modelling choices worth knowing (each mirrors a real behaviour or the brief):
 - Launch order: model load -> DeepSpeed states on the GPU -> vLLM engine. vLLM's start-up check
@@ -37,335 +39,15 @@ import hashlib
 import json
 import math
 import random
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
-GIB = float(1 << 30)
+from autotune.sim.generation import generation_time
+from autotune.sim.scenario import Scenario, SpecError, parse_spec, trl_config_error
+from autotune.sim.truth import Failure, TrialTruth, oom_numbers
+from autotune.units import GIB
 
-# ---------------------------------------------------------------------------------------------
-# Public result types
-# ---------------------------------------------------------------------------------------------
-
-
-class SpecError(ValueError):
-    """The spec cannot describe a trial (missing model shape, nonsense values)."""
-
-
-class Failure(NamedTuple):
-    """How a trial dies.
-
-    kind: ``cuda`` | ``host`` | ``vllm_kv`` | ``vllm_startup`` | ``invalid`` (the same words as
-    outcome.json's ``oom_kind``, plus ``invalid`` for TRL's own config checks).
-    at_step: 0 = during start-up (nothing logged yet); k >= 1 = during optimizer step k, so steps
-    1..k-1 completed and were logged.
-    message_kind: which error text the trainer prints (see ``trainer.py``).
-    """
-
-    kind: str
-    at_step: int
-    message_kind: str
-
-
-@dataclass
-class TrialTruth:
-    """What one trial would show. Lists hold one entry per *completed* optimizer step."""
-
-    startup_s: float
-    step_times: list[float]
-    generation_times: list[float]
-    training_times: list[float]
-    peak_memory_gib: list[float]          # per step, max over the trial's GPUs (not cumulative)
-    startup_peak_gib: float               # after model states and vLLM are up, before step 1
-    failure: Failure | None
-    samples_per_step: int                 # completions trained per optimizer step
-    tokens_per_step: int                  # prompt + completion tokens per optimizer step
-    capacity_gib: float
-    max_steps: int
-    fail_after_s: float = 0.0             # simulated seconds into the failing phase (start-up or step)
-    info: dict[str, Any] = field(default_factory=dict)   # numbers for log lines and error texts
-
-    @property
-    def ok(self) -> bool:
-        return self.failure is None
-
-    @property
-    def peak_gib(self) -> float:
-        """Largest memory seen over the whole trial (what NVML sampling would report)."""
-        return max([self.startup_peak_gib, *self.peak_memory_gib])
-
-    def steady_step_time(self, warmup: int = 2) -> float | None:
-        """Mean step time after the warm-up steps (falls back to all steps when too few)."""
-        times = self.step_times[warmup:] or self.step_times
-        return sum(times) / len(times) if times else None
-
-    def throughput(self, warmup: int = 2) -> float | None:
-        """Completions per second in steady state; None for a failed trial."""
-        if self.failure is not None:
-            return None
-        t = self.steady_step_time(warmup)
-        return self.samples_per_step / t if t else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Spec parsing
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Model:
-    hidden: int
-    inter: int              # dense MLP width, or active experts' total width for MoE
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    tied: bool
-    params: float           # total parameters, vision tower included
-    layer_linear: float     # parameters of one decoder layer's matmuls
-    embed: float            # vocab x hidden
-    n_tensors: int          # weight tensors (for per-tensor sync costs)
-    n_modules: int          # modules with ZeRO-3 hooks
-    lora_targets: float     # sum over one layer's linears of (in + out), for LoRA sizing
-
-    @property
-    def kv_bytes_per_token(self) -> float:
-        return 2.0 * self.layers * self.kv_heads * self.head_dim * 2.0
-
-    @property
-    def largest_module(self) -> float:
-        return max(self.embed, self.layer_linear / 3.0)
-
-
-def _i(d: dict, key: str, default: Any = None) -> Any:
-    v = d.get(key, default)
-    return default if v is None else v
-
-
-def _parse_model(cfg: dict) -> _Model:
-    """Parameter count and shapes from a HF config.json dict (text part of VL models too)."""
-    if not isinstance(cfg, dict):
-        raise SpecError("model_config must be a JSON object (a HF config.json)")
-    text = cfg
-    if "hidden_size" not in cfg and isinstance(cfg.get("text_config"), dict):
-        text = cfg["text_config"]
-    try:
-        h = int(text["hidden_size"])
-        layers = int(text["num_hidden_layers"])
-        heads = int(text["num_attention_heads"])
-        vocab = int(text["vocab_size"])
-    except (KeyError, TypeError, ValueError) as e:
-        raise SpecError(f"model_config lacks a usable {e} (need hidden_size, num_hidden_layers, "
-                        "num_attention_heads, vocab_size)") from None
-    if min(h, layers, heads, vocab) <= 0:
-        raise SpecError("model_config has non-positive sizes")
-    kvh = int(_i(text, "num_key_value_heads", heads))
-    hd = int(_i(text, "head_dim", h // heads))
-    tied = bool(_i(text, "tie_word_embeddings", _i(cfg, "tie_word_embeddings", False)))
-    qd, kvd = heads * hd, kvh * hd
-    mtype = str(_i(cfg, "model_type", ""))
-    qkv_bias = bool(_i(text, "attention_bias", mtype.startswith("qwen2")))
-    attn = h * qd + 2 * h * kvd + qd * h + ((qd + 2 * kvd) if qkv_bias else 0)
-
-    n_experts = int(_i(text, "num_experts", _i(text, "num_local_experts", 0)) or 0)
-    if n_experts > 1:
-        top_k = int(_i(text, "num_experts_per_tok", 2))
-        e_inter = int(_i(text, "moe_intermediate_size", _i(text, "intermediate_size", 4 * h)))
-        shared = int(_i(text, "shared_expert_intermediate_size", 0) or 0)
-        mlp_total = 3 * h * e_inter * n_experts + 3 * h * shared + h * n_experts
-        inter_active = e_inter * top_k + shared
-        mlp_active = 3 * h * inter_active
-    else:
-        inter_active = int(_i(text, "intermediate_size", 4 * h))
-        mlp_total = mlp_active = 3 * h * inter_active
-    layer_total = attn + mlp_total + 2 * h
-    embed = float(vocab * h)
-    params = layers * layer_total + embed * (1 if tied else 2) + h
-
-    vision = cfg.get("vision_config")
-    if isinstance(vision, dict) and "hidden_size" in vision:
-        vh = int(vision["hidden_size"])
-        depth = int(_i(vision, "depth", _i(vision, "num_hidden_layers", 24)))
-        vi = int(_i(vision, "intermediate_size", 4 * vh))
-        out = int(_i(vision, "out_hidden_size", h))
-        params += depth * (4 * vh * vh + 3 * vh * vi) + (4 * vh) ** 2 + 4 * vh * out
-
-    return _Model(
-        hidden=h, inter=inter_active, layers=layers, heads=heads, kv_heads=kvh, head_dim=hd,
-        vocab=vocab, tied=tied, params=float(params), layer_linear=float(attn + mlp_active),
-        embed=embed, n_tensors=layers * (12 if qkv_bias else 9) + 3, n_modules=layers * 9 + 3,
-        lora_targets=float((h + qd) + 2 * (h + kvd) + (qd + h) + 3 * (h + inter_active)),
-    )
-
-
-@dataclass(frozen=True)
-class _Knobs:
-    pdbs: int
-    ga: int
-    num_gen: int
-    zero: int
-    offload_opt: bool
-    offload_params: bool
-    gc: bool
-    use_vllm: bool
-    server: bool
-    util: float
-    sleep: bool
-    tp: int
-    vllm_dp: int
-    liger: bool
-    empty_cache: bool
-    spg: int                # steps_per_generation, in micro-steps
-
-
-@dataclass(frozen=True)
-class _Gpu:
-    name: str
-    mem: float              # GiB
-    tflops: float
-    bw: float               # TB/s
-    link: float             # GB/s GPU-GPU
-
-
-def _as_bool(v: Any, name: str) -> bool:
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, (int, float)) and v in (0, 1):
-        return bool(v)
-    if isinstance(v, str) and v.lower() in ("true", "false", "1", "0", "yes", "no"):
-        return v.lower() in ("true", "1", "yes")
-    raise SpecError(f"{name} must be a boolean, got {v!r}")
-
-
-def _as_int(v: Any, name: str, low: int = 1) -> int:
-    try:
-        iv = int(v)
-    except (TypeError, ValueError):
-        raise SpecError(f"{name} must be an integer, got {v!r}") from None
-    if iv != v and not (isinstance(v, str) and v.strip().lstrip("-").isdigit()):
-        raise SpecError(f"{name} must be an integer, got {v!r}")
-    if iv < low:
-        raise SpecError(f"{name} must be >= {low}, got {iv}")
-    return iv
-
-
-def _parse_knobs(p: dict) -> _Knobs:
-    """Parameters with TRL's defaults where the spec leaves them out."""
-    if not isinstance(p, dict):
-        raise SpecError("params must be a JSON object")
-    pdbs = _as_int(_i(p, "per_device_train_batch_size", 8), "per_device_train_batch_size")
-    ga = _as_int(_i(p, "gradient_accumulation_steps", 1), "gradient_accumulation_steps")
-    num_gen = _as_int(_i(p, "num_generations", 8), "num_generations", low=0)
-    zero = _as_int(_i(p, "zero_stage", 0), "zero_stage", low=0)
-    if zero > 3:
-        raise SpecError(f"zero_stage must be 0-3, got {zero}")
-    offload = str(_i(p, "offload", "none")).lower()
-    if offload not in ("none", "optimizer", "optimizer+params"):
-        raise SpecError(f"offload must be none|optimizer|optimizer+params, got {offload!r}")
-    mode = str(_i(p, "vllm_mode", "colocate")).lower()
-    if mode not in ("colocate", "server"):
-        raise SpecError(f"vllm_mode must be colocate|server, got {mode!r}")
-    try:
-        util = float(_i(p, "vllm_gpu_memory_utilization", 0.3))
-    except (TypeError, ValueError):
-        raise SpecError("vllm_gpu_memory_utilization must be a number") from None
-    if not 0.0 < util <= 1.0:
-        raise SpecError(f"vllm_gpu_memory_utilization must be in (0, 1], got {util}")
-    use_vllm = _as_bool(_i(p, "use_vllm", False), "use_vllm")
-    server = use_vllm and mode == "server"
-    if server:
-        # `trl vllm-serve` has its own --gpu_memory_utilization (default 0.9); the trainer's
-        # colocate fraction does not apply to it.
-        util = float(_i(p, "vllm_server_gpu_memory_utilization", 0.9))
-    spg_raw = p.get("steps_per_generation")
-    spg = ga if spg_raw is None else _as_int(spg_raw, "steps_per_generation")
-    tce = p.get("torch_empty_cache_steps")
-    return _Knobs(
-        pdbs=pdbs, ga=ga, num_gen=num_gen, zero=zero,
-        # DeepSpeed only offloads from ZeRO >= 1 (optimizer) and ZeRO 3 (params); below that the
-        # extra offload keys are ignored, which is what this models.
-        offload_opt=offload != "none" and zero >= 1,
-        offload_params=offload == "optimizer+params" and zero == 3,
-        gc=_as_bool(_i(p, "gradient_checkpointing", True), "gradient_checkpointing"),
-        use_vllm=use_vllm, server=server, util=util,
-        sleep=use_vllm and not server and _as_bool(_i(p, "vllm_enable_sleep_mode", False),
-                                                   "vllm_enable_sleep_mode"),
-        tp=_as_int(_i(p, "vllm_tensor_parallel_size", 1), "vllm_tensor_parallel_size"),
-        vllm_dp=_as_int(_i(p, "vllm_data_parallel_size", 1), "vllm_data_parallel_size"),
-        liger=_as_bool(_i(p, "use_liger_kernel", False), "use_liger_kernel"),
-        empty_cache=bool(tce) and int(tce) > 0,
-        spg=spg,
-    )
-
-
-def _parse_gpu(g: Any) -> _Gpu:
-    if not isinstance(g, dict):
-        raise SpecError("gpu must be a JSON object with memory_gib")
-    try:
-        mem = float(g["memory_gib"])
-    except (KeyError, TypeError, ValueError):
-        raise SpecError("gpu.memory_gib is required (GiB per GPU)") from None
-    if mem <= 0.5:
-        raise SpecError(f"gpu.memory_gib must be positive, got {mem}")
-    try:
-        return _Gpu(name=str(g.get("name", "GPU")), mem=mem,
-                    tflops=float(_i(g, "tflops_bf16", 312.0)), bw=float(_i(g, "bandwidth_tbs", 2.0)),
-                    link=float(_i(g, "interconnect_gbs", 300.0)))
-    except (TypeError, ValueError):
-        raise SpecError("gpu fields must be numbers") from None
-
-
-@dataclass(frozen=True)
-class Scenario:
-    m: _Model
-    k: _Knobs
-    gpu: _Gpu
-    gpus: int
-    prompt: int
-    completion: int
-    beta: float
-    lora_rank: int | None
-    host_gib: float
-    max_model_len: int
-    max_steps: int
-    seed: int
-
-
-def parse_spec(spec: dict) -> Scenario:
-    """Validate a spec into the scenario the landscape computes on; raises SpecError."""
-    if not isinstance(spec, dict):
-        raise SpecError("spec must be a JSON object")
-    recipe = spec.get("recipe") or {}
-    if not isinstance(recipe, dict):
-        raise SpecError("recipe must be a JSON object")
-    if "model_config" not in spec:
-        raise SpecError("spec lacks model_config")
-    m = _parse_model(spec["model_config"])
-    k = _parse_knobs(spec.get("params") or {})
-    gpu = _parse_gpu(spec.get("gpu"))
-    gpus = _as_int(_i(recipe, "gpus", 1), "recipe.gpus")
-    prompt = _as_int(_i(recipe, "max_prompt_length", 512), "recipe.max_prompt_length")
-    completion = _as_int(_i(recipe, "max_completion_length", 512), "recipe.max_completion_length")
-    lora = recipe.get("lora_rank")
-    lora_rank = _as_int(lora, "recipe.lora_rank") if lora not in (None, 0) else None
-    mml = _i(recipe, "vllm_max_model_length", _i(spec.get("params") or {}, "vllm_max_model_length", 0))
-    try:
-        beta = float(_i(recipe, "beta", 0.0))
-        host = float(_i(recipe, "host_memory_gib", 512.0))
-        seed = int(_i(spec, "seed", 0))
-    except (TypeError, ValueError):
-        raise SpecError("recipe.beta, recipe.host_memory_gib and seed must be numbers") from None
-    return Scenario(
-        m=m, k=k, gpu=gpu, gpus=gpus, prompt=prompt, completion=completion, beta=beta,
-        lora_rank=lora_rank, host_gib=host,
-        max_model_len=int(mml) if mml else prompt + completion,
-        max_steps=_as_int(_i(spec, "max_steps", 20), "max_steps"), seed=seed,
-    )
-
-
-# ---------------------------------------------------------------------------------------------
-# The physics
-# ---------------------------------------------------------------------------------------------
+# the names callers import from here (the trainer, the replay executor, the benchmark, tests)
+__all__ = ["GIB", "Failure", "Scenario", "SpecError", "TrialTruth", "evaluate", "parse_spec"]
 
 
 def _rng(spec: dict, seed: int) -> random.Random:
@@ -376,23 +58,6 @@ def _rng(spec: dict, seed: int) -> random.Random:
                       if isinstance(spec.get("model_config"), dict) else None],
                      sort_keys=True, default=str)
     return random.Random(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big"))
-
-
-def _invalid(sc: Scenario, n_train: int) -> str | None:
-    """TRL's own config checks (GRPOConfig / GRPOTrainer), in the order TRL runs them."""
-    k = sc.k
-    if k.server and n_train < 1:
-        return "server_no_train_gpus"
-    if k.num_gen < 2:
-        return "num_generations_lt2"
-    gen_batch = k.pdbs * n_train * k.spg
-    if gen_batch % k.num_gen:
-        return "gen_batch_div_num_gen"
-    if gen_batch % (k.pdbs * n_train):
-        return "gen_batch_div_global"
-    if k.use_vllm and not k.server and sc.gpus % k.tp:
-        return "tp_divides_world"
-    return None
 
 
 def evaluate(spec: dict) -> TrialTruth:
@@ -422,7 +87,7 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
 
     # -- start-up clock (hidden: imports, rendezvous, disk speed, CUDA graph capture) ----------
     t_import = 11.0 + rng.uniform(0.0, 5.0) + (2.5 if sc.gpus > 1 else 0.0)
-    bad = _invalid(sc, n)
+    bad = trl_config_error(sc, n)
     if bad:
         info["invalid"] = bad
         info["gen_batch"] = k.pdbs * max(n, 0) * k.spg
@@ -547,8 +212,8 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
     startup_states = ctx + states + rank0_extra
     if startup_states > cap * GIB:
         # DeepSpeed allocates its fp32 partitions in deepspeed.initialize: dies before training
-        info["oom"] = _oom_numbers(rng, cap, startup_states, alloc=min(4.0 * A / shard, startup_states * 0.5),
-                                   non_torch=ctx, unalloc=0.05 * GIB)
+        info["oom"] = oom_numbers(rng, cap, startup_states, alloc=min(4.0 * A / shard, startup_states * 0.5),
+                                  non_torch=ctx, unalloc=0.05 * GIB)
         info["oom_where"] = "deepspeed_init"
         return result(t_load + t_ds * 0.6, Failure("cuda", 0, "cuda_oom"), startup_peak=cap)
     if host_init > host_limit:
@@ -603,7 +268,7 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
         seqs_engine = math.ceil(n * k.pdbs * k.spg / k.vllm_dp)
     else:
         seqs_engine = k.pdbs * k.spg * (k.tp if k.use_vllm else 1)
-    gen_s = _generation_time(sc, m, k, g, seqs_engine, conc, P)
+    gen_s = generation_time(sc, m, k, g, seqs_engine, conc, P)
     # weight sync trainer -> vLLM, once per generation
     if not k.use_vllm:
         sync_s = (2.0 * P * (1 - 1 / n) / link + 0.3) if z3 else 0.0
@@ -683,19 +348,19 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
             break
         if gp_peak > cap * GIB and n_gens:
             kind = "cumem_oom" if k.sleep else "cuda_oom"
-            info["oom"] = _oom_numbers(rng, cap, gp_peak, alloc=(k.util * cap * GIB - w_vllm) * 0.5
-                                       if k.sleep else seqs_engine * s_len * m.kv_bytes_per_token,
-                                       non_torch=ctx + (vllm_gen if k.sleep else 0.0),
-                                       unalloc=0.06 * dyn + creep)
+            info["oom"] = oom_numbers(rng, cap, gp_peak, alloc=(k.util * cap * GIB - w_vllm) * 0.5
+                                      if k.sleep else seqs_engine * s_len * m.kv_bytes_per_token,
+                                      non_torch=ctx + (vllm_gen if k.sleep else 0.0),
+                                      unalloc=0.06 * dyn + creep)
             info["oom_where"] = "generation"
             failure, fail_after = Failure("cuda", step, kind), g_t * 0.1
             break
         if tp_peak > cap * GIB:
             alloc = (b * C * m.vocab * 4.0) if (logits >= acts and not k.liger) else \
                 s_len * b * m.inter * 2.0 * 2
-            info["oom"] = _oom_numbers(rng, cap, tp_peak, alloc=alloc,
-                                       non_torch=ctx + (vllm_train if k.sleep else vllm_outside),
-                                       unalloc=(frag - 1.0) * (acts + logits) + creep)
+            info["oom"] = oom_numbers(rng, cap, tp_peak, alloc=alloc,
+                                      non_torch=ctx + (vllm_train if k.sleep else vllm_outside),
+                                      unalloc=(frag - 1.0) * (acts + logits) + creep)
             info["oom_where"] = "logits" if (logits >= acts and not k.liger) else "layer"
             failure, fail_after = Failure("cuda", step, "cuda_oom"), g_t + min(t_t, mb * 1.2)
             break
@@ -705,60 +370,3 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
         trains.append(t_t)
         peaks.append(peak / GIB)
     return result(startup_s, failure, fail_after, (times, gens, trains, peaks), startup_peak)
-
-
-def _generation_time(sc: Scenario, m: _Model, k: _Knobs, g: _Gpu, seqs: int, conc: int,
-                     P: float) -> float:
-    """Seconds for one engine to produce `seqs` completions of full length.
-
-    Decode is bound by reading the weights (and KV) from HBM at small batch, by FLOPs at large
-    batch; the KV cache caps how many sequences run at once, so a small vLLM fraction means
-    several waves. Without vLLM, transformers' generate pays Python overhead per token.
-    """
-    C, prompt = sc.completion, sc.prompt
-    bw = g.bw * 1e12 * 0.78
-    tfl = g.tflops * 1e12
-    active = 2.0 * (m.layers * m.layer_linear + m.embed)
-    if not k.use_vllm:
-        # transformers generate: all of the generation batch at once, ZeRO-3 gathered weights
-        per_tok = (0.021 + 2.0 * P / (bw * 0.75) + active * seqs / (tfl * 0.3)
-                   + seqs * (prompt + C / 2) * m.kv_bytes_per_token / bw)
-        prefill = active * seqs * prompt / (tfl * 0.35)
-        return prefill + C * per_tok + 0.3
-    tp = k.tp
-    kvb = m.kv_bytes_per_token / min(tp, m.kv_heads)
-    c = max(conc, 1)
-    waves = []
-    left = seqs
-    while left > 0:
-        waves.append(min(c, left))
-        left -= c
-    total = 0.0
-    for nw in waves:
-        w_read = 2.0 * P / tp / bw
-        kv_read = nw * (prompt + C / 2) * kvb / bw
-        compute = active * nw / tp / (tfl * 0.45)
-        comm = 2 * m.layers * (18e-6 + nw * m.hidden * 2.0 / (g.link * 1e9 * 0.6)) if tp > 1 else 0.0
-        step = 0.0035 + max(w_read + kv_read, compute) + comm + nw * 0.5e-6
-        uniq = max(1.0, nw / max(k.num_gen, 1))        # prefix caching shares each prompt
-        prefill = active * uniq * prompt / tp / (tfl * 0.55) + 0.02
-        total += prefill + C * step
-    if len(waves) > 1:
-        total *= 1.06            # preemption and recompute when the KV cache runs full
-    return total + 0.15
-
-
-def _oom_numbers(rng: random.Random, cap_gib: float, demand: float, alloc: float, non_torch: float,
-                 unalloc: float) -> dict[str, float]:
-    """Numbers for PyTorch's OOM message that agree with each other and with the demand:
-    what was in use before the failing allocation, and a free amount smaller than it."""
-    cap = cap_gib * GIB
-    alloc = max(alloc, 0.02 * GIB)
-    used = min(demand - alloc, cap - rng.uniform(0.01, 0.06) * GIB)
-    free = cap - used
-    alloc = max(alloc, free + 0.01 * GIB)
-    reserved = max(used - non_torch, 0.0)
-    unalloc = min(max(unalloc, 0.02 * GIB), reserved * 0.3)
-    return {"tried_gib": alloc / GIB, "capacity_gib": cap_gib, "free_gib": free / GIB,
-            "in_use_gib": used / GIB, "allocated_gib": (reserved - unalloc) / GIB,
-            "unallocated_gib": unalloc / GIB, "gpu": 0}

@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from autotune.metrics import StepRecord, steady_throughput
-from autotune.outcome import Outcome
+from autotune.trial.metrics import StepRecord, steady_throughput
+from autotune.trial.outcome import Outcome
 from autotune.runners.sim import SimRunner
 from autotune.sim.landscape import evaluate
 
@@ -25,7 +25,7 @@ ERROR_LINES = {
 
 
 class TruthExecutor:
-    """An Executor (see controller) backed by the simulator's truth; tracks simulated time."""
+    """An Executor (see autotune.search.loop) backed by the simulator's truth; tracks simulated time."""
 
     def __init__(self, runner: SimRunner) -> None:
         self.runner = runner

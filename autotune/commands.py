@@ -1,0 +1,278 @@
+"""What each CLI command does, as importable functions (the CLI only parses flags).
+
+``search`` resolves the recipe's inputs (model, hardware, space, pins), opens or creates the
+study folder and hands over to the search loop; ``resume`` rebuilds the same from recipe.yaml;
+``show``, ``export``, ``verify`` and ``estimate`` read the study or the memory model.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from autotune.errors import UsageError
+from autotune.export import export_study
+from autotune.hardware import resolve_hardware, visible_gpus
+from autotune.models import resolve_model
+from autotune.progress import make_reporter, short_params
+from autotune.recipe import Recipe
+from autotune.runners import TrialContext, make_runner
+from autotune.search import constraints
+from autotune.search.loop import Search
+from autotune.search.space import load_space
+from autotune.study import StudyPaths, load_existing, prepare_root, rank, rows
+from autotune.trial.control import StopRule, TrialControl
+
+log = logging.getLogger(__name__)
+
+VERIFY_NUMBER_OFFSET = 200_000   # verify runs are numbered apart from search trials and confirmations
+
+
+def resolve_inputs(recipe: Recipe, gpu_type: str | None, gpu_memory: float | None,
+                   space_path: Path | None, raw_pins: dict[str, str]) -> None:
+    """Check model, hardware, space and pins, filling the recipe's resolved fields."""
+    resolve_model(recipe.model)
+    if recipe.device == "cpu" and recipe.runner != "sim":
+        # CPU trials: the "device memory" is the per-trial cap, or the host's RAM
+        import psutil
+
+        if recipe.gpus < 1:
+            raise UsageError("--gpus must be at least 1 (with --device cpu: the number of processes)")
+        recipe.gpu_type = "CPU"
+        recipe.gpu_memory_gib = float(recipe.memory_limit_gib or round(psutil.virtual_memory().total / 2**30, 1))
+    else:
+        need_visible = recipe.runner == "command" or (recipe.runner == "trl" and recipe.device == "cuda")
+        if recipe.runner == "trl" and not visible_gpus():
+            raise UsageError("no GPU is visible for real TRL trials: use --device cpu for a CPU rehearsal "
+                             "with real trials, or --runner sim --gpu-type TYPE to simulate GPUs")
+        gpu = resolve_hardware(recipe.gpus, gpu_type, gpu_memory, need_visible=need_visible)
+        recipe.gpu_type, recipe.gpu_memory_gib = gpu.name, gpu.memory_gib
+    space = load_space(space_path)
+    recipe.space, recipe.space_digest = str(space.path), space.digest
+    pins = {}
+    for name, text in raw_pins.items():
+        if name not in space.params:
+            space.check_pins({name: text})  # raises the unknown-parameter error
+        pins[name] = space.params[name].coerce(text)
+    space.check_pins(pins)
+    if recipe.global_batch and "gradient_accumulation_steps" in pins:
+        raise UsageError("--global-batch derives gradient_accumulation_steps: do not also --set it")
+    recipe.pins = pins
+
+
+def context_for(recipe: Recipe) -> TrialContext:
+    from dataclasses import replace
+
+    from autotune.hardware import GpuType, find_gpu_type
+
+    try:
+        gpu = replace(find_gpu_type(recipe.gpu_type), memory_gib=recipe.gpu_memory_gib)
+    except UsageError:
+        gpu = GpuType(recipe.gpu_type, recipe.gpu_memory_gib, 100.0, 1.0, 32)
+    space = load_space(recipe.space or None)
+    return TrialContext(recipe=recipe, space=space, model=resolve_model(recipe.model), gpu=gpu)
+
+
+def start_search(recipe: Recipe, runs_dir: Path) -> None:
+    paths = StudyPaths(runs_dir, recipe.name)
+    if paths.recipe.exists():
+        saved = Recipe.load(paths.recipe)
+        diff = saved.differences(recipe)
+        if diff:
+            raise UsageError(
+                f"study '{recipe.name}' already exists with a different recipe ({', '.join(diff)} "
+                f"differ): run `autotune resume {recipe.name}` to continue it, or choose a new --name")
+    prepare_root(paths)
+    recipe.save(paths.recipe)
+    run(recipe, paths)
+
+
+def resume_search(name: str, runs_dir: Path, *, trials: int | None = None,
+                  time_budget_s: float | None = None) -> None:
+    paths = StudyPaths(runs_dir, name)
+    if not paths.recipe.exists():
+        known = sorted(p.parent.name for p in runs_dir.glob("*/recipe.yaml")) if runs_dir.exists() else []
+        hint = f"; studies here: {', '.join(known)}" if known else ""
+        raise UsageError(f"no study '{name}' in {runs_dir}{hint} (start one with autotune search)")
+    recipe = Recipe.load(paths.recipe)
+    if trials is not None:
+        if trials < 1:
+            raise UsageError("--trials must be at least 1")
+        recipe.trials = trials
+    if time_budget_s is not None:
+        recipe.time_budget_s = time_budget_s
+    prepare_root(paths)
+    recipe.save(paths.recipe)
+    run(recipe, paths)
+
+
+def run(recipe: Recipe, paths: StudyPaths) -> None:
+    context = context_for(recipe)
+    search = Search(recipe, paths, context, make_reporter(recipe.trials))
+    try:
+        result = search.run()
+    finally:
+        search.reporter.close()
+    finish_lines(recipe, paths, result)
+
+
+def finish_lines(recipe: Recipe, paths: StudyPaths, result) -> None:
+    best = result.best
+    if best is None:
+        print(f"no configuration ran successfully in {result.launched} trial(s); see "
+              f"autotune show {paths.name} (runs dir {paths.runs_dir})")
+        return
+    peak = f", peak {best.peak_memory_gib:.1f}/{recipe.gpu_memory_gib:.1f} GiB" if best.peak_memory_gib else ""
+    print(f"best: trial {best.number}: {best.throughput:.4g} completions/s{peak}")
+    if result.confirmation is not None and result.confirmation.get("throughput"):
+        c = result.confirmation
+        cpeak = f", peak {c['peak_memory_gib']:.1f} GiB" if c.get("peak_memory_gib") else ""
+        print(f"      confirmed over {c.get('steps')} steps: {c['throughput']:.4g} completions/s{cpeak}")
+    print(f"      {short_params(best.params)}")
+    names = ", ".join(p.name for p in result.exported) or "nothing"
+    print(f"launch configs: {paths.best}/ ({names})")
+
+
+def open_named(name: str, runs_dir: Path):
+    paths = StudyPaths(runs_dir, name)
+    if not paths.recipe.exists():
+        raise UsageError(f"no study '{name}' in {runs_dir} (list them with ls {runs_dir})")
+    recipe = Recipe.load(paths.recipe)
+    return paths, recipe, load_existing(paths, recipe)
+
+
+def show_study(name: str, runs_dir: Path, as_json: bool) -> None:
+    paths, recipe, study = open_named(name, runs_dir)
+    ranked = rank(rows(study))
+    if as_json:
+        print(json.dumps([r.__dict__ for r in ranked], indent=2, default=str))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    launched = sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("launched"))
+    table = Table(title=f"{name}: {launched} launched of {recipe.trials} "
+                        f"({recipe.model}, {recipe.gpus}x{recipe.gpu_type})")
+    for col in ("trial", "status", "completions/s", "peak GiB", "predicted", "params / reason"):
+        table.add_column(col)
+    predicted = {t.number: t.user_attrs.get("predicted_gib") for t in study.get_trials(deepcopy=False)}
+    for r in ranked:
+        status = f"oom/{r.oom_kind}" if r.status == "oom" else r.status
+        if not r.launched and r.status not in ("invalid", "skipped"):
+            status += " (repeat)"
+        tail = short_params(r.params) if r.status in ("ok", "oom") else (r.error_line or r.reason or short_params(r.params))
+        pred = predicted.get(r.number)
+        table.add_row(str(r.number), status, f"{r.throughput:.4g}" if r.throughput else "-",
+                      f"{r.peak_memory_gib:.1f}" if r.peak_memory_gib else "-",
+                      f"{pred:.1f}" if pred else "-", tail[:160])
+    console = Console(width=200)
+    console.print(table)
+    errors = [abs(predicted[r.number] - r.peak_memory_gib) / r.peak_memory_gib for r in ranked
+              if r.launched and r.peak_memory_gib and predicted.get(r.number)]
+    if errors:
+        console.print(f"memory model: mean error {sum(errors) / len(errors):.1%} over {len(errors)} measured "
+                      "peaks (each predicted before its trial ran, with what was known then)")
+
+
+def export_named(name: str, runs_dir: Path, out: Path | None) -> list[Path]:
+    paths, recipe, study = open_named(name, runs_dir)
+    written = export_study(study, recipe, out or paths.best)
+    if not written:
+        raise UsageError(f"study '{name}' has no successful trial yet: nothing to export")
+    return written
+
+
+def estimate_candidate(recipe: Recipe, as_json: bool) -> None:
+    """Print the memory model's breakdown for the pinned candidate (defaults for the rest)."""
+    from autotune.search.memory import estimate
+
+    space = load_space(recipe.space or None)
+    model = resolve_model(recipe.model)
+    params = constraints.derive({**space.defaults(), **recipe.pins}, recipe)
+    params = space.normalize(params)
+    broken = constraints.violations(params, recipe)
+    est = estimate(model, params, gpus=recipe.gpus, capacity_gib=recipe.gpu_memory_gib,
+                   max_prompt_length=recipe.max_prompt_length,
+                   max_completion_length=recipe.max_completion_length, beta=recipe.beta,
+                   lora_rank=recipe.lora_rank, dp_gpus=recipe.dp_gpus(params))
+    if as_json:
+        print(json.dumps({**est.to_json(), "params": params, "invalid": broken}, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table()
+    table.add_column("part")
+    table.add_column("GiB", justify="right")
+    for name, value in est.parts.items():
+        table.add_row(name.replace("_", " "), f"{value:.2f}")
+    table.add_row("total", f"{est.total_gib:.2f}", style="bold")
+    table.add_row("capacity", f"{est.capacity_gib:.2f}")
+    console = Console(width=120)
+    console.print(f"{recipe.model} on {recipe.gpus} x {recipe.gpu_type}: predicted peak memory per GPU")
+    console.print(table)
+    console.print(short_params(params))
+    verdict = "fits" if est.fits else "does NOT fit"
+    console.print(f"{verdict}: {est.total_gib:.1f} of {est.capacity_gib:.1f} GiB"
+                  + (f" ({est.total_gib / est.capacity_gib:.0%})" if est.capacity_gib else ""))
+    for note in est.notes + [f"invalid: {b}" for b in broken]:
+        console.print(f"- {note}")
+
+
+def verify_best(name: str, runs_dir: Path, steps: int) -> bool:
+    """Replay best/params.json as one longer trial with the study's runner: does it hold?
+
+    The trial runs to warm-up + ``steps`` measured steps with no early stop and no pruning, in
+    runs/<study>/verify/<n>/, and is judged like any trial, plus the headroom rule.
+    """
+    paths, recipe, _ = open_named(name, runs_dir)
+    params_file = paths.best / "params.json"
+    if not params_file.exists():
+        raise UsageError(f"{params_file} does not exist: run autotune export {name} first")
+    try:
+        params = json.loads(params_file.read_text())
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"{params_file} is not valid JSON ({exc.msg}, line {exc.lineno}): "
+                         f"rewrite it with autotune export {name}")
+    if steps < 1:
+        raise UsageError("--steps must be at least 1")
+    context = context_for(recipe)
+    space = context.space
+    runner = make_runner(context)
+    forced = runner.forced()
+    if not isinstance(params, dict):
+        raise UsageError(f"{params_file} must be a JSON object of parameter values")
+    for key, value in params.items():
+        if key in space.params and space.relevant(key, params) and not space.params[key].contains(value) \
+                and key not in recipe.pins and key not in forced and key != "gradient_accumulation_steps":
+            raise UsageError(f"{params_file}: {key}={value!r} is not {space.params[key].allowed()}")
+    broken = constraints.violations(params, recipe, runner.rules())
+    if broken:
+        raise UsageError(f"{params_file} cannot run here: {broken[0]}")
+    root = paths.root / "verify"
+    number = 1 + max((int(p.name) for p in root.glob("*") if p.name.isdigit()), default=0)
+    trial_dir = root / str(number)
+    recipe.trial_timeout_s = recipe.trial_timeout_s * max(1.0, (recipe.warmup_steps + steps)
+                                                          / (recipe.warmup_steps + recipe.measure_steps))
+    rule = StopRule(warmup=recipe.warmup_steps, measure=steps, adaptive=False, prune=False)
+    print(f"verifying {short_params(params)} for {recipe.warmup_steps} + {steps} steps in {trial_dir}")
+    outcome = runner.run(params, trial_dir, VERIFY_NUMBER_OFFSET + number,
+                         TrialControl(rule, None, recipe.completions_per_step(params), purpose="verify"))
+    limit = recipe.gpu_memory_gib * (1 - recipe.headroom)
+    peak = outcome.peak_memory_gib
+    within = recipe.device == "cpu" or peak is None or peak <= limit
+    held = outcome.status == "ok" and within
+    outcome.extra["held"] = held
+    outcome.write(trial_dir / "outcome.json")
+    if outcome.status == "ok":
+        print(f"throughput: {outcome.throughput:.4g} completions/s over {outcome.steps} steps")
+    else:
+        kind = f"/{outcome.oom_kind}" if outcome.oom_kind else ""
+        print(f"failed: {outcome.status}{kind} after {outcome.steps} steps: {outcome.error_line or outcome.detail}")
+    if peak is not None:
+        what = "host RSS" if recipe.device == "cpu" else "GPU"
+        print(f"peak memory ({what}): {peak:.2f} GiB of {recipe.gpu_memory_gib:.2f} GiB capacity "
+              f"({peak / recipe.gpu_memory_gib:.0%}; headroom limit {limit:.2f} GiB)")
+    print("held: yes" if held else "held: NO" + ("" if within else " (peak inside the headroom)"))
+    return held

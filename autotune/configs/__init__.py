@@ -1,0 +1,22 @@
+"""What one candidate means to each trainer: TRL, DeepSpeed + accelerate, ms-swift.
+
+Pure functions of (params, recipe). The runners build their trials from them and the export
+writes the production files from them, so what ships is what was measured.
+"""
+
+from autotune.configs.deepspeed import (AUTO, OFFLOADS, ZERO_STAGES, accelerate_config, batch_problems,
+                                        batch_values, deepspeed_config, deepspeed_schema_problems,
+                                        offload_of, uses_deepspeed, zero_stage_of)
+from autotune.configs.swift import (SWIFT_PRESETS, swift_command, swift_deepspeed, swift_env,
+                                    swift_rollout_command)
+from autotune.configs.trl import (DEFAULT_VLLM_SERVER_PORT, LAUNCH_ONLY, TRL_DEFAULTS, TRL_PASSTHROUGH,
+                                  dropped_params, effective, gpu_split, grpo_config_kwargs, is_vllm_server,
+                                  vllm_max_model_length, vllm_serve_command)
+
+__all__ = [
+    "AUTO", "DEFAULT_VLLM_SERVER_PORT", "LAUNCH_ONLY", "OFFLOADS", "SWIFT_PRESETS", "TRL_DEFAULTS",
+    "TRL_PASSTHROUGH", "ZERO_STAGES", "accelerate_config", "batch_problems", "batch_values",
+    "deepspeed_config", "deepspeed_schema_problems", "dropped_params", "effective", "gpu_split",
+    "grpo_config_kwargs", "is_vllm_server", "offload_of", "swift_command", "swift_deepspeed", "swift_env",
+    "swift_rollout_command", "uses_deepspeed", "vllm_max_model_length", "vllm_serve_command", "zero_stage_of",
+]

@@ -1,0 +1,130 @@
+"""What a candidate means to TRL: GRPOConfig keyword arguments and the vLLM server command.
+
+The trial runners and the export both build their files from this package, so the production
+run ships exactly what the search measured. Missing parameters take TRL's defaults, written out
+explicitly (``TRL_DEFAULTS``): a later TRL release that changes a default cannot silently change
+the shipped run, and ms-swift, whose defaults differ from TRL's (e.g. vLLM memory 0.9, beta 0.04),
+is given the same numbers.
+
+Checked in the installed packages (trl 1.16, transformers 5): GRPOConfig has no
+``max_prompt_length`` in TRL 1.x (TypeError), so the prompt length is only used for vLLM's
+``vllm_max_model_length`` here and for ms-swift's ``--max_length``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from autotune.recipe import Recipe
+
+
+# TRL 1.16 GRPOConfig defaults for the tuned fields (checked against the real dataclass in tests).
+TRL_DEFAULTS: dict[str, Any] = {
+    "per_device_train_batch_size": 8,
+    "gradient_accumulation_steps": 1,
+    "num_generations": 8,
+    "gradient_checkpointing": True,
+    "use_vllm": False,
+    "vllm_mode": "colocate",
+    "vllm_gpu_memory_utilization": 0.3,
+    "vllm_enable_sleep_mode": False,
+    "vllm_tensor_parallel_size": 1,
+}
+
+
+# Parameters a search space may add that are GRPOConfig fields and are passed through unchanged
+# (all move memory or speed). Anything else unknown to TRL is dropped from the TRL config.
+TRL_PASSTHROUGH = frozenset({
+    "use_liger_kernel", "generation_batch_size", "steps_per_generation", "torch_empty_cache_steps",
+    "ds3_gather_for_generation", "vllm_model_impl", "cast_lm_head_to_fp32", "optim",
+    "num_iterations", "torch_compile",
+})
+
+
+# Parameters consumed by DeepSpeed / the launcher rather than TRL.
+LAUNCH_ONLY = frozenset({"zero_stage", "offload"})
+
+DEFAULT_VLLM_SERVER_PORT = 8000
+
+
+def effective(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
+    """The params with TRL defaults filled in and accumulation derived from ``global_batch``.
+
+    Accumulation is derived only when it is missing (trial params already carry the derived value);
+    a global batch that does not divide is left to the constraint check, not guessed here.
+    """
+    out = {**TRL_DEFAULTS, **params}
+    if "gradient_accumulation_steps" not in params and recipe.global_batch:
+        per_step = int(out["per_device_train_batch_size"]) * max(recipe.dp_gpus(out), 1)
+        if recipe.global_batch % per_step == 0:
+            out["gradient_accumulation_steps"] = recipe.global_batch // per_step
+    return out
+
+
+def gpu_split(params: dict[str, Any], recipe: Recipe) -> tuple[list[int], list[int]]:
+    """GPU indices for training and for a separate vLLM server (empty unless server mode).
+
+    Training takes the first ``dp_gpus`` devices and the server the rest, as TRL's and ms-swift's
+    examples do.
+    """
+    dp = recipe.dp_gpus(params)
+    train = list(range(dp))
+    server = list(range(dp, recipe.gpus)) if is_vllm_server(params) else []
+    return train, server
+
+
+def is_vllm_server(params: dict[str, Any]) -> bool:
+    return bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "server"
+
+
+def vllm_max_model_length(recipe: Recipe) -> int:
+    """Prompt + completion: without it vLLM sizes its KV cache for the model's full context."""
+    return int(recipe.max_prompt_length) + int(recipe.max_completion_length)
+
+
+def grpo_config_kwargs(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
+    """Keyword arguments for ``trl.GRPOConfig`` (and the grpo_config.yaml that TrlParser reads).
+
+    vLLM fields that TRL uses only in colocate mode (memory fraction, sleep, tensor parallel,
+    max model length) are written only then; a server takes them on its own command line.
+    ``zero_stage``/``offload`` go to DeepSpeed and unknown parameters are dropped.
+    """
+    eff = effective(params, recipe)
+    cpu = recipe.device == "cpu"
+    kwargs: dict[str, Any] = {
+        "per_device_train_batch_size": int(eff["per_device_train_batch_size"]),
+        "gradient_accumulation_steps": int(eff["gradient_accumulation_steps"]),
+        "num_generations": int(eff["num_generations"]),
+        "max_completion_length": int(recipe.max_completion_length),
+        "gradient_checkpointing": bool(eff["gradient_checkpointing"]),
+        "beta": float(recipe.beta),
+        "bf16": not cpu,
+    }
+    if cpu:
+        kwargs["use_cpu"] = True
+    kwargs["use_vllm"] = bool(eff["use_vllm"])
+    if kwargs["use_vllm"]:
+        kwargs["vllm_mode"] = str(eff["vllm_mode"])
+        if kwargs["vllm_mode"] == "colocate":
+            kwargs["vllm_gpu_memory_utilization"] = float(eff["vllm_gpu_memory_utilization"])
+            kwargs["vllm_enable_sleep_mode"] = bool(eff["vllm_enable_sleep_mode"])
+            kwargs["vllm_tensor_parallel_size"] = int(eff["vllm_tensor_parallel_size"])
+            kwargs["vllm_max_model_length"] = vllm_max_model_length(recipe)
+    for name in sorted(TRL_PASSTHROUGH & params.keys()):
+        kwargs[name] = params[name]
+    return kwargs
+
+
+def dropped_params(params: dict[str, Any]) -> list[str]:
+    """Parameters that reach neither TRL, DeepSpeed nor the launcher (worth a note)."""
+    used = set(TRL_DEFAULTS) | TRL_PASSTHROUGH | LAUNCH_ONLY
+    return sorted(k for k in params if k not in used)
+
+
+def vllm_serve_command(params: dict[str, Any], recipe: Recipe, model: str) -> list[str]:
+    """``trl vllm-serve`` for server mode, on the GPUs left after training."""
+    eff = effective(params, recipe)
+    return ["trl", "vllm-serve", "--model", model,
+            "--tensor_parallel_size", str(int(eff["vllm_tensor_parallel_size"])),
+            "--max_model_len", str(vllm_max_model_length(recipe)),
+            "--port", str(DEFAULT_VLLM_SERVER_PORT)]

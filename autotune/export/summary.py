@@ -1,0 +1,122 @@
+"""summary.md: what was chosen, why, what came close, and what the search spent."""
+
+from __future__ import annotations
+
+import shlex
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from autotune import configs
+from autotune.export.trl import fmt
+from autotune.recipe import Recipe
+from autotune.study.record import TrialRow
+
+STATUS_ORDER = ("ok", "oom", "invalid", "crash", "timeout", "hang", "interrupted", "skipped")
+RUNNERS_UP = 5
+
+PARAMS_JSON = "params.json"
+GRPO_YAML = "grpo_config.yaml"
+DS_JSON = "ds_config.json"
+ACCELERATE_YAML = "accelerate_config.yaml"
+LAUNCH_SH = "launch.sh"
+SWIFT_SH = "swift.sh"
+SUMMARY_MD = "summary.md"
+
+
+def _status_counts(rows: list[TrialRow]) -> tuple[Counter, Counter]:
+    by_status = Counter(r.status for r in rows)
+    oom_kinds = Counter(r.oom_kind or "unknown" for r in rows if r.status == "oom")
+    return by_status, oom_kinds
+
+
+def _differs(params: dict[str, Any], best: dict[str, Any]) -> str:
+    keys = sorted(set(params) | set(best))
+    changed = [f"{k}={params.get(k, '-')}" for k in keys if params.get(k) != best.get(k)]
+    return ", ".join(changed) if changed else "(same parameters)"
+
+
+def summary_md(final: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow], notes: list[str],
+             names: list[str]) -> str:
+    params = best.params
+    capacity = recipe.gpu_memory_gib
+    lines = [f"# autotune: best GRPO configuration for {recipe.model}", ""]
+    lines.append(f"{recipe.gpus} x {recipe.gpu_type} ({capacity:g} GiB each), prompt "
+                 f"{recipe.max_prompt_length} + completion {recipe.max_completion_length} tokens"
+                 + (f", global batch {recipe.global_batch}" if recipe.global_batch else "")
+                 + (f", LoRA rank {recipe.lora_rank}" if recipe.lora_rank else "") + ".")
+    lines += ["", "## Choice", ""]
+    lines.append(f"Trial {best.number}: **{fmt(best.throughput)} completions/s**.")
+    if best.peak_memory_gib is not None and capacity:
+        used = best.peak_memory_gib / capacity
+        lines.append(f"Peak memory {best.peak_memory_gib:.1f} GiB of {capacity:g} GiB capacity "
+                     f"({used:.0%} used, {capacity - best.peak_memory_gib:.1f} GiB free; required "
+                     f"headroom {recipe.headroom:.0%}, i.e. at most {capacity * (1 - recipe.headroom):.1f} GiB).")
+    else:
+        lines.append(f"Peak memory not measured (capacity {capacity:g} GiB, headroom {recipe.headroom:.0%}).")
+    try:
+        per_step = recipe.completions_per_step(configs.effective(params, recipe))
+        lines.append(f"{per_step} completions per optimizer step on {recipe.dp_gpus(params)} "
+                     "data-parallel GPU(s).")
+    except (KeyError, TypeError, ValueError):
+        pass
+    lines += ["", "| parameter | value |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in params.items()]
+
+    ok = sorted((r for r in rows if r.status == "ok" and r.throughput and r.number != best.number
+                 and r.launched and not r.pruned),
+                key=lambda r: -(r.throughput or 0))[:RUNNERS_UP]
+    lines += ["", "## Runners-up", ""]
+    if ok:
+        lines += ["| trial | completions/s | vs best | peak GiB | differs from the choice |",
+                  "|---|---|---|---|---|"]
+        for r in ok:
+            ratio = (f"{r.throughput / best.throughput - 1:+.0%}" if best.throughput and r.throughput
+                     else "n/a")
+            peak = "n/a" if r.peak_memory_gib is None else f"{r.peak_memory_gib:.1f}"
+            lines.append(f"| {r.number} | {fmt(r.throughput)} | {ratio} | {peak} | "
+                         f"{_differs(r.params, params)} |")
+    else:
+        lines.append("No other trial finished ok.")
+
+    by_status, oom_kinds = _status_counts([r for r in rows if r.launched or r.status in ("invalid", "skipped")])
+    launched = sum(1 for r in rows if r.launched and r.status not in ("invalid", "skipped"))
+    repeats = sum(1 for r in rows if not r.launched and r.status not in ("invalid", "skipped"))
+    pruned = sum(1 for r in rows if r.pruned)
+    lines += ["", "## Trials spent", "",
+              f"- {len(rows)} trials, {launched} launched"
+              + (f" ({pruned} pruned early as clearly slower)" if pruned else "")
+              + (f", {repeats} repeats answered from earlier trials" if repeats else "")]
+    for status in STATUS_ORDER:
+        if status == "oom":
+            kinds = ", ".join(f"{k} {n}" for k, n in sorted(oom_kinds.items()))
+            lines.append(f"- oom: {by_status['oom']}" + (f" ({kinds})" if kinds else ""))
+        else:
+            lines.append(f"- {status}: {by_status[status]}")
+    for status in sorted(set(by_status) - set(STATUS_ORDER)):
+        lines.append(f"- {status}: {by_status[status]}")
+    wall = sum(r.wall_time_s or 0.0 for r in rows)
+    if wall:
+        lines.append(f"- wall time in trials: {wall / 3600:.2f} h")
+
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+
+    study = recipe.name or final.parent.name
+    runs_dir = final.parent.parent
+    lines += ["", "## Reproduce / verify", "", "```",
+              f"autotune verify {shlex.quote(study)} --runs-dir {shlex.quote(str(runs_dir))}",
+              f"bash {shlex.quote(str(final / LAUNCH_SH))} {shlex.quote(recipe.train_script or 'train_grpo.py')}",
+              f"bash {shlex.quote(str(final / SWIFT_SH))} --dataset DATA --reward_funcs REWARD",
+              "```", "", "## Files", ""]
+    what = {
+        PARAMS_JSON: "the tuned parameter values",
+        GRPO_YAML: "trl.GRPOConfig fields (`--config`)",
+        DS_JSON: "DeepSpeed config; batch sizes and precision are `auto`, filled from the GRPO config",
+        ACCELERATE_YAML: "`accelerate launch --config_file`",
+        LAUNCH_SH: "TRL + accelerate launcher",
+        SWIFT_SH: "the same run with ms-swift",
+        SUMMARY_MD: "this file",
+    }
+    lines += [f"- `{n}`: {what[n]}" for n in names if n in what]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,36 @@
+"""Writing files so that a crash never leaves half of one behind.
+
+``autotune resume`` reads back everything a search wrote (outcome.json, params.json, recipe.yaml):
+a controller killed in the middle of a write must leave the old file or the new one, never a torn
+one. Every writer of those files goes through here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def write_text(path: Path | str, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def write_json(path: Path | str, data: Any) -> None:
+    """``data`` as indented JSON, atomically. NaN and infinity are refused (JSON has neither)."""
+    write_text(path, json.dumps(data, indent=2, allow_nan=False, default=str) + "\n")

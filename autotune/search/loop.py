@@ -1,0 +1,194 @@
+"""The search loop: ask the policy, gate the candidate, execute it, tell the study.
+
+One iteration asks Optuna (whose sampler is the :class:`PolicySampler`) for a candidate, fills the
+derived and pinned values, and gates it: what the rules forbid is recorded as invalid, what was
+already measured is answered from the study, and what the planner knows cannot fit is skipped.
+Everything else runs as one trial until its throughput is measured, and is told to the study and
+the planner. At the end the leaders are confirmed by longer runs before anything is exported.
+Everything ``resume``, ``show`` and ``export`` need is in the study storage and the trial folders.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import optuna
+
+from autotune.export import export_study
+from autotune.progress import Reporter
+from autotune.recipe import Recipe
+from autotune.runners import Runner, TrialContext, make_runner
+from autotune.search import constraints
+from autotune.search.confirm import confirm
+from autotune.search.planner import Planner
+from autotune.search.policy import PolicySampler, make_tpe
+from autotune.search.pruning import BelowBestPruner
+from autotune.search.space import Space
+from autotune.search.stopping import Budget, Stopping
+from autotune.study import (StudyPaths, candidate_key, choose_best, confirmations, launched_rows, measured_configs,
+                            open_study, record, recover_interrupted, rows)
+from autotune.trial.control import StopRule, TrialControl
+from autotune.trial.outcome import Outcome
+
+log = logging.getLogger(__name__)
+
+# An executor runs one candidate and says what happened. The default is the runner's real process;
+# the benchmark swaps in the simulator's ground truth, in-process.
+Executor = Callable[[dict[str, Any], Path, int, TrialControl], Outcome]
+
+
+@dataclass
+class SearchResult:
+    launched: int
+    best: Any | None
+    stopped_reason: str | None = None
+    exported: list[Path] = field(default_factory=list)
+    confirmed: int = 0
+    confirmation: dict[str, Any] | None = None     # the winner's confirmation run, if it had one
+
+
+def fixed_values(space: Space, recipe: Recipe, runner: Runner) -> dict[str, Any]:
+    """Values the sampler must not touch: pins, derived accumulation, knobs the runner cannot set."""
+    fixed = {**{k: v for k, v in runner.forced().items() if k not in recipe.pins}, **recipe.pins}
+    searched = runner.searched()
+    if searched is not None:
+        for name, param in space.params.items():
+            if name not in searched and name not in fixed:
+                fixed[name] = param.default
+    if recipe.global_batch:
+        fixed["gradient_accumulation_steps"] = 0  # placeholder, replaced by constraints.derive
+    return fixed
+
+
+class Search:
+    """Runs one study until its trial count, its time budget or a stop condition."""
+
+    def __init__(self, recipe: Recipe, paths: StudyPaths, context: TrialContext, reporter: Reporter,
+                 execute: Executor | None = None, storage: Any = None, use_planner: bool = True):
+        self.recipe, self.paths, self.reporter, self.storage = recipe, paths, reporter, storage
+        self.space = context.space
+        self.runner = make_runner(context)
+        self.rules = self.runner.rules()
+        self.fixed = fixed_values(self.space, recipe, self.runner)
+        constraints.check_pins_leave_candidates(self.space, recipe, self.fixed, self.rules)
+        self.valid, _ = constraints.valid_combinations(self.space, recipe, self.fixed, self.rules)
+        forced = constraints.forced_values(self.space, self.valid)
+        if forced:
+            log.info("fixed by the rules (only one valid value): %s", forced)
+            self.fixed.update(forced)
+            self.valid, _ = constraints.valid_combinations(self.space, recipe, self.fixed, self.rules)
+        self.execute: Executor = execute or self.runner.run
+        self.planner = Planner(context.model, recipe, context.gpu, use_model=recipe.device != "cpu") \
+            if use_planner else None
+
+    def run(self) -> SearchResult:
+        study = self.open()
+        measured = measured_configs(study)
+        launched = len(launched_rows(study))
+        stopped_reason = None
+        while launched < self.recipe.trials:
+            stop = self.stopping.reason()
+            if stop is not None:
+                stopped_reason, message = stop
+                self.reporter.message(message)
+                break
+            trial = study.ask()                                                        # ask
+            params = self.space.normalize(constraints.derive(self.space.suggest(trial, self.fixed), self.recipe))
+            key = candidate_key(params)
+            outcome, predicted_gib = self.gate(trial.number, params, measured.get(key))   # gate
+            if outcome is None:
+                launched += 1
+                outcome = self.measure(trial, params, launched, predicted_gib)          # execute
+            self.tell(study, trial, params, key, outcome, measured)                     # tell
+        confirmed = confirm(study, self.recipe, self.paths, self.execute, self.reporter, self.planner,
+                            self.stopping.budget)
+        study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))   # the study's clock
+        exported = export_study(study, self.recipe, self.paths.best)
+        done = confirmations(study)
+        best, _ = choose_best(rows(study), self.recipe, done)
+        return SearchResult(launched=launched, best=best, stopped_reason=stopped_reason, exported=exported,
+                            confirmed=confirmed, confirmation=done.get(best.number) if best else None)
+
+    def open(self) -> optuna.Study:
+        """Open the study, recover what a killed controller left, and let the planner learn from it."""
+        study = open_study(self.paths, self.recipe, pruner=BelowBestPruner(), storage=self.storage)
+        study.sampler = PolicySampler(make_tpe(self.recipe, salt=len(study.trials)), space=self.space,
+                                      recipe=self.recipe, fixed=self.fixed, rules=self.rules, valid=self.valid,
+                                      planner=self.planner)
+        recover_interrupted(study, self.paths)
+        if self.planner is not None:
+            for row in rows(study):
+                if row.launched and row.status not in ("crash", "interrupted"):
+                    self.planner.observe(row.number, row.params, row.status, row.oom_kind, row.peak_memory_gib,
+                                         None if row.pruned else row.throughput)
+        previous = launched_rows(study)
+        self.stopping = Stopping(Budget(self.recipe.time_budget_s, float(study.user_attrs.get("elapsed_s", 0.0)),
+                                        [t.user_attrs.get("wall_time_s") or 0 for t in previous]), self.paths.name)
+        self.best_value = max((r.throughput or 0 for r in rows(study) if r.status == "ok" and not r.pruned),
+                              default=0.0)
+        return study
+
+    def gate(self, number: int, params: dict[str, Any], previous: tuple[int, dict[str, Any]] | None
+             ) -> tuple[Outcome | None, float | None]:
+        """The outcome of a candidate that needs no launch (invalid, a repeat, skipped), or None
+        to launch it, with the planner's predicted peak."""
+        broken = constraints.violations(params, self.recipe, self.rules)
+        if broken:
+            self.reporter.not_launched(number, params, "invalid", broken[0])
+            return Outcome(status="invalid", detail="; ".join(broken)), None
+        if previous is not None:
+            first, prev = previous
+            pruned = prev.get("pruned") or (prev.get("extra") or {}).get("pruned")
+            return Outcome(status=prev["status"], oom_kind=prev.get("oom_kind"), throughput=prev.get("throughput"),
+                           peak_memory_gib=prev.get("peak_memory_gib"), error_line=prev.get("error_line"),
+                           detail=f"same configuration as trial {first}; not run again",
+                           extra={"pruned": True} if pruned else {}), None
+        verdict = self.planner.verdict(params) if self.planner else None
+        if verdict is not None and verdict.skip:
+            self.reporter.not_launched(number, params, "skipped", verdict.reason or "")
+            return Outcome(status="skipped", detail=verdict.reason, extra={"predicted_gib": verdict.predicted_gib}), None
+        return None, verdict.predicted_gib if verdict is not None else None
+
+    def measure(self, trial: optuna.Trial, params: dict[str, Any], launched: int,
+                predicted_gib: float | None) -> Outcome:
+        """Run one candidate as a trial, reported live, until its throughput is measured."""
+        self.stopping.launched()
+        self.reporter.trial_started(trial.number, launched, params)
+        control = TrialControl(StopRule.searching(self.recipe), trial, self.recipe.completions_per_step(params),
+                               on_step=lambda rec, n=trial.number: self.reporter.step(n, rec))
+        outcome = self.execute(params, self.paths.trial_dir(trial.number), trial.number, control)
+        outcome.extra["launched"] = True
+        if predicted_gib is not None:
+            outcome.extra["predicted_gib"] = round(predicted_gib, 3)
+        return outcome
+
+    def tell(self, study: optuna.Study, trial: optuna.Trial, params: dict[str, Any], key: str, outcome: Outcome,
+             measured: dict[str, tuple[int, dict[str, Any]]]) -> None:
+        """Record the outcome; a launched one also teaches the planner and may be the new best."""
+        launched = bool(outcome.extra.get("launched"))
+        trial_dir = self.paths.trial_dir(trial.number)
+        record(study, trial, params, outcome, launched=launched, key=key, trial_dir=trial_dir,
+               memory_limit_gib=self.memory_limit())
+        if outcome.status not in ("crash", "interrupted") and (launched or outcome.status != "invalid"):
+            measured.setdefault(key, (trial.number, outcome.to_json()))   # a repeat is answered from it
+        if not launched:
+            self.stopping.not_launched()
+            return
+        study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))
+        if self.planner is not None and outcome.status not in ("crash", "interrupted"):
+            self.planner.observe(trial.number, params, outcome.status, outcome.oom_kind, outcome.peak_memory_gib,
+                                 None if outcome.extra.get("pruned") else outcome.throughput)
+        self.reporter.trial_finished(trial.number, outcome)
+        if outcome.status == "ok" and not outcome.extra.get("pruned") and (outcome.throughput or 0) > self.best_value:
+            self.best_value = outcome.throughput or 0
+            export_study(study, self.recipe, self.paths.best)
+        self.stopping.finished(outcome, trial_dir)
+
+    def memory_limit(self) -> float | None:
+        """Peak memory an exportable config may reach (None on CPU, where RSS is not the limit)."""
+        if self.recipe.device == "cpu":
+            return None
+        return self.recipe.gpu_memory_gib * (1 - self.recipe.headroom)

@@ -1,0 +1,188 @@
+"""The proposal policy, as an Optuna sampler: which candidate to measure next.
+
+GRPO's fastest configurations sit near the memory boundary of a flat-topped landscape, and most of
+a tight space does not fit, so plain TPE wastes its first trials. :class:`PolicySampler` wraps TPE
+the way Optuna's own samplers wrap one another, and before each trial decides whether to hand the
+trial a candidate of its own (Optuna's ``fixed_params``, what ``enqueue_trial`` uses) or to let TPE
+sample it:
+
+1. **Seeds**: the candidates the memory model expects to fit and the speed prior ranks fastest,
+   spread over ZeRO stages (:func:`seed_candidates`); without a usable model (CPU trials),
+   hand-written starting points that find the memory boundary at once.
+2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial
+   so far (:meth:`Planner.next_local`).
+3. **A random valid candidate** after three invalid proposals in a row: TPE learns infeasible
+   regions, but slowly when most of the space is infeasible.
+4. Otherwise **TPE** (multivariate, reading each trial's ``fits`` constraint).
+
+A trial that already carries ``fixed_params`` (an interrupted trial queued again on resume) is
+left alone. The seeds are computed once per study and kept in its user attributes, so a resumed
+search continues the same list.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any, Callable, Sequence
+
+import optuna
+from optuna.distributions import BaseDistribution
+from optuna.samplers import BaseSampler, TPESampler
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.recipe import Recipe
+from autotune.search import constraints
+from autotune.search.planner import Planner
+from autotune.search.space import Space
+from autotune.study import candidate_key, choose_best, measured_configs, rows
+
+PROPOSAL_ATTR = "autotune:proposal"   # trial system attribute: seed | local | valid
+SEEDS_ATTR = "seeds"                  # study user attribute: the seed candidates, in order
+LOCAL_EVERY = 3                       # of every three proposals, two are local (after the seeds)
+INVALID_STREAK = 3                    # invalid proposals in a row before a random valid one
+
+Rules = Sequence[Callable[[dict[str, Any]], "str | None"]]
+
+
+def make_tpe(recipe: Recipe, salt: int = 0) -> TPESampler:
+    """TPE; it reads each trial's constraint (``Trial.set_constraint``) and ranks infeasible
+    trials below feasible ones. Few random start-up trials: seeds come first. ``salt`` keeps a
+    resumed study from replaying the random start-up proposals of the first session."""
+    return TPESampler(seed=recipe.seed + salt, n_startup_trials=8, multivariate=True, group=False)
+
+
+def fallback_seeds(space: Space, recipe: Recipe, fixed: dict[str, Any], rules: Rules) -> list[dict[str, Any]]:
+    """Hand-tuned starting points for when the memory model cannot rank (CPU trials): the space's
+    defaults, the largest micro-batch (it finds the memory boundary at once, and dominance then
+    rules out everything above it), a conservative ZeRO-3 and a memory-lean offload, made valid by
+    choosing accumulation."""
+    defaults = space.defaults()
+    largest = max(space.params["per_device_train_batch_size"].grid_values()) \
+        if "per_device_train_batch_size" in space.params else None
+    ideas = [
+        {},
+        {"per_device_train_batch_size": largest, "gradient_checkpointing": True},
+        {"per_device_train_batch_size": 2, "zero_stage": 3, "offload": "none", "gradient_checkpointing": True},
+        {"per_device_train_batch_size": 1, "zero_stage": 3, "offload": "optimizer", "gradient_checkpointing": True},
+    ]
+    seeds: list[dict[str, Any]] = []
+    for idea in ideas:
+        base = {**defaults, **{k: v for k, v in idea.items() if k in space.params and space.params[k].contains(v)},
+                **fixed}
+        gas_choices = [base.get("gradient_accumulation_steps")]
+        if "gradient_accumulation_steps" in space.params and "gradient_accumulation_steps" not in fixed:
+            gas_choices += list(space.params["gradient_accumulation_steps"].grid_values())
+        for gas in gas_choices:
+            cand = space.normalize(constraints.derive({**base, "gradient_accumulation_steps": gas}, recipe))
+            if not constraints.violations(cand, recipe, rules):
+                if cand not in seeds:
+                    seeds.append(cand)
+                break
+    return seeds
+
+
+def seed_candidates(planner: Planner | None, space: Space, recipe: Recipe, fixed: dict[str, Any],
+                    rules: Rules) -> list[dict[str, Any]]:
+    """Model-ranked seeds when the memory model can rank, else the hand-written ones."""
+    if planner is not None and planner.use_model:
+        ranked = planner.rank_candidates(space, fixed, rules, k=4)
+        if ranked:
+            return ranked
+    return fallback_seeds(space, recipe, fixed, rules)
+
+
+class PolicySampler(BaseSampler):
+    """Seeds, local search around the incumbent and a random valid fallback, over TPE."""
+
+    def __init__(self, tpe: BaseSampler, *, space: Space, recipe: Recipe, fixed: dict[str, Any], rules: Rules,
+                 valid: list[dict[str, Any]], planner: Planner | None) -> None:
+        self._tpe = tpe
+        self.space, self.recipe, self.fixed, self.rules = space, recipe, fixed, list(rules)
+        self.valid = valid
+        self.planner = planner
+        self.rng = random.Random(recipe.seed)
+        self.asked = 0            # proposals in this session: the local-search rhythm counts them
+        self.invalid_streak = 0
+
+    # -- Optuna's sampler interface: TPE does the sampling --------------------------------------
+    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+        return self._tpe.infer_relative_search_space(study, trial)
+
+    def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
+                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+        return self._tpe.sample_relative(study, trial, search_space)
+
+    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
+                           param_distribution: BaseDistribution) -> Any:
+        return self._tpe.sample_independent(study, trial, param_name, param_distribution)
+
+    def reseed_rng(self) -> None:
+        self._tpe.reseed_rng()
+
+    def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        """Decide this trial's candidate, if the policy has one, before any parameter is sampled."""
+        self._tpe.before_trial(study, trial)
+        proposal = self.propose(study, trial)
+        if proposal is None:
+            return
+        kind, params = proposal
+        fixed = {k: v for k, v in params.items() if k in self.space.params and k not in self.fixed}
+        trial.system_attrs["fixed_params"] = fixed   # optuna.Trial reads it right after this call
+        study._storage.set_trial_system_attr(trial._trial_id, "fixed_params", fixed)   # noqa: SLF001
+        study._storage.set_trial_system_attr(trial._trial_id, PROPOSAL_ATTR, kind)     # noqa: SLF001
+
+    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
+                    values: Sequence[float] | None) -> None:
+        refused = trial.user_attrs.get("status") == "invalid" and not trial.user_attrs.get("launched")
+        self.invalid_streak = self.invalid_streak + 1 if refused else 0
+        self._tpe.after_trial(study, trial, state, values)
+
+    # -- the policy -----------------------------------------------------------------------------
+    def propose(self, study: optuna.Study, trial: FrozenTrial) -> tuple[str, dict[str, Any]] | None:
+        """('seed' | 'local' | 'valid', candidate), or None to let TPE sample this trial."""
+        turn = self.asked
+        self.asked += 1
+        if trial.system_attrs.get("fixed_params"):
+            return None                      # queued again after an interruption: run it as it was
+        seed = self.next_seed(study)
+        if seed is not None:
+            return "seed", seed
+        local = self.local(study) if turn % LOCAL_EVERY != 0 else None
+        if local is not None:
+            return "local", local
+        if self.invalid_streak >= INVALID_STREAK:
+            valid = self.random_valid(study)
+            if valid is not None:
+                return "valid", valid
+        return None
+
+    def next_seed(self, study: optuna.Study) -> dict[str, Any] | None:
+        if SEEDS_ATTR not in study.user_attrs:
+            if study.user_attrs.get("seeded"):   # a study from before seeds were kept: nothing left
+                return None
+            study.set_user_attr(SEEDS_ATTR, seed_candidates(self.planner, self.space, self.recipe,
+                                                            self.fixed, self.rules))
+        used = sum(1 for t in study.get_trials(deepcopy=False) if t.system_attrs.get(PROPOSAL_ATTR) == "seed")
+        seeds = study.user_attrs[SEEDS_ATTR]
+        return seeds[used] if used < len(seeds) else None
+
+    def local(self, study: optuna.Study) -> dict[str, Any] | None:
+        """The most promising untried neighbour of the best trial so far."""
+        if self.planner is None:
+            return None
+        best, _ = choose_best(rows(study), self.recipe)
+        if best is None:
+            return None
+        return self.planner.next_local(best.params, self.space, self.fixed, self.rules, set(measured_configs(study)),
+                                       candidate_key)
+
+    def random_valid(self, study: optuna.Study) -> dict[str, Any] | None:
+        """A random untried candidate that passes the rules."""
+        tried = set(measured_configs(study))
+        for _ in range(50):
+            combo = self.rng.choice(self.valid)
+            values = {name: self.rng.choice(param.grid_values(15)) for name, param in self.space.params.items()}
+            cand = self.space.normalize(constraints.derive({**values, **self.fixed, **combo}, self.recipe))
+            if candidate_key(cand) not in tried and not constraints.violations(cand, self.recipe, self.rules):
+                return cand
+        return None

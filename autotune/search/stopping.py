@@ -1,0 +1,81 @@
+"""When the search stops: trial count, time budget, an exhausted space, or the same crash again.
+
+The time budget is the study's, not the session's: the time spent so far is kept in the study, so
+a resumed search goes on with what is left of it.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+
+from autotune.errors import SearchStopped
+from autotune.trial.outcome import Outcome
+
+SAME_CRASH_LIMIT = 3          # the same crash this many times in a row ends the search
+UNLAUNCHED_LIMIT = 300        # proposals in a row that need no launch: the space is exhausted
+
+
+def crash_signature(error_line: str | None) -> str:
+    """An error line with numbers and paths blurred, so 'the same crash' survives trial numbers."""
+    text = re.sub(r"(/[^\s:'\"]+)+", "<path>", error_line or "")
+    return re.sub(r"\d+(\.\d+)?", "#", text)
+
+
+class Budget:
+    """The study's clock and how long recent trials took, to tell whether the next one fits."""
+
+    def __init__(self, limit_s: float | None, elapsed_s: float, durations: list[float]) -> None:
+        self.limit_s = limit_s
+        self.start = time.monotonic() - elapsed_s
+        self.durations = list(durations)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def spent(self, duration_s: float | None) -> None:
+        self.durations.append(duration_s or 0.0)
+
+    def exceeded(self) -> bool:
+        """Would the next trial, as long as the longest of the last five, pass the limit?"""
+        if not self.limit_s:
+            return False
+        return self.elapsed() + max(self.durations[-5:], default=0.0) > self.limit_s
+
+
+class Stopping:
+    """Counts what the search did and says when to stop; raises on a repeated crash."""
+
+    def __init__(self, budget: Budget, study_name: str) -> None:
+        self.budget = budget
+        self.study_name = study_name
+        self.unlaunched = 0
+        self.crashes: list[str] = []
+
+    def reason(self) -> tuple[str, str] | None:
+        """(reason, message for the user) when no further candidate should be proposed."""
+        if self.budget.exceeded():
+            return "time budget reached", "stopping: the next trial would exceed --time-budget"
+        if self.unlaunched >= UNLAUNCHED_LIMIT:
+            return "space exhausted", (f"stopping: the last {UNLAUNCHED_LIMIT} proposals were all invalid, "
+                                       "skipped or already measured; the space is exhausted")
+        return None
+
+    def not_launched(self) -> None:
+        self.unlaunched += 1
+
+    def launched(self) -> None:
+        self.unlaunched = 0
+
+    def finished(self, outcome: Outcome, trial_dir: Path) -> None:
+        """After a launched trial: the same crash :data:`SAME_CRASH_LIMIT` times in a row stops it all."""
+        self.budget.spent(outcome.wall_time_s)
+        if outcome.status != "crash":
+            self.crashes = []
+            return
+        self.crashes.append(crash_signature(outcome.error_line))
+        if len(self.crashes) >= SAME_CRASH_LIMIT and len(set(self.crashes[-SAME_CRASH_LIMIT:])) == 1:
+            raise SearchStopped(
+                f"the same crash {SAME_CRASH_LIMIT} times in a row: {outcome.error_line} "
+                f"(see {trial_dir}/stderr.log; fix it, then autotune resume {self.study_name})")

@@ -1,0 +1,99 @@
+"""Which trial wins: ranking, the headroom rule, and the longer confirmation runs.
+
+A trial is exportable only when it ran, measured its throughput, left ``headroom`` of GPU memory
+free and, when it was re-run longer, survived that run too. Among those, confirmed throughput
+beats a short trial's: short trials of configurations within a few percent of each other are
+ranked by noise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optuna
+
+from autotune.recipe import Recipe
+from autotune.study.record import TrialRow
+from autotune.trial.outcome import Outcome
+
+
+def rank(rows_: list[TrialRow]) -> list[TrialRow]:
+    """Best first: ok trials by throughput, then the rest by trial number."""
+    def good(r: TrialRow) -> bool:
+        return r.status == "ok" and bool(r.throughput) and r.launched and not r.pruned
+
+    ok = sorted((r for r in rows_ if good(r)), key=lambda r: -(r.throughput or 0))
+    rest = sorted((r for r in rows_ if not good(r)), key=lambda r: r.number)
+    return ok + rest
+
+
+def eligible(rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[str, Any]] | None = None
+             ) -> tuple[list[TrialRow], list[str]]:
+    """Launched ok trials, fastest first, that left ``headroom`` of GPU memory free and, when a
+    longer confirmation run was made, survived it with headroom too; plus why others were not."""
+    confirmed = confirmed or {}
+    notes: list[str] = []
+    out: list[TrialRow] = []
+    limit = recipe.gpu_memory_gib * (1.0 - recipe.headroom)
+    check_peak = recipe.device != "cpu"
+    for row in rank(rows_):
+        if row.status != "ok" or not row.throughput or not row.launched or row.pruned:
+            break
+        what = f"trial {row.number} ({row.throughput:.3g} completions/s)"
+        if check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
+            notes.append(f"{what} passed over: peak {row.peak_memory_gib:.1f} GiB is within "
+                         f"{recipe.headroom:.0%} of the {recipe.gpu_memory_gib:.1f} GiB capacity")
+            continue
+        c = confirmed.get(row.number)
+        if c is not None:
+            if c.get("status") != "ok":
+                kind = f"{c['status']}/{c.get('oom_kind')}" if c.get("oom_kind") else c.get("status")
+                notes.append(f"{what} passed over: it died in its longer confirmation run ({kind} "
+                             f"after {c.get('steps', 0)} steps)")
+                continue
+            peak = c.get("peak_memory_gib")
+            if check_peak and peak is not None and peak > limit:
+                notes.append(f"{what} passed over: its confirmation run peaked at {peak:.1f} GiB, within "
+                             f"{recipe.headroom:.0%} of the {recipe.gpu_memory_gib:.1f} GiB capacity")
+                continue
+        out.append(row)
+    return out, notes
+
+
+def choose_best(rows_: list[TrialRow], recipe: Recipe,
+                confirmed: dict[int, dict[str, Any]] | None = None) -> tuple[TrialRow | None, list[str]]:
+    """The configuration to export, with notes on what was passed over and why.
+
+    Before any confirmation: the fastest eligible trial. Once leading trials were confirmed by
+    longer runs, the one with the best confirmed throughput wins: short trials of configs within
+    a few percent of each other are ranked by noise, nine measured steps much less so.
+    """
+    confirmed = confirmed or {}
+    candidates, notes = eligible(rows_, recipe, confirmed)
+    if not candidates:
+        return None, notes
+    held = [r for r in candidates if r.number in confirmed]
+    if not held:
+        if confirmed:
+            notes.append(f"trial {candidates[0].number} was not confirmed by a longer run")
+        return candidates[0], notes
+    best = max(held, key=lambda r: confirmed[r.number].get("throughput") or 0.0)
+    c = confirmed[best.number]
+    peak = c.get("peak_memory_gib")
+    notes.append(f"trial {best.number} was confirmed by a run of {c.get('steps', 0)} steps: "
+                 f"{(c.get('throughput') or 0):.3g} completions/s" + (f", peak {peak:.1f} GiB" if peak else "")
+                 + (f" (best of {len(held)} confirmed)" if len(held) > 1 else ""))
+    return best, notes
+
+
+def confirmations(study: optuna.Study) -> dict[int, dict[str, Any]]:
+    """Outcomes of the longer confirmation runs, by the trial they confirm."""
+    out = {}
+    for key, value in study.user_attrs.items():
+        if key.startswith("confirm:"):
+            out[int(key.split(":", 1)[1])] = value
+    return out
+
+
+def save_confirmation(study: optuna.Study, number: int, outcome: Outcome) -> None:
+    study.set_user_attr(f"confirm:{number}", outcome.to_json())

@@ -1,0 +1,124 @@
+"""Telling Optuna what happened to a trial, and reading trials back as rows.
+
+Every candidate the sampler proposes becomes an Optuna trial, including the ones never launched
+(invalid, skipped, a repeat), so the sampler learns from all of them. OOM and invalid candidates
+are completed trials that violate a constraint, never FAIL: Optuna's samplers skip failed trials
+and would keep proposing the same region.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import optuna
+from optuna.trial import FrozenTrial, TrialState
+
+from autotune.files import write_json
+from autotune.trial.outcome import Outcome
+
+FEASIBLE, INFEASIBLE = 0.0, 1.0
+CONSTRAINT = "fits"   # Optuna 5 constraint key: > 0 means the trial violated it
+# outcome status -> (constraint, Optuna state). Crashes say nothing about the config's memory or
+# speed, so they are FAIL (ignored by the sampler); a hang or timeout is a config to avoid.
+TELL = {
+    "ok": (FEASIBLE, TrialState.COMPLETE),
+    "oom": (INFEASIBLE, TrialState.COMPLETE),
+    "invalid": (INFEASIBLE, TrialState.COMPLETE),
+    "skipped": (INFEASIBLE, TrialState.COMPLETE),
+    "timeout": (INFEASIBLE, TrialState.COMPLETE),
+    "hang": (INFEASIBLE, TrialState.COMPLETE),
+    "crash": (None, TrialState.FAIL),
+    "interrupted": (None, TrialState.FAIL),
+}
+
+
+@dataclass
+class TrialRow:
+    """One trial as the study remembers it: what was tried and what happened."""
+
+    number: int
+    params: dict
+    status: str                          # ok | oom | invalid | timeout | hang | crash | interrupted | skipped
+    oom_kind: str | None = None
+    throughput: float | None = None      # completions/s
+    peak_memory_gib: float | None = None
+    error_line: str | None = None
+    wall_time_s: float | None = None
+    reason: str | None = None            # why invalid / skipped / passed over
+    launched: bool = True                # False: decided without a run (invalid, skipped, a repeat)
+    pruned: bool = False                 # stopped early for being clearly slower than the best
+
+
+def candidate_key(params: dict[str, Any]) -> str:
+    """How the study recognises a configuration it has already measured."""
+    return json.dumps(params, sort_keys=True, default=str)
+
+
+def measured_configs(study: optuna.Study) -> dict[str, tuple[int, dict[str, Any]]]:
+    """Configurations the study has an answer for (measured, skipped or refused), by key: the
+    first trial that answered and its attributes. A repeat proposal is answered from here."""
+    return {t.user_attrs["key"]: (t.number, t.user_attrs) for t in study.get_trials(deepcopy=False)
+            if t.user_attrs.get("key") and t.user_attrs.get("status") not in (None, "crash", "interrupted")}
+
+
+def record(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any], outcome: Outcome,
+           *, launched: bool, key: str, trial_dir: Path | None = None,
+           memory_limit_gib: float | None = None) -> None:
+    """Tell Optuna what happened and remember enough to rebuild every report from storage.
+
+    A trial that ran but peaked inside the headroom (``memory_limit_gib``) cannot be exported, so
+    the sampler sees it as slightly infeasible (by how far it went over), not as a target.
+    """
+    constraint, state = TELL[outcome.status]
+    if (constraint == FEASIBLE and memory_limit_gib and outcome.peak_memory_gib
+            and outcome.peak_memory_gib > memory_limit_gib):
+        constraint = (outcome.peak_memory_gib - memory_limit_gib) / memory_limit_gib
+    attrs = {
+        "status": outcome.status, "oom_kind": outcome.oom_kind, "throughput": outcome.throughput,
+        "peak_memory_gib": outcome.peak_memory_gib, "error_line": outcome.error_line,
+        "wall_time_s": outcome.wall_time_s, "launched": launched, "key": key,
+        "candidate": params, "reason": outcome.detail, "mean_gpu_util": outcome.mean_gpu_util,
+        "predicted_gib": outcome.extra.get("predicted_gib"),
+        "pruned": bool(outcome.extra.get("pruned")),
+    }
+    for name, value in attrs.items():
+        trial.set_user_attr(name, value)
+    if constraint is not None:
+        trial.set_constraint(CONSTRAINT, constraint)
+    if trial_dir is not None:
+        trial_dir.mkdir(parents=True, exist_ok=True)
+        outcome.extra["launched"] = launched
+        if not launched:
+            write_json(trial_dir / "params.json", params)
+        outcome.write(trial_dir / "outcome.json")
+    if outcome.extra.get("pruned"):
+        study.tell(trial, state=TrialState.PRUNED)
+    elif state == TrialState.COMPLETE:
+        study.tell(trial, outcome.throughput if outcome.status == "ok" else 0.0)
+    else:
+        study.tell(trial, state=state)
+
+
+def row_of(trial: FrozenTrial) -> TrialRow:
+    a = trial.user_attrs
+    status = a.get("status") or ("interrupted" if trial.state == TrialState.FAIL else "running")
+    return TrialRow(
+        number=trial.number, params=dict(a.get("candidate") or trial.params), status=status,
+        oom_kind=a.get("oom_kind"), throughput=a.get("throughput"),
+        peak_memory_gib=a.get("peak_memory_gib"), error_line=a.get("error_line"),
+        wall_time_s=a.get("wall_time_s"), reason=a.get("reason"),
+        launched=bool(a.get("launched")), pruned=trial.state == TrialState.PRUNED,
+    )
+
+
+def launched_rows(study: optuna.Study) -> list[FrozenTrial]:
+    return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("launched")]
+
+
+def rows(study: optuna.Study) -> list[TrialRow]:
+    """All finished or interrupted trials, as the reports want them."""
+    return [row_of(t) for t in study.get_trials(deepcopy=False)
+            if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)]

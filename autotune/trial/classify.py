@@ -1,0 +1,395 @@
+"""Telling a failed trial's failures apart from its log.
+
+:func:`classify_failure` reads the text a failed trial left behind and decides whether it ran out of
+memory (and which memory), was rejected as an invalid configuration, or crashed for some other
+reason. The distinction matters more than the wording: the search treats an OOM as "this much does
+not fit" and an invalid trial as "never launch its like again", while a crash is not a memory
+signal at all, and a repeated crash stops the search.
+
+The texts recognised are the real ones, taken from the libraries' sources and real logs (the
+test fixtures under ``tests/data/logs`` say where each came from):
+
+=============== ==================================================================================
+kind            recognised by
+=============== ==================================================================================
+cuda            PyTorch's allocator ``CUDA out of memory. Tried to allocate ...`` (both the
+                ``GPU 0 has a total capacity of ... of which ... is free`` and the older
+                ``(GPU 0; X total capacity; Y already allocated; ...)`` wordings),
+                ``torch.OutOfMemoryError`` / ``torch.cuda.OutOfMemoryError``,
+                ``CUDA error: out of memory`` (RuntimeError before torch 2.8, ``torch.AcceleratorError``
+                after), ``CUBLAS/CUDNN/CUSOLVER_STATUS_ALLOC_FAILED``, NCCL
+                ``Cuda failure 'out of memory'`` / ``Cuda failure 2 'out of memory'``, vLLM's sleep
+                allocator ``CUDA Error: out of memory at .../cumem_allocator.cpp:N``, and the ROCm /
+                XPU / NPU / MPS spellings.
+host            ``DefaultCPUAllocator: can't allocate memory``, ``std::bad_alloc``, Python
+                ``MemoryError``, ``[Errno 12] Cannot allocate memory``, Ray's
+                ``ray.exceptions.OutOfMemoryError``, a DataLoader worker "killed by signal: Killed",
+                ``CUDA error: out of memory`` raised from ``pin_memory`` (page-locked host memory),
+                and death by SIGKILL (return code -9 or 137, torchrun's ``Signal 9 (SIGKILL)
+                received by PID`` / ``exitcode: -9``, accelerate's ``died with <Signals.SIGKILL:
+                9>``, bash's ``Killed``) when no error of its own explains the exit: the kernel's
+                OOM killer leaves no traceback.
+vllm_kv         ``No available memory for the cache blocks``, ``... KV cache is needed, which is
+                larger than the available KV cache memory``, ``... is larger than the maximum number
+                of tokens that can be stored in KV cache``: vLLM's fraction is too small.
+vllm_startup    ``Free memory on device ... on startup is less than desired GPU memory
+                utilization``: vLLM's fraction is larger than what the trainer left free.
+=============== ==================================================================================
+
+``invalid`` is TRL's (and ms-swift's) own refusal of a configuration: ``generation_batch_size (g)
+must be divisible by num_generations (G)`` / ``by the global batch size``, ``GRPO requires at least
+2 generations per prompt``, ``tensor_parallel_size (t) must divide world size (n) evenly``.
+
+Precedence: a log often holds several of these, because one failure causes others (rank 0 runs out
+of memory, rank 1 then reports a closed connection or an NCCL watchdog timeout, the launcher then
+raises ``ChildFailedError``; vLLM's ``Engine core initialization failed. See root cause above.``
+wraps the real error). The earliest memory or configuration signal in the log is the root cause
+and decides the status; messages known to be consequences are never the root cause, and for a
+plain crash the error line is the last exception that is not one of those consequences.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from autotune.trial.outcome import describe
+
+__all__ = ["Diagnosis", "classify_failure", "diagnose", "last_error_line"]
+
+ERROR_LINE_MAX = 300
+
+
+# --------------------------------------------------------------------------------------------
+# Line handling
+# --------------------------------------------------------------------------------------------
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+# Prefixes that launchers put in front of a process's own output.
+_PREFIXES = re.compile(
+    r"""^(?:
+        \[(?:rank|Rank)\s*\d+\]:?\s?                                   # torchrun / accelerate: [rank0]:
+      | \((?:[\w\-.]+)\s+pid=\d+(?:,\s*ip=[\w.:\-]+)?\)\s?          # vLLM / Ray: (EngineCore_DP0 pid=245)
+      | (?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s\d\d-\d\d\s[\d:.]+\s\[[^\]]+\]\s?  # vLLM: ERROR 07-11 06:23:05 [core.py:700]
+      | \[?[DIWEF]\d{3,4}\s[\d:.]+\s(?:\d+\s)?[\w./\-]+:\d+\]\s?       # glog (c10d, torchrun): E0312 14:13:05.6 90211 api.py:869]
+      | \[\d{4}-\d\d-\d\d\s[\d:,.]+\]\s\[\w+\]\s\[[^\]]+\]\s?       # DeepSpeed: [2025-06-02 11:20:41,118] [INFO] [x.py:1:f]
+      | \d{4}-\d\d-\d\d\s[\d:.]+\s\|\s                              # docker compose: 2026-04-19 12:05:27.169 |
+    )""",
+    re.VERBOSE,
+)
+_FRAME = re.compile(r'^\s*File "[^"]*", line \d+')
+_EXCEPTION = re.compile(
+    r"(?:^|(?<=\]\s)|(?<=\)\s)|(?<=:\s))"
+    r"(?P<name>(?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Failure|Exceeded))"
+    r"(?::\s?(?P<msg>.*)|\s*$)"
+)
+_LEADING_BAR = re.compile(r"^[^|\n]{0,40}?\d+%\|[^|]*\|\s*\d+/\d+\s*\[[^\]]*\]\s?")  # tqdm bar glued in front
+_PROGRESS = re.compile(r"\d+%\|.*\|\s*\d+/\d+|\[\d+:\d+(?::\d+)?<|(?:it/s|s/it)\]\s*$")
+
+
+def _clean(line: str) -> str:
+    """Drop colours, tqdm redraws and launcher prefixes; keep the process's own words."""
+    line = _ANSI.sub("", line)
+    if "\r" in line:
+        parts = [p for p in line.split("\r") if p.strip()]
+        line = parts[-1] if parts else ""
+    line = _LEADING_BAR.sub("", line.rstrip())
+    for _ in range(4):
+        stripped = _PREFIXES.sub("", line, count=1)
+        if stripped == line:
+            break
+        line = stripped
+    return line
+
+
+def _exception(line: str) -> tuple[str, str] | None:
+    """(name, message) when the cleaned line is where a traceback names its exception.
+
+    Indented lines are traceback source/frames (``    except MemoryError:``), never the exception."""
+    if not line or line[0].isspace():
+        return None
+    match = _EXCEPTION.search(line)
+    if match is None:
+        return None
+    return match.group("name"), (match.group("msg") or "").strip()
+
+
+def _trim(text: str) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= ERROR_LINE_MAX else text[: ERROR_LINE_MAX - 3].rstrip() + "..."
+
+
+# --------------------------------------------------------------------------------------------
+# What to recognise
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Rule:
+    category: str  # "oom" | "invalid"
+    kind: str | None  # an OOM_KIND for "oom"
+    regex: re.Pattern[str]
+    exception_only: tuple[str, ...] = ()  # match only when the line's exception name is one of these
+    rank: int = 5  # lower = better error line among lines of the same kind
+
+
+def _r(pattern: str, flags: int = 0) -> re.Pattern[str]:
+    return re.compile(pattern, flags)
+
+
+_RULES: tuple[_Rule, ...] = (
+    # --- vLLM: its own words are more specific than any CUDA message, so they come first
+    _Rule("oom", "vllm_startup", _r(r"Free memory on device.*on startup is less than desired GPU memory utilization"), rank=0),
+    _Rule("oom", "vllm_kv", _r(r"No available memory for the cache blocks"), rank=0),
+    _Rule("oom", "vllm_kv", _r(r"KV cache is needed, which is larger than the available KV cache memory"), rank=0),
+    _Rule("oom", "vllm_kv", _r(r"is larger than the maximum number of tokens that can be stored in KV cache"), rank=0),
+    # --- host RAM
+    _Rule("oom", "host", _r(r"ray\.exceptions\.OutOfMemoryError"), rank=1),
+    _Rule("oom", "host", _r(r"DefaultCPUAllocator: can't allocate memory"), rank=0),
+    _Rule("oom", "host", _r(r"std::bad_alloc"), rank=2),
+    _Rule("oom", "host", _r(r"DataLoader worker \(pid.*\) is killed by signal: Killed"), rank=1),
+    _Rule("oom", "host", _r(r"\[Errno 12\] Cannot allocate memory"), rank=2),
+    _Rule("oom", "host", _r(r"MemoryError"), exception_only=("MemoryError", "builtins.MemoryError"), rank=1),
+    # --- accelerator memory
+    _Rule("oom", "cuda", _r(r"CUDA out of memory\.\s*Tried to allocate"), rank=0),
+    _Rule("oom", "cuda", _r(r"(?<![\w.])(?:torch\.)?(?:cuda\.)?OutOfMemoryError\b"), rank=1),
+    _Rule("oom", "cuda", _r(r"CUDA out of memory"),
+          exception_only=("RuntimeError", "OutOfMemoryError", "torch.OutOfMemoryError",
+                          "torch.cuda.OutOfMemoryError", "torch.AcceleratorError"), rank=1),
+    _Rule("oom", "cuda", _r(r"CUDA error:\s*out of memory", re.IGNORECASE), rank=1),
+    _Rule("oom", "cuda", _r(r"\b(?:CUBLAS|CUDNN|CUSOLVER|CUSPARSE)_STATUS_ALLOC_FAILED\b"), rank=1),
+    _Rule("oom", "cuda", _r(r"Cuda failure\s+(?:\d+\s+)?'out of memory'", re.IGNORECASE), rank=2),
+    _Rule("oom", "cuda", _r(r"\b(?:cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|hipErrorOutOfMemory)\b"), rank=2),
+    _Rule("oom", "cuda", _r(r"\b(?:HIP|XPU|NPU|GCU|MPS backend) out of memory\b"), rank=1),
+    # --- configurations the trainer refuses (TRL GRPOConfig / vLLM colocate, ms-swift's copies)
+    _Rule("invalid", None, _r(r"generation_batch_size \(\d+\) must (?:be (?:evenly )?divisible by|equal)"), rank=0),
+    _Rule("invalid", None, _r(r"GRPO requires at least 2 generations per prompt"), rank=0),
+    _Rule("invalid", None, _r(r"tensor_parallel_size \(\d+\) must divide world size"), rank=0),
+    _Rule("invalid", None, _r(r"global eval batch size .* must be (?:evenly )?divisible by"), rank=0),
+    _Rule("invalid", None, _r(r"'generation_batch_size' and 'steps_per_generation' can not be both configured"), rank=0),
+    _Rule("invalid", None, _r(r"auto_find_batch_size is not supported by GRPO"), rank=0),
+    _Rule("invalid", None, _r(r"steps_per_generation must be > 0"), rank=0),
+)
+
+# The process died of SIGKILL: the OOM killer's signature when nothing else explains the exit.
+_SIGKILL = re.compile(
+    r"Signal 9 \(SIGKILL\) received by PID"
+    r"|exitcode\s*:\s*-9\b"
+    r"|died with <Signals\.SIGKILL: 9>"
+    r"|return code = -9\b"
+    r"|^(?:\S+: )?line \d+:\s+\d+ Killed\b"
+    r"|^Killed\s*$"
+)
+
+# Errors that are consequences of another process's failure, never a root cause.
+_SECONDARY_NAMES = {
+    "ChildFailedError", "CalledProcessError", "SignalException", "ProcessExitedException",
+    "DistNetworkError", "DistStoreError", "EngineDeadError", "EngineGenerateError",
+    "BrokenPipeError", "ConnectionResetError", "ConnectionAbortedError",
+}
+_SECONDARY_TEXT = re.compile(
+    r"Connection closed by peer|Connection reset by peer|remote worker crashing"
+    r"|Watchdog caught collective operation timeout|NCCL communicator was aborted"
+    r"|Some NCCL operations have failed or timed out|Process group watchdog thread terminated"
+    r"|Engine core initialization failed|EngineCore encountered a fatal error"
+    r"|died unexpectedly|Broken pipe|recvValue failed|failed to recv|Socket Timeout"
+    r"|terminate called after throwing an instance of 'c10::DistBackendError'"
+    r"|To avoid data inconsistency, we are taking the entire process down"
+    r"|received by PID|got signal: \d+",
+    re.IGNORECASE,
+)
+# Fatal errors that print no Python exception.
+_FATAL = re.compile(
+    r"Segmentation fault|Fatal Python error:|terminate called after throwing an instance of"
+    r"|Aborted \(core dumped\)|Bus error|Illegal instruction|core dumped"
+)
+_PIN_MEMORY = re.compile(r"pin_memory|cudaHostAlloc|pinned", re.IGNORECASE)
+
+
+def _is_secondary(name: str | None, text: str) -> bool:
+    short = (name or "").rsplit(".", 1)[-1]
+    return short in _SECONDARY_NAMES or bool(_SECONDARY_TEXT.search(text))
+
+
+@dataclass
+class _Hit:
+    index: int  # line number in the cleaned log
+    rule: _Rule
+    kind: str | None
+
+
+def _is_source_line(lines: list[str], index: int) -> bool:
+    """Is this an indented line of a Python traceback (the code shown under a ``File`` frame)?
+
+    ``raise ValueError("No available memory for the cache blocks. "`` is such a line: it quotes
+    the message but is not the error, and its frame may belong to a handled exception."""
+    if not lines[index][:1].isspace():
+        return False
+    for j in range(index - 1, max(-1, index - 8), -1):
+        if _FRAME.match(lines[j]):
+            return True
+        if lines[j] and not lines[j][:1].isspace():
+            return False
+    return False
+
+
+def _scan(lines: list[str]) -> list[_Hit]:
+    hits: list[_Hit] = []
+    for i, line in enumerate(lines):
+        if not line or _is_source_line(lines, i):
+            continue
+        exc = None
+        for rule in _RULES:
+            if not rule.regex.search(line):
+                continue
+            if rule.exception_only:
+                exc = exc or _exception(line)
+                if exc is None or exc[0] not in rule.exception_only:
+                    continue
+            kind = rule.kind
+            if kind == "cuda" and "out of memory" in line.lower() and "CUDA error" in line \
+                    and _traceback_mentions(lines, i, _PIN_MEMORY):
+                kind = "host"  # cudaHostAlloc failed: page-locked *host* memory ran out
+            hits.append(_Hit(i, rule, kind))
+            break
+    return hits
+
+
+def _traceback_mentions(lines: list[str], index: int, pattern: re.Pattern[str]) -> bool:
+    """Does the traceback that ends at ``index`` pass through code matching ``pattern``?"""
+    for j in range(index - 1, max(-1, index - 60), -1):
+        line = lines[j]
+        if line.startswith("Traceback (most recent call last)"):
+            return False
+        in_traceback = bool(_FRAME.match(line)) or line[:1].isspace()
+        if in_traceback and pattern.search(line):
+            return True
+    return False
+
+
+def _error_text(lines: list[str], index: int) -> str:
+    """The line at ``index`` as an error line: from its exception name on, joined with the next
+    line when the exception was printed with its message on the following line."""
+    line = lines[index]
+    if "NCCL WARN" in line:  # host:pid:tid [dev] file.cc:N NCCL WARN <what>
+        return _trim(line[line.index("NCCL WARN"):])
+    exc = _exception(line)
+    if exc is not None:
+        name, msg = exc
+        if not msg:
+            following = next((l for l in lines[index + 1 : index + 4] if l.strip()), "")
+            if re.search(r"\w", following) and not following.lstrip().startswith(("Traceback", "File ")):
+                msg = following.strip()
+        return _trim(f"{name}: {msg}" if msg else name)
+    previous = next((lines[j] for j in range(index - 1, max(-1, index - 3), -1) if lines[j].strip()), "")
+    prev_exc = _exception(previous)
+    if prev_exc is not None and not prev_exc[1]:
+        return _trim(f"{prev_exc[0]}: {line.strip()}")
+    return _trim(line.strip())
+
+
+# --------------------------------------------------------------------------------------------
+# Public helpers
+# --------------------------------------------------------------------------------------------
+
+
+def _lines(log_text: str) -> list[str]:
+    return [_clean(raw) for raw in (log_text or "").split("\n")]
+
+
+def _root(hits: list[_Hit]) -> tuple[str | None, int]:
+    """Kind of the earliest hit, and the best line of that kind (most specific rule, then earliest)."""
+    first = min(hits, key=lambda h: h.index)
+    same = [h for h in hits if h.rule.category == first.rule.category and h.kind == first.kind]
+    best = min(same, key=lambda h: (h.rule.rank, h.index))
+    return first.kind, best.index
+
+
+def last_error_line(log_text: str) -> str | None:
+    """The line that best says why a process failed, for a failure that is not about memory.
+
+    The last exception of the last traceback that is not a mere consequence of another failure
+    (a launcher's ``ChildFailedError``, a peer's closed connection, an NCCL watchdog timeout);
+    else the last fatal C++/signal message; else the last consequence; else the last line that
+    is not a progress bar."""
+    lines = _lines(log_text)
+    primary = secondary = fatal = None
+    for i, line in enumerate(lines):
+        exc = _exception(line)
+        if exc is not None:
+            if _is_secondary(exc[0], line):
+                secondary = i
+            else:
+                primary = i
+        elif _FATAL.search(line):
+            fatal = i
+    for index in (primary, fatal, secondary):
+        if index is not None:
+            return _error_text(lines, index)
+    for line in reversed(lines):
+        if line.strip() and not _PROGRESS.search(line):
+            return _trim(line.strip())
+    return None
+
+
+def _has_primary_error(lines: list[str]) -> bool:
+    for line in lines:
+        exc = _exception(line)
+        if exc is not None and not _is_secondary(exc[0], line):
+            return True
+        if exc is None and _FATAL.search(line) and not _is_secondary(None, line):
+            return True
+    return False
+
+
+@dataclass
+class Diagnosis:
+    """Everything :func:`diagnose` could tell from a failed trial's exit."""
+
+    status: str  # "oom" | "invalid" | "crash"
+    oom_kind: str | None
+    error_line: str | None
+    detail: str
+
+
+def diagnose(returncode: int | None, log_text: str, *, stopped_by_us: bool = False) -> Diagnosis:
+    """Like :func:`classify_failure`, with a human detail line."""
+    lines = _lines(log_text)
+    hits = _scan(lines)
+    if hits:
+        kind, index = _root(hits)
+        first = min(hits, key=lambda h: h.index)
+        status = first.rule.category
+        error_line = _error_text(lines, index)
+        return Diagnosis(
+            status=status,
+            oom_kind=kind if status == "oom" else None,
+            error_line=error_line,
+            detail=describe(status, kind),
+        )
+
+    killed_line = next((line for line in reversed(lines) if _SIGKILL.search(line)), None)
+    killed = killed_line is not None or (returncode in (-9, 137) and not stopped_by_us)
+    if killed and not _has_primary_error(lines):
+        error_line = _trim(killed_line.strip()) if killed_line else f"killed by SIGKILL (exit code {returncode})"
+        return Diagnosis("oom", "host", error_line, describe("oom", "host") + " (SIGKILL with no error of its own)")
+
+    return Diagnosis("crash", None, last_error_line(log_text), describe("crash"))
+
+
+def classify_failure(
+    returncode: int | None, log_text: str, *, stopped_by_us: bool = False
+) -> tuple[str, str | None, str | None]:
+    """(status, oom_kind, error_line) for a process that ended on its own without completing measurement.
+
+    status is 'oom' (with its kind), 'invalid' (TRL's configuration ValueErrors: generation_batch_size
+    divisibility, 'at least 2 generations', tensor_parallel_size must divide world size) or 'crash'.
+    ``log_text`` is stdout and stderr together (order within each is what matters; interleaving of
+    the two is tolerated).
+
+    A bare exit code of -9/137 reads as the OOM killer. When the launcher itself killed the process
+    (timeout, hang, measurement done), pass ``stopped_by_us=True``: then only what the log says
+    counts (a SIGKILL that a child reported, torchrun's ``Signal 9 (SIGKILL) received by PID``,
+    still does, since our own kill reaches the launcher, not its children)."""
+    d = diagnose(returncode, log_text, stopped_by_us=stopped_by_us)
+    return d.status, d.oom_kind, d.error_line

@@ -1,0 +1,89 @@
+"""When a running trial has told us enough: measured, or clearly not worth finishing.
+
+A trial exists to measure steady-state throughput. Once the step times after warm-up agree with
+each other, more steps only burn GPU time; and a trial whose first measured steps are far slower
+than the best configuration so far cannot win, so it is pruned (reported through Optuna's pruner
+interface, so the sampler sees it as a pruned trial). An OOM ends a trial by itself.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from autotune.recipe import Recipe
+from autotune.trial.metrics import StepRecord, steady_throughput
+
+CONFIRM_FACTOR = 3   # a confirmation run measures this many times the usual steps
+
+
+@dataclass
+class StopRule:
+    """Decides from the step records so far: None (go on), 'measured' or 'pruned'."""
+
+    warmup: int = 2
+    measure: int = 3                 # measured steps in the usual case
+    adaptive: bool = True            # stop at min_measured when the spread is already small
+    min_measured: int = 2
+    spread: float = 0.05             # (max - min) / mean of measured step times counts as stable
+    extra: int = 3                   # an unstable trial may measure this many more steps
+    prune: bool = True
+
+    @classmethod
+    def searching(cls, recipe: Recipe) -> "StopRule":
+        """A search trial: adaptive (stops once stable) and prunable."""
+        return cls(warmup=recipe.warmup_steps, measure=recipe.measure_steps)
+
+    @classmethod
+    def confirming(cls, recipe: Recipe) -> "StopRule":
+        """A confirmation run: :data:`CONFIRM_FACTOR` times the measured steps, all of them."""
+        return cls(warmup=recipe.warmup_steps, measure=recipe.measure_steps * CONFIRM_FACTOR,
+                   adaptive=False, prune=False)
+
+    def measured(self, records: list[StepRecord]) -> list[float]:
+        return [r.step_time for r in records if r.step > self.warmup and r.step_time]
+
+    def stable(self, times: list[float]) -> bool:
+        if len(times) < 2:
+            return False
+        mean = statistics.fmean(times)
+        return mean > 0 and (max(times) - min(times)) / mean <= self.spread
+
+    def decide(self, records: list[StepRecord], steps_done: int) -> str | None:
+        after = steps_done - self.warmup
+        if after <= 0:
+            return None
+        times = self.measured(records)
+        if self.adaptive and after >= self.min_measured and self.stable(times[-self.min_measured:]):
+            return "measured"
+        if after >= self.measure and (not self.adaptive or self.stable(times[-self.measure:])):
+            return "measured"
+        if after >= self.measure + (self.extra if self.adaptive else 0):
+            return "measured"
+        return None
+
+
+@dataclass
+class TrialControl:
+    """What a running trial consults at every step: its stop rule and Optuna's pruner.
+
+    ``trial`` is the Optuna trial to report intermediate throughput to (None for confirmation and
+    verify runs, which are never pruned); ``purpose`` says which kind of run this is.
+    """
+
+    rule: StopRule
+    trial: Any | None = None                # optuna.Trial: report() / should_prune()
+    samples_per_step: int | None = None
+    on_step: Callable[[StepRecord], None] = lambda record: None
+    purpose: str = "search"                 # search | confirm | verify
+
+    def decide(self, records: list[StepRecord], steps_done: int) -> str | None:
+        verdict = self.rule.decide(records, steps_done)
+        if verdict is None and self.rule.prune and self.trial is not None and steps_done > self.rule.warmup:
+            value = steady_throughput(records, self.rule.warmup, self.samples_per_step)
+            if value:
+                self.trial.report(value, steps_done)
+                if self.trial.should_prune():
+                    return "pruned"
+        return verdict

@@ -1,0 +1,163 @@
+"""Running one launched trial and judging it: launch, watch, sample, classify, clean up.
+
+The runner has already turned the candidate into a :class:`LaunchSpec`. Here the process runs in
+its own group while its metrics and log lines are watched step by step (the trial's
+:class:`TrialControl` says when enough is measured), NVML/psutil sample the GPUs and host into
+gpu.csv, and afterwards what the trial reported and how it ended become an :class:`Outcome`.
+The outcome is on disk before the slow part (waiting for the GPUs to drain), so a controller
+killed during the cleanup resumes with the result instead of re-running the trial.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import shlex
+from pathlib import Path
+from typing import Any, ContextManager
+
+from autotune.recipe import Recipe
+from autotune.trial.classify import classify_failure
+from autotune.trial.cleanup import read_baseline, wait_for_baseline
+from autotune.trial.control import TrialControl
+from autotune.trial.launch import LaunchResult, LaunchSpec, ServiceFailed, launch
+from autotune.trial.metrics import steady_throughput
+from autotune.trial.monitor import TrialMonitor
+from autotune.trial.outcome import Outcome
+from autotune.trial.telemetry import GpuSampler
+from autotune.trial.utilization import phase_times
+
+log = logging.getLogger(__name__)
+
+# files of a previous run in a reused trial folder (after an interruption): never read them again
+RUN_FILES = ("metrics.jsonl", "stdout.log", "stderr.log", "gpu.csv", "outcome.json")
+
+
+def fresh_trial_dir(trial_dir: Path) -> None:
+    """Remove what an earlier, interrupted run left, so its lines are not fed to this one."""
+    for leftover in RUN_FILES:
+        (trial_dir / leftover).unlink(missing_ok=True)
+
+
+def write_command(spec: LaunchSpec) -> None:
+    """command.txt: how to run the trial by hand, environment and memory cap included."""
+    env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))
+    limit = f"# RLIMIT_AS {spec.memory_limit_gib} GiB\n" if spec.memory_limit_gib else ""
+    (spec.trial_dir / "command.txt").write_text(
+        f"{limit}cd {shlex.quote(str(spec.cwd or spec.trial_dir))}\n{env} \\\n  {shlex.join(spec.argv)}\n")
+
+
+_BASELINES: dict[tuple[int, ...], dict[int, float] | None] = {}
+
+
+def baseline_for(gpus: list[int]) -> dict[int, float] | None:
+    """GPU memory in use before this controller's first trial on these GPUs (read once)."""
+    key = tuple(gpus)
+    if key not in _BASELINES:
+        _BASELINES[key] = read_baseline(gpus)
+    return _BASELINES[key]
+
+
+def trial_gpus(spec: LaunchSpec) -> list[int]:
+    """NVML indices of the GPUs a trial was given (CUDA_VISIBLE_DEVICES of its environment)."""
+    visible = spec.env.get("CUDA_VISIBLE_DEVICES", "")
+    return [int(d) for d in visible.split(",") if d.strip().isdigit()]
+
+
+def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: TrialControl, *,
+            monitors_gpus: bool, services: ContextManager[Any]) -> Outcome:
+    """Launch ``spec`` and stop it once its throughput is measured (or it is pruned).
+
+    ``services`` is entered just before the launch and left after it (a vLLM server the trial
+    needs); it raises :class:`ServiceFailed` when it cannot start. Afterwards the GPUs are brought
+    back to their baseline before the next trial.
+    """
+    trial_dir = spec.trial_dir
+    write_command(spec)
+    monitor = TrialMonitor(trial_dir / "metrics.jsonl", recipe.completions_per_step(params))
+    gpus = trial_gpus(spec) if recipe.device == "cuda" else []
+    sampler = GpuSampler(trial_dir, gpus, params=params, min_util=recipe.min_util) if monitors_gpus else None
+    baseline = baseline_for(gpus) if sampler is not None and gpus else None
+    seen = 0
+
+    def should_stop() -> str | None:
+        nonlocal seen
+        monitor.poll()
+        records = monitor.records
+        for rec in records[seen:]:
+            control.on_step(rec)
+            if sampler is not None and rec.step == control.rule.warmup:
+                sampler.mark("measure")
+        if len(records) == seen:
+            return None
+        seen = len(records)
+        verdict = control.decide(records, monitor.steps)
+        if verdict and sampler is not None:
+            sampler.mark("end")
+        return verdict
+
+    with contextlib.ExitStack() as around:
+        try:
+            around.enter_context(services)
+        except ServiceFailed as exc:
+            status, oom_kind, error_line = classify_failure(exc.returncode, exc.log_text)
+            return Outcome(status=status if status in ("oom", "invalid") else "crash", oom_kind=oom_kind,
+                           error_line=error_line or str(exc), detail=f"the vLLM server did not start: {exc}")
+        if sampler is not None:
+            sampler.start()
+        try:
+            result = launch(spec, on_line=monitor.feed, should_stop=should_stop,
+                            trial_timeout_s=recipe.trial_timeout_s, hang_timeout_s=recipe.hang_timeout_s,
+                            activity=monitor.last_activity)
+        finally:
+            summary = sampler.stop(step_times=phase_times(trial_dir / "metrics.jsonl",
+                                                          after_step=control.rule.warmup)) if sampler else None
+    monitor.poll()
+    outcome = judge(result, monitor, recipe, control.rule.warmup)
+    if summary is not None:
+        outcome.mean_gpu_util = summary.mean_gpu_util
+        outcome.extra["monitor"] = summary.to_json()
+        if summary.peak_memory_gib is not None and recipe.device == "cuda":
+            # NVML sees what the allocator does not (CUDA context, a colocated vLLM engine)
+            outcome.peak_memory_gib = max(outcome.peak_memory_gib or 0.0, summary.peak_memory_gib)
+        if summary.low_util:
+            outcome.extra["low_util"] = True
+            outcome.detail = outcome.detail or summary.diagnosis
+            log.info("%s: low GPU utilization: %s", trial_dir.name, summary.diagnosis)
+    # on disk before anything slow: a controller killed from here on resumes with this result
+    outcome.extra["launched"] = True
+    outcome.write(trial_dir / "outcome.json")
+    if gpus and sampler is not None:
+        wait_for_baseline(gpus, baseline, pgid=None, trial_dir=trial_dir.parent)
+    return outcome
+
+
+def judge(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: int) -> Outcome:
+    """Turn how the process ended plus what it reported into an Outcome."""
+    records = monitor.records
+    throughput = steady_throughput(records, warmup, monitor.samples_per_step)
+    common = dict(peak_memory_gib=monitor.peak_memory_gib(), steps=monitor.steps,
+                  step_times=[r.step_time for r in records if r.step_time is not None],
+                  wall_time_s=round(result.wall_time_s, 3), returncode=result.returncode)
+    if result.stopped in ("measured", "pruned") and throughput:
+        extra = {"pruned": True} if result.stopped == "pruned" else {}
+        return Outcome(status="ok", throughput=throughput, extra=extra, **common)
+    # a trial we killed ourselves (-9 after SIGTERM was ignored) is not the kernel's OOM killer
+    status, oom_kind, error_line = classify_failure(result.returncode, result.log_tail,
+                                                    stopped_by_us=result.stopped is not None)
+    if status == "oom":
+        return Outcome(status="oom", oom_kind=oom_kind, error_line=error_line, **common)
+    if result.stopped in ("timeout", "hang"):
+        limit = recipe.trial_timeout_s if result.stopped == "timeout" else recipe.hang_timeout_s
+        detail = (f"no result within --trial-timeout {limit:g}s" if result.stopped == "timeout"
+                  else f"no output for --hang-timeout {limit:g}s")
+        return Outcome(status=result.stopped, detail=detail, error_line=error_line, **common)
+    if result.returncode == 0 and throughput:
+        return Outcome(status="ok", throughput=throughput,
+                       detail="the trainer finished before all measured steps", **common)
+    if result.returncode == 0:
+        return Outcome(status="crash", error_line=error_line or (
+            f"the trainer exited after {monitor.steps} step(s) without enough step times; "
+            f"it must run at least {warmup + 1} steps and log step_time or write "
+            "AUTOTUNE_METRICS_FILE lines"), **common)
+    return Outcome(status=status, oom_kind=oom_kind, error_line=error_line, **common)

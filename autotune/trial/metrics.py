@@ -1,0 +1,333 @@
+"""What a trial reports about its steps, and how fast that makes it.
+
+Every source of step figures (autotune's metrics file here, trainer log dicts in
+:mod:`autotune.trial.logparse`) ends up as the same :class:`StepRecord`: one optimizer step, or a
+run of steps whose values are per-step averages.
+
+**autotune's metrics file** is the fixed trial contract (``AUTOTUNE_METRICS_FILE``), one JSON object
+a line: ``{"step": 3, "step_time": 41.2, "samples": 256, "tokens": 393216, "peak_memory_gib": 71.3}``.
+Unknown fields are ignored and missing ones are ``None``. See :func:`parse_metrics_line`,
+:func:`read_metrics_file` and :class:`MetricsTail`.
+
+Lines are read by :func:`parse_mapping`, shared with the log parser: JSON first, then a Python
+``repr`` (what trainers print), read by Python's own parser and a small evaluator that accepts only
+literals. It lives here rather than in ``logparse`` because a metrics line goes through it too.
+
+:func:`steady_throughput` turns records into completions per second after warm-up.
+
+Everything here is pure parsing and arithmetic: no process handling, no GPU access.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+__all__ = [
+    "StepRecord",
+    "MetricsTail",
+    "parse_mapping",
+    "parse_metrics_line",
+    "read_metrics_file",
+    "record_from_dict",
+    "steady_throughput",
+    "to_float",
+    "to_int",
+]
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step, or ``span`` consecutive steps ending at ``step`` (values then per step).
+
+    ``elapsed`` is seconds since training began at the end of ``step`` when the source has a wall
+    clock (ms-swift's cumulative speed, HF's per-step ``train_runtime``); it lets throughput be
+    measured over a whole window without adding up rounding, and it includes the optimizer step
+    that TRL's ``step_time`` leaves out.
+    """
+
+    step: int
+    step_time: float | None = None  # seconds for one optimizer step
+    samples: int | None = None  # completions trained in that step
+    tokens: int | None = None
+    peak_memory_gib: float | None = None
+    span: int = 1
+    elapsed: float | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """The metrics-line form (contract fields only; unknown values omitted)."""
+        out: dict[str, Any] = {"step": self.step}
+        for key in ("step_time", "samples", "tokens", "peak_memory_gib"):
+            value = getattr(self, key)
+            if value is not None:
+                out[key] = value
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Small value helpers
+# --------------------------------------------------------------------------------------------
+
+
+def to_float(value: Any) -> float | None:
+    """A finite float from a log value (float, int, '0.0123', '3.00%'), else None."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        result = float(value)
+    elif isinstance(value, str):
+        text = value.strip().rstrip("%").strip()
+        try:
+            result = float(text)
+        except ValueError:
+            return None
+    else:
+        return None
+    return result if math.isfinite(result) else None
+
+
+def to_int(value: Any) -> int | None:
+    """A whole number from a log value; 256 and 256.0 (a JSON writer may emit floats), not 2.5."""
+    number = to_float(value)
+    if number is None:
+        return None
+    rounded = round(number)
+    return int(rounded) if abs(number - rounded) < 1e-6 * max(1.0, abs(number)) else None
+
+
+# --------------------------------------------------------------------------------------------
+# Reading one dict: JSON, else a Python repr
+# --------------------------------------------------------------------------------------------
+
+#: Texts longer than this are not handed to Python's parser: its time and memory grow much faster
+#: than a text's length, and no real log dict comes near (ms-swift's GRPO dicts are ~2 KiB).
+MAX_LITERAL_CHARS = 64 * 1024
+
+# Bare names that stand for values in printed dicts (Python's and JSON's spellings).
+_NAMES: dict[str, Any] = {
+    "None": None, "null": None, "True": True, "true": True, "False": False, "false": False,
+    "nan": math.nan, "NaN": math.nan, "inf": math.inf, "Infinity": math.inf,
+}
+
+
+def _literal(node: ast.expr) -> Any:
+    """The value of a literal node; ValueError for anything that is not plain data.
+
+    Beyond :func:`ast.literal_eval` this reads nan/inf/null/true/false as names, and a call such as
+    ``np.float64(0.1)`` or ``tensor(0.5, device='cuda:0')`` as its first positional argument: all of
+    these appear in real logs. Tuples read as lists. Nothing is ever executed."""
+    if isinstance(node, ast.Constant):
+        if node.value is None or isinstance(node.value, (str, int, float)):
+            return node.value
+        raise ValueError("unsupported constant")
+    if isinstance(node, ast.Dict):
+        out: dict[str, Any] = {}
+        for key_node, value_node in zip(node.keys, node.values):
+            if key_node is None:
+                raise ValueError("** in a dict")
+            key = _literal(key_node)
+            if not isinstance(key, (str, int, float)):
+                raise ValueError("bad key")
+            out[str(key)] = _literal(value_node)
+        return out
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [_literal(item) for item in node.elts]
+    if isinstance(node, ast.Name):
+        if node.id in _NAMES:
+            return _NAMES[node.id]
+        return float(node.id)  # other spellings of inf/nan ('INF', 'Nan'); ValueError for the rest
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+        operand = _literal(node.operand) if isinstance(node.operand, (ast.Constant, ast.Name)) else None
+        if isinstance(operand, bool) or not isinstance(operand, (int, float)):
+            raise ValueError("sign on a non-number")
+        return -operand if isinstance(node.op, ast.USub) else operand
+    if isinstance(node, ast.Call) and _is_dotted_name(node.func):
+        if any(isinstance(arg, ast.Starred) for arg in node.args):
+            raise ValueError("*args in a call")
+        return _literal(node.args[0]) if node.args else None
+    raise ValueError(f"not a literal: {type(node).__name__}")
+
+
+def _is_dotted_name(node: ast.expr) -> bool:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
+# Python's compiler warns about odd literals ('1x', '\\d') in the text it parses. Those are trial
+# output, not autotune's code: say nothing. A filter set once, on a file name of our own, since
+# warnings.catch_warnings is not thread-safe and logs are read from reader threads.
+_SOURCE_NAME = "<trial log dict>"
+for _category in (SyntaxWarning, DeprecationWarning):
+    warnings.filterwarnings("ignore", category=_category, module=re.escape(_SOURCE_NAME))
+
+
+def _python_literal(text: str) -> Any:
+    """The value of a Python-repr text, or None when it is too long, malformed or not plain data."""
+    if len(text) > MAX_LITERAL_CHARS:
+        return None
+    try:
+        return _literal(ast.parse(text, _SOURCE_NAME, mode="eval").body)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def parse_mapping(text: str) -> dict[str, Any] | None:
+    """A dict from JSON or a Python repr, or None. Never raises."""
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError):
+        value = _python_literal(text)
+    return value if isinstance(value, dict) else None
+
+
+# --------------------------------------------------------------------------------------------
+# autotune metrics lines
+# --------------------------------------------------------------------------------------------
+
+
+def record_from_dict(d: dict[str, Any]) -> StepRecord | None:
+    """A StepRecord from a metrics-contract dict; None without a usable ``step``.
+
+    Values that make no sense (negative counts, non-positive step times) are dropped, not kept."""
+    step = to_int(d.get("step"))
+    if step is None or step < 0:
+        return None
+    step_time = to_float(d.get("step_time"))
+    peak = to_float(d.get("peak_memory_gib"))
+    samples = to_int(d.get("samples"))
+    tokens = to_int(d.get("tokens"))
+    return StepRecord(
+        step=step,
+        step_time=step_time if step_time is not None and step_time > 0 else None,
+        samples=samples if samples is not None and samples >= 0 else None,
+        tokens=tokens if tokens is not None and tokens >= 0 else None,
+        peak_memory_gib=peak if peak is not None and peak >= 0 else None,
+    )
+
+
+def parse_metrics_line(line: str) -> StepRecord | None:
+    """One metrics-file line -> StepRecord; None for blank, partial or foreign lines."""
+    text = line.strip()
+    if not text.startswith("{") or not text.endswith("}"):
+        return None
+    d = parse_mapping(text)
+    return record_from_dict(d) if d is not None else None
+
+
+def read_metrics_file(path: Path | str) -> list[StepRecord]:
+    """All complete records of a metrics file; a missing file is empty, bad lines are skipped.
+
+    The trial may be killed in the middle of a write, so the last line can be cut short: it simply
+    fails to parse and is dropped."""
+    try:
+        data = Path(path).read_bytes()
+    except (FileNotFoundError, IsADirectoryError, PermissionError):
+        return []
+    records = []
+    for raw in data.decode("utf-8", errors="replace").splitlines():
+        record = parse_metrics_line(raw)
+        if record is not None:
+            records.append(record)
+    return records
+
+
+class MetricsTail:
+    """Reads a growing metrics file incrementally: each :meth:`poll` returns the new complete lines.
+
+    A line is consumed only once its newline is written, so a writer caught mid-line is read on
+    the next poll rather than lost."""
+
+    def __init__(self, path: Path | str) -> None:
+        self.path = Path(path)
+        self.offset = 0
+        self.records: list[StepRecord] = []
+
+    def poll(self) -> list[StepRecord]:
+        try:
+            size = os.path.getsize(self.path)
+        except OSError:
+            return []
+        if size < self.offset:  # truncated or replaced: start over
+            self.offset = 0
+            self.records = []
+        if size == self.offset:
+            return []
+        with open(self.path, "rb") as fh:
+            fh.seek(self.offset)
+            chunk = fh.read(size - self.offset)
+        cut = chunk.rfind(b"\n")
+        if cut < 0:
+            return []
+        self.offset += cut + 1
+        new = [
+            r
+            for r in (parse_metrics_line(x) for x in chunk[:cut].decode("utf-8", "replace").splitlines())
+            if r is not None
+        ]
+        self.records.extend(new)
+        return new
+
+
+# --------------------------------------------------------------------------------------------
+# Throughput
+# --------------------------------------------------------------------------------------------
+
+
+def _by_step(records: Iterable[StepRecord]) -> list[StepRecord]:
+    """Records sorted by step, the last one seen winning for a repeated step."""
+    latest: dict[int, StepRecord] = {}
+    for record in records:
+        latest[record.step] = record
+    return [latest[s] for s in sorted(latest)]
+
+
+def steady_throughput(
+    records: list[StepRecord], warmup_steps: int, samples_per_step: int | None
+) -> float | None:
+    """Completions per second after warm-up; None when there is not enough to say.
+
+    ``sum(samples) / sum(step_time)`` over the steps after ``warmup_steps``, where a record without
+    ``samples`` counts ``samples_per_step``. When every record after warm-up, and one at or before
+    its end, carries a wall clock (``elapsed``), the time is taken from that clock instead: it
+    includes what per-step timers leave out (TRL's ``step_time`` misses the optimizer step) and
+    its rounding does not accumulate. A record spanning several steps is weighted by how many of
+    its steps fall after warm-up."""
+    recs = _by_step(records)
+    post = [r for r in recs if r.step > warmup_steps]
+    if not post:
+        return None
+
+    def per_step_samples(r: StepRecord) -> float | None:
+        value = r.samples if r.samples is not None else samples_per_step
+        return float(value) if value is not None and value > 0 else None
+
+    if all(per_step_samples(r) is not None for r in post):
+        before = [r for r in recs if r.step <= warmup_steps and r.elapsed is not None]
+        if before and all(r.elapsed is not None for r in post):
+            start = before[-1]
+            wall = post[-1].elapsed - start.elapsed  # type: ignore[operator]
+            steps = post[-1].step - start.step
+            if wall > 0 and steps > 0:
+                done = sum(per_step_samples(r) * min(r.span, r.step - start.step) for r in post)  # type: ignore[operator]
+                return done / wall
+
+    total_samples = 0.0
+    total_time = 0.0
+    for r in post:
+        samples = per_step_samples(r)
+        if samples is None or r.step_time is None or r.step_time <= 0:
+            continue
+        weight = min(max(r.span, 1), r.step - warmup_steps)
+        total_samples += samples * weight
+        total_time += r.step_time * weight
+    if total_time <= 0 or total_samples <= 0:
+        return None
+    return total_samples / total_time

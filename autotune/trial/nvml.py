@@ -1,0 +1,90 @@
+"""NVML access that degrades instead of failing.
+
+Everything NVML is reached through an object with pynvml's API (the real ``pynvml`` module from
+nvidia-ml-py by default; tests inject a replay of recorded samples). When NVML cannot be initialised
+(no driver, no GPU, CI, ``--device cpu``) the callers carry on without GPU figures; nothing here
+raises because a GPU is missing.
+
+GPU indices are NVML indices (as ``nvidia-smi`` numbers them, PCI bus order). They equal CUDA's
+indices when ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` or on machines whose GPUs are all alike, which is the
+usual training box; NVML ignores ``CUDA_VISIBLE_DEVICES``.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Mapping, Sequence
+
+from autotune.units import MIB
+
+log = logging.getLogger(__name__)
+
+__all__ = ["open_nvml", "close_nvml", "handles", "memory_used_mib"]
+
+
+def open_nvml(nvml: Any | None) -> Any | None:
+    """Initialise NVML and return the module-like object, or None when NVML is not usable.
+
+    Any failure counts as "no NVML": the real pynvml raises ``NVMLError_LibraryNotFound`` without
+    a driver, ``NVMLError_DriverNotLoaded`` when the kernel module is missing, and an old driver may
+    lack a symbol. Monitoring must degrade, never stop a search, so the reason is logged once and
+    psutil carries on alone.
+    """
+    if nvml is None:
+        try:
+            import pynvml as nvml  # nvidia-ml-py
+        except ImportError as exc:
+            log.info("NVML not available (%s): GPU sampling off, host sampling only", exc)
+            return None
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:  # NVMLError subclasses, OSError from ctypes, AttributeError from old bindings
+        log.info("NVML could not be initialised (%s: %s): GPU sampling off, host sampling only",
+                 type(exc).__name__, exc)
+        return None
+    return nvml
+
+
+def close_nvml(nvml: Any | None) -> None:
+    """Balance ``nvmlInit``: NVML counts initialisations, and each must be shut down once."""
+    if nvml is None:
+        return
+    try:
+        nvml.nvmlShutdown()
+    except Exception as exc:
+        log.debug("nvmlShutdown failed: %s", exc)
+
+
+def handles(nvml: Any, gpu_indices: Sequence[int] | None) -> dict[int, Any]:
+    """NVML handles of the watched GPUs (all of them when ``gpu_indices`` is None).
+
+    An index the machine does not have is dropped with a warning instead of failing: a recipe
+    written for 8 GPUs replayed on a 4-GPU box should still be monitored on the 4 it has.
+    """
+    try:
+        count = int(nvml.nvmlDeviceGetCount())
+    except Exception as exc:
+        log.warning("nvmlDeviceGetCount failed (%s): GPU sampling off", exc)
+        return {}
+    wanted = list(range(count)) if gpu_indices is None else list(gpu_indices)
+    out: dict[int, Any] = {}
+    for index in wanted:
+        if not 0 <= index < count:
+            log.warning("GPU %s is not on this machine (NVML sees %d): not monitored", index, count)
+            continue
+        try:
+            out[index] = nvml.nvmlDeviceGetHandleByIndex(index)
+        except Exception as exc:
+            log.warning("no NVML handle for GPU %s (%s): not monitored", index, exc)
+    return out
+
+
+def memory_used_mib(nvml: Any, gpu_handles: Mapping[int, Any]) -> dict[int, float]:
+    """Device memory in use per GPU, MiB; a GPU whose query fails is left out."""
+    used: dict[int, float] = {}
+    for index, handle in gpu_handles.items():
+        try:
+            used[index] = nvml.nvmlDeviceGetMemoryInfo(handle).used / MIB
+        except Exception as exc:
+            log.debug("nvmlDeviceGetMemoryInfo(%s) failed: %s", index, exc)
+    return used

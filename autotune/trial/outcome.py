@@ -1,0 +1,95 @@
+"""What became of one trial: the ``outcome.json`` contract.
+
+:class:`Outcome` is what ``trials/<n>/outcome.json`` holds (fixed contract: ``status``, ``oom_kind``,
+``throughput``, ``peak_memory_gib``, ``mean_gpu_util``, ``error_line`` at least). Telling failures
+apart from a trial's log is :mod:`autotune.trial.classify`'s job; this module only defines the
+vocabulary (:data:`STATUSES`, :data:`OOM_KINDS`), what each status means for the search
+(:func:`describe`), and reading and writing the file.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from autotune.files import write_json
+
+__all__ = ["STATUSES", "OOM_KINDS", "Outcome", "describe"]
+
+STATUSES = ("ok", "oom", "invalid", "skipped", "timeout", "hang", "crash", "interrupted")
+OOM_KINDS = ("cuda", "host", "vllm_kv", "vllm_startup")
+
+
+@dataclass
+class Outcome:
+    """The result of one trial, as written to ``outcome.json``."""
+
+    status: str
+    oom_kind: str | None = None
+    throughput: float | None = None  # completions/s steady state
+    peak_memory_gib: float | None = None
+    mean_gpu_util: float | None = None
+    error_line: str | None = None
+    steps: int = 0  # optimizer steps seen
+    step_times: list[float] = field(default_factory=list)
+    wall_time_s: float | None = None
+    returncode: int | None = None
+    detail: str | None = None  # one-line human explanation
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.status not in STATUSES:
+            raise ValueError(f"unknown status {self.status!r}; expected one of {', '.join(STATUSES)}")
+        if self.oom_kind is not None and self.oom_kind not in OOM_KINDS:
+            raise ValueError(f"unknown oom_kind {self.oom_kind!r}; expected one of {', '.join(OOM_KINDS)}")
+        if self.status != "oom" and self.oom_kind is not None:
+            raise ValueError(f"oom_kind {self.oom_kind!r} given for status {self.status!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["step_times"] = [float(t) for t in self.step_times]
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "Outcome":
+        """Read what :meth:`to_json` (or an older/newer writer) produced; unknown keys go to ``extra``."""
+        known = {f.name for f in fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in known}
+        unknown = {k: v for k, v in d.items() if k not in known}
+        if unknown:
+            kwargs["extra"] = {**unknown, **(kwargs.get("extra") or {})}
+        kwargs.setdefault("step_times", [])
+        kwargs["step_times"] = list(kwargs["step_times"] or [])
+        if kwargs.get("extra") is None:
+            kwargs["extra"] = {}
+        return cls(**kwargs)
+
+    def write(self, path: Path | str) -> None:
+        """Write ``outcome.json`` atomically: a search killed mid-write must not leave half a file
+        that ``autotune resume`` then chokes on. NaN and infinity are refused (ValueError)."""
+        write_json(path, self.to_json())
+
+    @classmethod
+    def read(cls, path: Path | str) -> "Outcome":
+        return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
+
+
+_DETAILS = {
+    ("oom", "cuda"): "GPU memory ran out: this configuration does not fit on the device",
+    ("oom", "host"): "host RAM ran out (offloaded state, pinned buffers, data loading) or the OOM killer ended the trial",
+    ("oom", "vllm_kv"): "vLLM's memory share leaves too little for the KV cache: raise vllm_gpu_memory_utilization or shorten the sequences",
+    ("oom", "vllm_startup"): "vLLM asked for more GPU memory than the trainer left free: lower vllm_gpu_memory_utilization",
+    ("invalid", None): "the trainer rejected this combination of settings before training",
+    ("crash", None): "the trial failed with an error that is not about memory",
+    ("timeout", None): "the trial ran past its time limit",
+    ("hang", None): "the trial stopped producing output",
+    ("interrupted", None): "the trial was stopped from outside",
+    ("ok", None): "the trial completed its measurement",
+}
+
+
+def describe(status: str, oom_kind: str | None = None) -> str:
+    """One line saying what a status means for the search (Outcome.detail)."""
+    return _DETAILS.get((status, oom_kind if status == "oom" else None), status)

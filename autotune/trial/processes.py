@@ -1,0 +1,211 @@
+"""Finding a trial's processes and killing them: the one place that scans and signals.
+
+Every trial runs in its own session (see :func:`autotune.trial.launch.launch`), so its process
+group holds the trainer and everything it started (accelerate workers, vLLM engines) and nothing
+else. Killing a trial means SIGTERM to that group and to any descendant that left it, a grace
+period, then SIGKILL to whatever is still there (:func:`kill_group`).
+
+A pid alone is never trusted: pids are recycled, and NVML reports processes of other users and
+containers. A process counts as a trial's only when its environment carries ``AUTOTUNE_TRIAL_DIR``
+(:data:`TRIAL_ENV`, set in every trial's environment, DESIGN.md) naming that trial's folder
+(:func:`owned_by_trial`, :func:`kill_stale`), and this process and its ancestors are never
+signalled whatever their environment says (:func:`protected_pids`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Sequence
+
+import psutil
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "TRIAL_ENV", "PID_FILE", "process_tree", "group_members", "kill_group", "kill_stale",
+    "owned_by_trial", "protected_pids", "inside", "signal_group", "wait_gone",
+]
+
+TRIAL_ENV = "AUTOTUNE_TRIAL_DIR"   # set in every trial's environment (DESIGN.md)
+PID_FILE = "pid"                   # the trial leader's pid, in the trial folder while it runs
+
+# How often a wait re-scans the process group: members may appear (a dying trainer forks a cleanup
+# helper), and psutil's wait counts a zombie as running until someone reaps it, which may be never
+# (PID 1 of a container often reaps nothing). Zombies are dropped between slices this short.
+_RESCAN_S = 0.05
+
+
+def process_tree(pid: int) -> list[psutil.Process]:
+    """The process and all its descendants (the process first); [] when it is gone."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def group_members(pgid: int) -> list[psutil.Process]:
+    """The processes of group ``pgid`` that still run (zombies are dead, whoever reaps them)."""
+    members = []
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) == pgid and proc.status() != psutil.STATUS_ZOMBIE:
+                members.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return members
+
+
+def _trial_of(proc: psutil.Process) -> str | None:
+    """The trial folder a process's environment names, or None (none, or unreadable)."""
+    try:
+        return proc.environ().get(TRIAL_ENV)
+    except (psutil.Error, OSError):
+        return None
+
+
+def inside(path: Path, folder: Path) -> bool:
+    """``path`` is ``folder`` or lies in it (as written, or once both are resolved)."""
+    if path == folder or folder in path.parents:
+        return True
+    try:
+        path, folder = path.resolve(), folder.resolve()
+    except OSError:
+        return False
+    return path == folder or folder in path.parents
+
+
+def owned_by_trial(pid: int, trial_dir: Path | None) -> psutil.Process | None:
+    """The process if its environment marks it as a trial's, else None.
+
+    With ``trial_dir`` the trial folder must be that folder or lie inside it, so a caller can
+    claim one trial (``trials/7``) or every trial of its study (``trials``) and nobody else's.
+    A pid NVML reports may belong to another user (environ: AccessDenied), to another container's
+    pid namespace (NoSuchProcess here), or be recycled; all of those are foreign and left alone.
+    """
+    try:
+        proc = psutil.Process(pid)
+    except psutil.Error:
+        return None
+    owner = _trial_of(proc)
+    if not owner:
+        return None
+    if trial_dir is not None and not inside(Path(owner), Path(trial_dir)):
+        return None
+    return proc
+
+
+def protected_pids() -> set[int]:
+    """Ourselves and our ancestors: never signalled, whatever their environment says."""
+    pids = {os.getpid()}
+    try:
+        for parent in psutil.Process().parents():
+            pids.add(parent.pid)
+    except psutil.Error:
+        pass
+    return pids
+
+
+def signal_group(pgid: int | None, procs: Sequence[psutil.Process], sig: signal.Signals) -> None:
+    """Send ``sig`` to process group ``pgid`` (unless None) and to each of ``procs``; gone is fine."""
+    if pgid is not None:
+        try:
+            os.killpg(pgid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except (psutil.Error, OSError):
+            pass
+
+
+def _running(proc: psutil.Process | subprocess.Popen) -> bool:
+    if isinstance(proc, subprocess.Popen):
+        return proc.poll() is None
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _our_child(proc: psutil.Process | subprocess.Popen) -> bool:
+    """A psutil handle on one of our own children: psutil's wait would reap it and steal the exit
+    status from the ``subprocess.Popen`` that started it, so it is watched, not waited on."""
+    if isinstance(proc, subprocess.Popen):
+        return False
+    try:
+        return proc.ppid() == os.getpid()
+    except psutil.Error:
+        return False
+
+
+def wait_gone(procs: Sequence[psutil.Process], timeout_s: float, pgid: int | None = None,
+              leader: subprocess.Popen | None = None) -> list[psutil.Process | subprocess.Popen]:
+    """Wait up to ``timeout_s`` until ``procs``, ``leader`` and the members of group ``pgid`` have
+    exited; return those still running (empty when all are gone).
+
+    ``leader`` is the caller's own ``Popen`` of a member: it is waited on through that object, which
+    keeps its exit status. Zombies count as gone.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        watched: dict[int, psutil.Process | subprocess.Popen] = {}
+        if pgid is not None:
+            watched.update((p.pid, p) for p in group_members(pgid))
+        watched.update((p.pid, p) for p in procs)
+        if leader is not None:
+            watched[leader.pid] = leader
+        running = [p for p in watched.values() if _running(p)]
+        remaining = deadline - time.monotonic()
+        if not running or remaining <= 0:
+            return running
+        waitable = [p for p in running if not _our_child(p)]
+        if waitable:
+            psutil.wait_procs(waitable, timeout=min(remaining, _RESCAN_S))
+        else:
+            time.sleep(min(remaining, _RESCAN_S))
+
+
+def kill_group(pgid: int | None, extra: Sequence[psutil.Process] | None = None, grace_s: float = 10.0,
+               *, leader: subprocess.Popen | None = None) -> list[psutil.Process | subprocess.Popen]:
+    """SIGTERM the group and ``extra`` (processes that may have left it), SIGKILL after ``grace_s``.
+
+    Waits up to ``grace_s`` for the group's members and ``extra`` to die, then SIGKILLs the group
+    and what survived. ``pgid`` None signals ``extra`` only. ``leader``: see :func:`wait_gone`; it
+    is signalled through the group, never on its own. Returns the survivors that were SIGKILLed.
+    """
+    procs = list(extra or [])
+    signal_group(pgid, procs, signal.SIGTERM)
+    survivors = wait_gone(procs, grace_s, pgid, leader)
+    if survivors:
+        signal_group(pgid, [p for p in survivors if isinstance(p, psutil.Process)], signal.SIGKILL)
+    return survivors
+
+
+def kill_stale(trial_dir: Path) -> bool:
+    """Kill a trial left running by a controller that died, if its pid file says one is alive.
+
+    The leader is usually gone (it dies with the controller); its group may not be. The group is
+    only trusted through members that still have the trial folder in their environment, so a
+    recycled pid belonging to someone else is never touched.
+    """
+    pid_file = trial_dir / PID_FILE
+    if not pid_file.exists():
+        return False
+    try:
+        pid = int(pid_file.read_text().strip())
+    except ValueError:
+        pid_file.unlink(missing_ok=True)
+        return False
+    members = [p for p in group_members(pid) if _trial_of(p) == str(trial_dir)]
+    if members:
+        log.info("killing stale trial process group %s (%s)", pid, trial_dir)
+        kill_group(pid, members, grace_s=5.0)
+    pid_file.unlink(missing_ok=True)
+    return bool(members)

@@ -1,0 +1,176 @@
+"""The policy model of a trial: the checkpoint when its weights are on disk, else shape-only.
+
+A model whose weights are not on disk is built from its config with random weights: memory and
+speed depend on shapes, not values. Its config goes to ``trial_dir/model`` (:data:`SHAPE_DIR`) and,
+for vLLM, the trial's tokenizer to ``trial_dir/tokenizer`` (:data:`TOKENIZER_DIR`); TRL's own
+loaders of the reference model and the vLLM engine are redirected there by
+:func:`_shape_only_hooks`. :func:`peft_config` is the LoRA that ``--lora-rank`` asks for.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from autotune.worker.console import say
+
+__all__ = ["SHAPE_DIR", "TOKENIZER_DIR", "build_model", "peft_config", "write_shape_dir", "write_tokenizer_dir"]
+
+
+def _model_dtype(device: str) -> Any:
+    import torch
+
+    return torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def _zero3(spec: dict[str, Any]) -> bool:
+    return int(spec.get("params", {}).get("zero_stage") or 0) == 3 and spec["device"] == "cuda"
+
+
+def _random_model(config_dir: Path, dtype: Any, build_on: Any, attn_implementation: str | None = None) -> Any:
+    """A causal LM with random weights from ``config_dir/config.json``.
+
+    ``build_on`` is a device to create the tensors on directly (initialising a 7B model on the host
+    first would take minutes and the host RAM of every rank), or None to let transformers decide
+    (ZeRO-3 partitions at creation under ``deepspeed.zero.Init``).
+    """
+    import contextlib
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(config_dir))
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
+    place = torch.device(build_on) if build_on is not None else contextlib.nullcontext()
+    with place:
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model.config._name_or_path = str(config_dir)
+    return model
+
+
+SHAPE_DIR = "model"
+TOKENIZER_DIR = "tokenizer"
+
+
+def _publish_dir(dest: Path, fill: Any) -> Path:
+    """Create folder ``dest`` whole or not at all: ``fill(tmp)`` writes it, a rename publishes it.
+
+    Every rank of a multi-process trial builds the same folder at the same moment; a rank that
+    read a half-written config.json would crash. The first rename wins and the others discard
+    their identical copy.
+    """
+    if dest.is_dir():
+        return dest
+    tmp = dest.with_name(f".{dest.name}.{os.getpid()}")
+    fill(tmp)
+    try:
+        os.rename(tmp, dest)
+    except OSError:  # another rank published it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def write_shape_dir(model_info: dict[str, Any], trial_dir: Path, device: str) -> Path:
+    """``trial_dir/model/config.json`` in the trial's dtype: the policy's "path" when shape-only.
+
+    The dtype matters for vLLM, which reads it from the config: some cards record float32
+    (tiny-qwen) and the engine would otherwise be built in that dtype.
+    """
+    from autotune.models import ModelSpec, write_config_dir
+
+    config = dict(model_info["config"])
+    config["torch_dtype"] = "bfloat16" if device == "cuda" else "float32"
+    shape = ModelSpec(name=model_info["name"], config=config, source=model_info.get("source", "card"),
+                      path=None, has_weights=False)
+    return _publish_dir(Path(trial_dir) / SHAPE_DIR, lambda tmp: write_config_dir(shape, tmp))
+
+
+def write_tokenizer_dir(tokenizer: Any, trial_dir: Path) -> Path:
+    """``trial_dir/tokenizer``: the trial's tokenizer for vLLM, in a folder of its own.
+
+    Not beside config.json: transformers 5 would load it there as the model type's tokenizer
+    class (``Qwen2Tokenizer`` for qwen2 configs), which cannot read a word-level tokenizer.json.
+    """
+    return _publish_dir(Path(trial_dir) / TOKENIZER_DIR, lambda tmp: tokenizer.save_pretrained(str(tmp)))
+
+
+def _shape_only_hooks(model_dir: Path, build_on: Any, tokenizer_dir: Path | None) -> None:
+    """Make TRL build its extra model copies from the config when the policy has no weights.
+
+    TRL 1.16 creates the reference model (beta > 0, no PEFT) with
+    ``create_model_from_path(policy.config._name_or_path, dtype=policy.dtype, ...)`` and the
+    colocated vLLM engine with ``LLM(model=policy.name_or_path, ...)``; both would try to load
+    weights that do not exist. The reference model is replaced by a random one of the same
+    architecture and dtype (what it costs in memory and time is all a trial needs), and vLLM gets
+    ``load_format="dummy"`` (its own random-weight loader; TRL pushes the policy's weights into
+    it before generating anyway) and the trial's tokenizer directory. Only calls for
+    ``model_dir`` are redirected.
+    """
+    import trl.trainer.grpo_trainer as grpo_trainer
+
+    original = grpo_trainer.create_model_from_path
+
+    @functools.wraps(original)
+    def create_model_from_path(model_id: str, architecture: Any = None, **kwargs: Any) -> Any:
+        if Path(str(model_id)) != model_dir:
+            return original(model_id, architecture, **kwargs)
+        say("reference model: random weights of the same shape (shape-only)")
+        dtype = kwargs.get("dtype") or "float32"
+        if isinstance(dtype, str):
+            import torch
+
+            dtype = getattr(torch, dtype)
+        return _random_model(model_dir, dtype, build_on, kwargs.get("attn_implementation"))
+
+    grpo_trainer.create_model_from_path = create_model_from_path
+
+    try:
+        import trl.generation.vllm_generation as vllm_generation
+    except ImportError:
+        return
+    if hasattr(vllm_generation, "LLM") and tokenizer_dir is not None:
+        vllm_generation.LLM = functools.partial(vllm_generation.LLM, load_format="dummy",
+                                                tokenizer=str(tokenizer_dir))
+
+
+def build_model(spec: dict[str, Any], args: Any, tokenizer: Any) -> Any:
+    """The policy: the checkpoint when its weights are here, else random weights (shape-only)."""
+    import torch
+
+    device = spec["device"]
+    dtype = _model_dtype(device)
+    model_info = spec["model"]
+    # Where to create tensors: the trial's device, unless ZeRO-3 must partition them at creation
+    build_on = args.device if device == "cuda" and not _zero3(spec) else None
+    if model_info.get("has_weights") and model_info.get("path"):
+        from transformers import AutoModelForCausalLM
+
+        kwargs: dict[str, Any] = {"dtype": dtype}
+        if build_on is not None:
+            kwargs["device_map"] = {"": torch.device(build_on)}
+        return AutoModelForCausalLM.from_pretrained(model_info["path"], **kwargs)
+
+    use_vllm = bool(spec["grpo_config"].get("use_vllm"))
+    model_dir = write_shape_dir(model_info, Path(spec["trial_dir"]), device)
+    tokenizer_dir = write_tokenizer_dir(tokenizer, Path(spec["trial_dir"])) if use_vllm else None
+    say(f"model {model_info['name']}: no weights on disk, using random weights (shape-only: memory and "
+        f"speed depend on shapes, not values), {str(dtype).replace('torch.', '')} on {device}")
+    if spec["grpo_config"].get("beta") or use_vllm:
+        _shape_only_hooks(model_dir, build_on, tokenizer_dir)
+    return _random_model(model_dir, dtype, build_on)
+
+
+def peft_config(spec: dict[str, Any]) -> Any:
+    """LoRA on every linear layer when the recipe asks for a rank, as ``--lora-rank`` promises."""
+    rank = spec.get("lora_rank")
+    if not rank:
+        return None
+    from peft import LoraConfig
+
+    return LoraConfig(r=int(rank), lora_alpha=2 * int(rank), target_modules="all-linear", task_type="CAUSAL_LM")

@@ -1,0 +1,84 @@
+"""One trial, end to end: read the spec, build everything, train, tear down; and the CLI.
+
+``python -m autotune.worker --trial-spec FILE`` runs :func:`main` (see :mod:`autotune.worker`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from autotune.worker.callbacks import _GenerationTimer, make_metrics_callback
+from autotune.worker.config import build_grpo_config
+from autotune.worker.console import say
+from autotune.worker.model import build_model, peft_config
+
+__all__ = ["load_spec", "main", "run_trial"]
+
+
+def run_trial(spec: dict[str, Any]) -> None:
+    """Build everything from ``spec`` and train ``spec['max_steps']`` optimizer steps."""
+    import trl
+    from trl import GRPOTrainer
+
+    from autotune.worker.data import build_dataset, prompts_needed
+    from autotune.worker.rewards import length_noise_reward
+    from autotune.worker.tokenizer import load_tokenizer
+
+    args = build_grpo_config(spec)
+    model_info = spec["model"]
+    tokenizer = load_tokenizer(model_info["config"], model_info.get("path") if model_info.get("has_weights")
+                               else None)
+    world = int(args.world_size)
+    per_step = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * world
+    rows = prompts_needed(per_step, int(args.num_generations), int(spec["max_steps"]))
+    dataset = build_dataset(tokenizer, int(spec["max_prompt_length"]), rows, spec.get("dataset"),
+                            seed=int(spec.get("seed", 0)))
+    model = build_model(spec, args, tokenizer)
+
+    timer = _GenerationTimer()
+    metrics_file = os.environ.get("AUTOTUNE_METRICS_FILE")
+    callback = make_metrics_callback(
+        Path(metrics_file) if metrics_file else None, per_step,
+        int(spec["max_prompt_length"]) + int(spec["max_completion_length"]), spec["device"], timer)
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=length_noise_reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[callback],
+        peft_config=peft_config(spec),
+    )
+    timer.wrap(trainer)
+    say(f"trial {spec.get('number', '?')}: trl {trl.__version__}, {world} process(es), "
+        f"{per_step} completions/step, prompt {spec['max_prompt_length']} + completion "
+        f"{spec['max_completion_length']} tokens, {spec['max_steps']} steps")
+    trainer.train()
+    # tear the process group down before interpreter exit: gloo's threads otherwise race the
+    # C++ destructors and a finished trial can die with SIGABRT ("terminate called without an
+    # active exception"), which would read as a crash
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def load_spec(path: Path) -> dict[str, Any]:
+    spec = json.loads(Path(path).read_text(encoding="utf-8"))
+    if not isinstance(spec, dict) or spec.get("version") != 1:
+        raise SystemExit(f"autotune.worker: {path} is not a version-1 trial spec")
+    return spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autotune.worker",
+                                     description="Run one autotune GRPO trial (written by the trl runner).")
+    parser.add_argument("--trial-spec", required=True, type=Path, help="trial_spec.json in the trial folder")
+    ns = parser.parse_args(argv)
+    run_trial(load_spec(ns.trial_spec))
+    return 0
