@@ -177,6 +177,8 @@ def show_study(name: str, runs_dir: Path, as_json: bool) -> None:
 
 def export_named(name: str, runs_dir: Path, out: Path | None) -> list[Path]:
     paths, recipe, study = open_named(name, runs_dir)
+    if out is not None and out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} is a file: give a folder (it keeps whatever else it holds)")
     written = export_study(study, recipe, out or paths.best)
     if not written:
         raise UsageError(f"study '{name}' has no successful trial yet: nothing to export")

@@ -15,6 +15,7 @@ from typing import Any
 import yaml
 
 from autotune.errors import UsageError
+from autotune.files import write_text
 from autotune.units import duration_seconds
 
 # Fields that change what a trial measures. Two recipes that differ here are different studies;
@@ -99,7 +100,7 @@ class Recipe:
         return cls(**{k: v for k, v in data.items() if k in known})
 
     def save(self, path: Path) -> None:
-        path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     @classmethod
     def load(cls, path: Path) -> "Recipe":

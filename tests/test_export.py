@@ -489,7 +489,8 @@ def test_write_best_replaces_atomically(tmp_path, monkeypatch):
     (out / "stray.txt").write_text("from an older export")
     write_best(out, second, r, [first, second])
     assert json.loads((out / "params.json").read_text()) == second.params
-    assert not (out / "stray.txt").exists() and not (out / "ds_config.json").exists()
+    # autotune's stale file goes (ZeRO 0 uses no DeepSpeed); the user's file stays
+    assert (out / "stray.txt").read_text() == "from an older export" and not (out / "ds_config.json").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["best"]        # no temp or old folders left
 
     # a crash while writing leaves the previous best/ untouched and no temp folder behind
@@ -527,3 +528,20 @@ def test_write_best_cpu_device(tmp_path):
     assert accel["use_cpu"] is True and accel["distributed_type"] == "NO"
     assert "CUDA_VISIBLE_DEVICES" not in (tmp_path / "best" / "launch.sh").read_text()
     _bash_n(tmp_path / "best" / "launch.sh")
+
+
+def test_export_into_a_folder_that_holds_other_things_deletes_nothing(tmp_path):
+    """`--out .` names a project folder: every file and folder that is not autotune's survives,
+    and what autotune writes replaces only its own names."""
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "src" / "train.py").write_text("print('mine')\n")
+    (project / "notes.md").write_text("my notes\n")
+    (project / "params.json").write_text("{}\n")                  # an older export's file
+    best = TrialRow(3, params(zero_stage=2), "ok", throughput=5.0, peak_memory_gib=60.0)
+    written = write_best(project, best, recipe(), [best])
+    assert (project / "src" / "train.py").read_text() == "print('mine')\n"
+    assert (project / "notes.md").read_text() == "my notes\n"
+    assert json.loads((project / "params.json").read_text()) == best.params
+    assert {p.name for p in written} <= {p.name for p in project.iterdir()}
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no temp folder left

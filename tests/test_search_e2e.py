@@ -64,6 +64,17 @@ def test_sim_search_sees_ooms_and_exports(tmp_path):
     (best / "params.json").unlink()
     again = run_cli("export", "s7b", "--out", tmp_path / "elsewhere", cwd=tmp_path)
     assert again.returncode == 0 and json.loads((tmp_path / "elsewhere" / "params.json").read_text()) == params
+    # --out may name any folder: nothing the user has there is deleted, not even the study itself
+    (tmp_path / "notes.md").write_text("mine\n")
+    here = run_cli("export", "s7b", "--out", ".", cwd=tmp_path)
+    assert here.returncode == 0, here.stderr
+    assert (tmp_path / "notes.md").read_text() == "mine\n" and (tmp_path / "runs" / "s7b" / "study.db").exists()
+    inside = run_cli("export", "s7b", "--out", tmp_path / "runs" / "s7b", cwd=tmp_path)
+    assert inside.returncode == 0, inside.stderr
+    assert len(json.loads(run_cli("show", "s7b", "--json", cwd=tmp_path).stdout)) == len(rows)
+    assert (tmp_path / "runs" / "s7b" / "trials").is_dir() and (tmp_path / "runs" / "s7b" / "recipe.yaml").exists()
+    onto_file = run_cli("export", "s7b", "--out", tmp_path / "notes.md", cwd=tmp_path)
+    assert onto_file.returncode == 2 and onto_file.stderr.startswith("error: --out") and "Traceback" not in onto_file.stderr
 
 
 TRAINER = textwrap.dedent('''

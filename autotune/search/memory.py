@@ -145,13 +145,9 @@ def kv_bytes_per_token(model: ModelSpec) -> float:
 
 def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gib: float,
              max_prompt_length: int, max_completion_length: int, beta: float = 0.0,
-             lora_rank: int | None = None, dp_gpus: int | None = None,
-             scale: dict[str, float] | None = None) -> Estimate:
-    """Predict the peak memory per GPU of one GRPO candidate.
-
-    ``scale`` multiplies named parts (``calibrate`` learns it from measured trials).
-    """
-    scale = scale or {}
+             lora_rank: int | None = None, dp_gpus: int | None = None) -> Estimate:
+    """Predict the peak memory per GPU of one GRPO candidate, part by part (the planner calibrates
+    the parts to measured peaks through :attr:`Estimate.features`)."""
     n = dp_gpus or gpus
     b = int(params.get("per_device_train_batch_size", 8))
     seq = max_prompt_length + max_completion_length
@@ -165,11 +161,11 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
     overhead = (CUDA_CONTEXT_GIB + (NCCL_GIB if n > 1 else 0.0)) * GIB
 
     parts = {
-        "model_states": gpu_states / GIB * scale.get("model_states", 1.0),
-        "activations": acts / GIB * scale.get("activations", 1.0),
-        "logits": logits / GIB * scale.get("logits", 1.0),
-        "reference": ref / GIB * scale.get("model_states", 1.0),
-        "overhead": overhead / GIB * scale.get("overhead", 1.0),
+        "model_states": gpu_states / GIB,
+        "activations": acts / GIB,
+        "logits": logits / GIB,
+        "reference": ref / GIB,
+        "overhead": overhead / GIB,
     }
     notes: list[str] = []
     vllm = 0.0
@@ -199,18 +195,18 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
         else:
             vllm = budget
             gen_peak = 0.0
-        parts["vllm"] = vllm * scale.get("vllm", 1.0)
+        parts["vllm"] = vllm
     else:
         gen_peak = 0.0
         parts["vllm"] = 0.0
     if gen_peak > sum(parts.values()):   # generation phase dominates: trainer statics + vLLM
         features = {"model_states": parts["model_states"] + parts["reference"], "activations": 0.0,
-                    "logits": 0.0, "vllm": gen_budget * scale.get("vllm", 1.0), "overhead": parts["overhead"]}
+                    "logits": 0.0, "vllm": gen_budget, "overhead": parts["overhead"]}
     else:
         features = {"model_states": parts["model_states"] + parts["reference"],
                     "activations": parts["activations"], "logits": parts["logits"], "vllm": parts["vllm"],
                     "overhead": parts["overhead"]}
-    total = max(sum(parts.values()), gen_peak) * scale.get("total", 1.0)
+    total = max(sum(parts.values()), gen_peak)
     fits = total <= capacity_gib and problem is None
     return Estimate(
         model_states_gib=parts["model_states"],
