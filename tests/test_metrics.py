@@ -321,7 +321,7 @@ def test_metrics_tail_reads_only_complete_lines(tmp_path):
 @settings(max_examples=60, deadline=None)
 @given(
     step=st.integers(min_value=0, max_value=10**6),
-    step_time=st.none() | st.floats(min_value=1e-6, max_value=1e6),
+    step_time=st.none() | st.floats(min_value=1e-3, max_value=1e6),   # the plausible range
     samples=st.none() | st.integers(min_value=0, max_value=10**6),
     tokens=st.none() | st.integers(min_value=0, max_value=10**12),
     peak=st.none() | st.floats(min_value=0, max_value=1e4),
@@ -331,6 +331,20 @@ def test_metrics_line_round_trip(step, step_time, samples, tokens, peak):
     line = json.dumps(record.to_json(), separators=(", ", ": "))  # what a trainer appends
     assert "\n" not in line and json.loads(line)["step"] == step
     assert parse_metrics_line(line) == record
+
+
+@pytest.mark.parametrize("line, dropped", [
+    ('{"step": 3, "step_time": ' + "9" * 400 + ', "samples": 64}', "step_time"),   # OverflowError before
+    ('{"step": 3, "step_time": 1.0, "samples": 1e308}', "samples"),                  # inf in outcome.json
+    ('{"step": 3, "step_time": 1e-300, "samples": 64}', "step_time"),                # 6.4e301 completions/s
+    ('{"step": 3, "step_time": 2.0, "peak_memory_gib": 1e30}', "peak_memory_gib"),
+])
+def test_implausible_metrics_values_are_dropped_not_trusted(line, dropped):
+    record = parse_metrics_line(line)
+    assert record is not None and record.step == 3 and getattr(record, dropped) is None
+    parser = LogParser()
+    parser.feed(str({"loss": "0.1", "step_time": "1e-300"}))
+    assert all(r.step_time is None for r in parser.records)
 
 
 # --------------------------------------------------------------------------------------------

@@ -206,3 +206,30 @@ def test_time_budget_stops_launching(tmp_path):
     again = run_cli("resume", "tb", cwd=tmp_path)
     assert again.returncode == 0 and "would exceed --time-budget" in again.stdout
     assert len([o for o in outcomes(tmp_path / "runs" / "tb").values() if o["extra"].get("launched")]) == len(launched)
+
+
+BAD_METRICS_TRAINER = textwrap.dedent('''
+    """A trainer whose metrics file holds garbage among good lines: a non-UTF-8 byte, a 400-digit
+    number, 1e308 samples and a step time of 1e-300 s."""
+    import json, os, sys, time
+    out = open(os.environ["AUTOTUNE_METRICS_FILE"], "ab", buffering=0)
+    sys.stdout.buffer.write(b"loading \\xff\\xfe model\\n"); sys.stdout.flush()
+    for step in range(1, 9):
+        time.sleep(0.02)
+        out.write(b"\\xff\\xfe not utf-8\\n")
+        out.write(('{"step": %d, "step_time": %s}\\n' % (step, "9" * 400)).encode())
+        out.write(json.dumps({"step": step, "step_time": 1e-300, "samples": 1e308}).encode() + b"\\n")
+        out.write(json.dumps({"step": step, "step_time": 0.5, "samples": 64, "peak_memory_gib": 30.0}).encode() + b"\\n")
+''')
+
+
+def test_garbage_in_the_metrics_file_neither_crashes_nor_wins(tmp_path):
+    (tmp_path / "trainer.py").write_text(BAD_METRICS_TRAINER)
+    res = run_cli("search", "--model", "Qwen2.5-0.5B", "--gpus", "1", "--gpu-type", "A10G",
+                  "--command", f"{sys.executable} trainer.py {{per_device_train_batch_size}}",
+                  "--trials", "2", "--confirm", "0", "--name", "garbage", cwd=tmp_path)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    got = [o for o in outcomes(tmp_path / "runs" / "garbage").values() if o["extra"].get("launched")]
+    assert len(got) == 2 and all(o["status"] == "ok" for o in got)
+    # 64 completions every 0.5 s is what the trainer really did; nothing else may be believed
+    assert all(o["throughput"] == pytest.approx(128.0) and o["peak_memory_gib"] == 30.0 for o in got)

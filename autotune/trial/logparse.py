@@ -45,7 +45,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from autotune.trial.metrics import StepRecord, parse_mapping, record_from_dict, to_float, to_int
+from autotune.trial.metrics import (MIN_STEP_S, PLAUSIBLE_STEP_S, StepRecord, parse_mapping, record_from_dict, to_float,
+                                    to_int)
 from autotune.units import duration_seconds
 
 __all__ = ["LogParser", "parse_log_dicts"]
@@ -175,6 +176,11 @@ def _clock(d: dict[str, Any], step: int) -> float | None:
 # --------------------------------------------------------------------------------------------
 
 
+def _plausible_step(seconds: float | None) -> float | None:
+    """A step time a real optimizer step can have, else None (see :data:`PLAUSIBLE_STEP_S`)."""
+    return seconds if seconds is not None and MIN_STEP_S <= seconds <= PLAUSIBLE_STEP_S else None
+
+
 class LogParser:
     """Fed stdout/stderr lines live; returns a StepRecord when a line completes a step.
 
@@ -239,15 +245,12 @@ class LogParser:
         span = step - self._last_step
 
         elapsed = _clock(d, step)
-        step_time = to_float(d.get("step_time"))
-        if step_time is None or step_time <= 0:
-            step_time = None
-            if elapsed is not None:
-                if self._last_elapsed is not None:
-                    delta = (elapsed - self._last_elapsed) / span
-                    step_time = delta if delta > 0 else None
-                elif self._last_step == 0:
-                    step_time = elapsed / span
+        step_time = _plausible_step(to_float(d.get("step_time")))
+        if step_time is None and elapsed is not None:
+            if self._last_elapsed is not None:
+                step_time = _plausible_step((elapsed - self._last_elapsed) / span)
+            elif self._last_step == 0:
+                step_time = _plausible_step(elapsed / span)
 
         tokens = None
         total = to_float(d.get("num_tokens"))

@@ -30,6 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+# Bounds of a real GRPO optimizer step; a value outside them is a trainer's bug, not a measurement.
+MIN_STEP_S = 1e-3               # no optimizer step of a language model takes under a millisecond
+PLAUSIBLE_STEP_S = 1e6          # nor over eleven days
+PLAUSIBLE_SAMPLES = 10**7       # completions in one step
+PLAUSIBLE_STEPS = 10**9
+PLAUSIBLE_GIB = 1e5             # memory of one device or host, GiB
+
 __all__ = [
     "StepRecord",
     "MetricsTail",
@@ -80,15 +87,14 @@ def to_float(value: Any) -> float | None:
     """A finite float from a log value (float, int, '0.0123', '3.00%'), else None."""
     if isinstance(value, bool) or value is None:
         return None
-    if isinstance(value, (int, float)):
-        result = float(value)
-    elif isinstance(value, str):
-        text = value.strip().rstrip("%").strip()
-        try:
-            result = float(text)
-        except ValueError:
+    try:
+        if isinstance(value, (int, float)):
+            result = float(value)
+        elif isinstance(value, str):
+            result = float(value.strip().rstrip("%").strip())
+        else:
             return None
-    else:
+    except (ValueError, OverflowError):   # '1e5x', or an integer of 400 digits
         return None
     return result if math.isfinite(result) else None
 
@@ -193,23 +199,25 @@ def parse_mapping(text: str) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------------------------
 
 
+def _plausible(value: float | int | None, low: float, high: float) -> float | int | None:
+    return value if value is not None and low <= value <= high else None
+
+
 def record_from_dict(d: dict[str, Any]) -> StepRecord | None:
     """A StepRecord from a metrics-contract dict; None without a usable ``step``.
 
-    Values that make no sense (negative counts, non-positive step times) are dropped, not kept."""
-    step = to_int(d.get("step"))
-    if step is None or step < 0:
+    Values no real GRPO step can have are dropped, not kept: negative counts, a step faster than
+    :data:`PLAUSIBLE_STEP_S` bounds allow (a step time of 1e-300 s would export a configuration
+    at 1e301 completions/s), more completions in one step than any node trains."""
+    step = _plausible(to_int(d.get("step")), 0, PLAUSIBLE_STEPS)
+    if step is None:
         return None
-    step_time = to_float(d.get("step_time"))
-    peak = to_float(d.get("peak_memory_gib"))
-    samples = to_int(d.get("samples"))
-    tokens = to_int(d.get("tokens"))
     return StepRecord(
-        step=step,
-        step_time=step_time if step_time is not None and step_time > 0 else None,
-        samples=samples if samples is not None and samples >= 0 else None,
-        tokens=tokens if tokens is not None and tokens >= 0 else None,
-        peak_memory_gib=peak if peak is not None and peak >= 0 else None,
+        step=int(step),
+        step_time=_plausible(to_float(d.get("step_time")), MIN_STEP_S, PLAUSIBLE_STEP_S),
+        samples=_plausible(to_int(d.get("samples")), 0, PLAUSIBLE_SAMPLES),
+        tokens=_plausible(to_int(d.get("tokens")), 0, PLAUSIBLE_SAMPLES * 10**6),
+        peak_memory_gib=_plausible(to_float(d.get("peak_memory_gib")), 0.0, PLAUSIBLE_GIB),
     )
 
 

@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from autotune.trial.metrics import PLAUSIBLE_STEP_S, to_float
+
 __all__ = [
     "GpuReading", "Tick", "MEASURE", "MonitorSummary", "summarize", "diagnose_low_util", "phase_times",
     "GENERATION_BOUND_SHARE", "SMALL_VLLM_FRACTION", "CPU_BOUND_PCT_PER_GPU",
@@ -254,7 +256,7 @@ def phase_times(metrics_file: Path, after_step: int = 0) -> dict[str, float] | N
     trainers do not write them, and then there is nothing to return (None).
     """
     try:
-        text = metrics_file.read_text()
+        text = metrics_file.read_text(encoding="utf-8", errors="replace")   # a trainer may write any byte
     except OSError:
         return None
     sums: dict[str, float] = {}
@@ -268,9 +270,9 @@ def phase_times(metrics_file: Path, after_step: int = 0) -> dict[str, float] | N
             continue
         seen = False
         for key in ("generation_time", "training_time", "step_time"):
-            value = rec.get(key)
-            if isinstance(value, (int, float)) and math.isfinite(value):
-                sums[key] = sums.get(key, 0.0) + float(value)
+            value = to_float(rec.get(key))   # finite, or None (a 400-digit integer overflows float)
+            if value is not None and 0 <= value < PLAUSIBLE_STEP_S:
+                sums[key] = sums.get(key, 0.0) + value
                 seen = True
         steps += seen
     if "generation_time" not in sums or "training_time" not in sums:
