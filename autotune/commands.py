@@ -276,5 +276,10 @@ def verify_best(name: str, runs_dir: Path, steps: int) -> bool:
         what = "host RSS" if recipe.device == "cpu" else "GPU"
         print(f"peak memory ({what}): {peak:.2f} GiB of {recipe.gpu_memory_gib:.2f} GiB capacity "
               f"({peak / recipe.gpu_memory_gib:.0%}; headroom limit {limit:.2f} GiB)")
-    print("held: yes" if held else "held: NO" + ("" if within else " (peak inside the headroom)"))
+    if held:
+        print("held: yes")
+    elif outcome.status != "ok":
+        print(f"held: NO (the run failed: {outcome.status}{'/' + outcome.oom_kind if outcome.oom_kind else ''})")
+    else:
+        print(f"held: NO (peak {peak:.2f} GiB is above the headroom limit {limit:.2f} GiB)")
     return held

@@ -4,6 +4,10 @@
 #
 #   bash scripts/gpu_validate.sh [RUNS_DIR]        (default runs/gpu-validation)
 #
+# A short lease: TRIALS (default 12), VERIFY_STEPS (6), COMPLETION (1024 tokens) and SEARCH_ARGS
+# (extra search flags, e.g. "--time-budget 5m --set gradient_accumulation_steps=1") shrink the run;
+# at the defaults one trial of 512 completions per step takes about 6 minutes on an H100.
+#
 # Needs torch with CUDA, transformers and trl importable (pip install -e ".[trl]"; vllm and
 # deepspeed are used when installed, otherwise searched without). Writes RUNS_DIR/report.md with
 # trials, the OOM texts seen, peak memory against capacity and NVML utilization; copy it to
@@ -16,15 +20,16 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$RUNS/nvidia-smi.txt"
 python -m autotune doctor | tee "$RUNS/doctor.txt"
 python -m autotune estimate --model Qwen2.5-1.5B --gpus 1 --max-prompt-length 512 \
-  --max-completion-length 1024 --set per_device_train_batch_size=32 | tee "$RUNS/estimate.txt"
+  --max-completion-length "${COMPLETION:-1024}" --set per_device_train_batch_size=32 | tee "$RUNS/estimate.txt"
 # 1.5B at 512 + 1024 tokens: micro-batches of 16-32 need more than 80 GB (logits), so the search
 # meets real CUDA OOMs on the way to the fastest config that fits.
+# shellcheck disable=SC2086  # SEARCH_ARGS is a list of flags
 python -m autotune search --model Qwen2.5-1.5B --gpus 1 --runner trl --max-prompt-length 512 \
-  --max-completion-length 1024 --trials "${TRIALS:-12}" --name gpu-1.5b --runs-dir "$RUNS" \
-  --warmup-steps 1 --measure-steps 2 --confirm 1 --trial-timeout 15m --hang-timeout 5m \
-  | tee "$RUNS/search.txt" || true
-python -m autotune show gpu-1.5b --runs-dir "$RUNS" | tee "$RUNS/show.txt"
-python -m autotune verify gpu-1.5b --runs-dir "$RUNS" --steps "${VERIFY_STEPS:-6}" | tee "$RUNS/verify.txt" || true
+  --max-completion-length "${COMPLETION:-1024}" --trials "${TRIALS:-12}" --name gpu-1.5b --runs-dir "$RUNS" \
+  --warmup-steps 1 --measure-steps 2 --confirm 1 --trial-timeout 15m --hang-timeout 5m ${SEARCH_ARGS:-} \
+  2>&1 | tee "$RUNS/search.txt" || true
+python -m autotune show gpu-1.5b --runs-dir "$RUNS" | tee "$RUNS/show.txt" || true
+python -m autotune verify gpu-1.5b --runs-dir "$RUNS" --steps "${VERIFY_STEPS:-6}" 2>&1 | tee "$RUNS/verify.txt" || true
 python - "$RUNS" <<'PY'
 import json, sys
 from pathlib import Path
@@ -33,15 +38,25 @@ study = runs / "gpu-1.5b"
 recipe = (study / "recipe.yaml").read_text()
 lines = ["# GPU validation", "", "Produced by `bash scripts/gpu_validate.sh`.", "",
          "```", (runs / "nvidia-smi.txt").read_text().strip(), "```", "",
-         "| trial | status | kind | completions/s | peak GiB | mean GPU util | error line |", "|---|---|---|---|---|---|---|"]
+         "| trial | params | status | kind | completions/s | peak GiB (NVML) | predicted GiB | mean GPU util | wall s | error line |",
+         "|---|---|---|---|---|---|---|---|---|---|"]
 for f in sorted(study.glob("trials/*/outcome.json"), key=lambda p: int(p.parent.name)):
     o = json.loads(f.read_text())
     if not o.get("extra", {}).get("launched"):
         continue
     util = "" if o.get("mean_gpu_util") is None else f"{o['mean_gpu_util']:.0%}"
-    lines.append(f"| {f.parent.name} | {o['status']} | {o.get('oom_kind') or ''} | {o.get('throughput') or ''} | "
-                 f"{o.get('peak_memory_gib') or ''} | {util} | {(o.get('error_line') or '')[:160]} |")
-lines += ["", "## verify", "", "```", (runs / "verify.txt").read_text().strip(), "```"]
+    params = json.loads((f.parent / "params.json").read_text())
+    short = " ".join(f"{k}={v}" for k, v in params.items())
+    tput = "" if o.get("throughput") is None else f"{o['throughput']:.2f}"
+    peak = "" if o.get("peak_memory_gib") is None else f"{o['peak_memory_gib']:.1f}"
+    pred = o["extra"].get("predicted_gib")
+    lines.append(f"| {f.parent.name} | {short} | {o['status']} | {o.get('oom_kind') or ''} | {tput} | {peak} | "
+                 f"{'' if pred is None else f'{pred:.1f}'} | {util} | {o.get('wall_time_s') or ''} | "
+                 f"{(o.get('error_line') or '').replace('|', '/')[:160]} |")
+for name in ("search", "show", "verify"):
+    text = runs / f"{name}.txt"
+    if text.exists():
+        lines += ["", f"## {name}", "", "```", text.read_text().strip(), "```"]
 (runs / "report.md").write_text("\n".join(lines) + "\n")
 print(f"wrote {runs / 'report.md'}")
 PY

@@ -54,3 +54,8 @@ def test_real_cpu_search_meets_real_oom_exports_and_verifies(tmp_path):
     assert "held: yes" in verify.stdout and "completions/s" in verify.stdout
     (v,) = list(study.glob("verify/*/outcome.json"))
     assert json.loads(v.read_text())["status"] == "ok"
+    # a configuration that runs out of memory does not hold, and the verdict says why
+    (study / "best" / "params.json").write_text(json.dumps({**best, "per_device_train_batch_size": 64}))
+    oom = run_cli("verify", "cpu", "--steps", "2", cwd=tmp_path, timeout=900)
+    assert oom.returncode == 1, oom.stdout + oom.stderr
+    assert "held: NO (the run failed: oom/host)" in oom.stdout

@@ -25,6 +25,8 @@ import pynvml
 import pytest
 
 from autotune.trial.cleanup import read_baseline, wait_for_baseline
+from autotune.trial.execute import add_monitor_summary
+from autotune.trial.outcome import Outcome
 from autotune.trial.processes import owned_by_trial
 from autotune.trial.telemetry import CSV_COLUMNS, GpuReading, GpuSampler, Tick
 from autotune.trial.utilization import diagnose_low_util, phase_times, summarize
@@ -345,6 +347,24 @@ def test_generation_bound_trial_with_small_vllm_cache(tmp_path: Path) -> None:
     assert blind.low_util and "no cause stands out" in blind.diagnosis
     # a stricter threshold below the observed mean: not low
     assert not summarize(ticks_from_csv(tmp_path / "gpu.csv"), params=params, min_util=0.4).low_util
+
+
+def test_a_failed_trial_gets_no_low_utilization_advice(tmp_path: Path) -> None:
+    """On an H100 a CUDA OOM at batch 32 was told "batch 32 may be too small to fill the GPU": a
+    dying run idles because it dies, so only a trial that ran is diagnosed."""
+    (tmp_path / "gpu.csv").write_text(GENERATION_CSV)
+    params = {"per_device_train_batch_size": 32, "zero_stage": 0, "offload": "none", "use_vllm": False}
+    summary = summarize(ticks_from_csv(tmp_path / "gpu.csv"), params=params)
+    assert summary.low_util
+    oom = Outcome(status="oom", oom_kind="cuda", error_line="torch.OutOfMemoryError: CUDA out of memory.")
+    add_monitor_summary(oom, summary, "cuda")
+    assert "low_util" not in oom.extra and oom.detail is None
+    assert oom.extra["monitor"]["low_util"] is False and oom.extra["monitor"]["diagnosis"] is None
+    assert oom.peak_memory_gib == pytest.approx(61.30) and oom.mean_gpu_util == pytest.approx(summary.mean_gpu_util)
+    ok = Outcome(status="ok", throughput=3.0, peak_memory_gib=70.0)
+    add_monitor_summary(ok, summary, "cuda")
+    assert ok.extra["low_util"] is True and ok.detail == summary.diagnosis
+    assert ok.extra["monitor"]["diagnosis"] == summary.diagnosis and ok.peak_memory_gib == 70.0
 
 
 def test_phase_times_absent_for_trainers_without_them(tmp_path: Path) -> None:

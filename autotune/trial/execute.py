@@ -25,7 +25,7 @@ from autotune.trial.metrics import steady_throughput
 from autotune.trial.monitor import TrialMonitor
 from autotune.trial.outcome import Outcome
 from autotune.trial.telemetry import GpuSampler
-from autotune.trial.utilization import phase_times
+from autotune.trial.utilization import MonitorSummary, phase_times
 
 log = logging.getLogger(__name__)
 
@@ -115,14 +115,8 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
     monitor.poll()
     outcome = judge(result, monitor, recipe, control.rule.warmup)
     if summary is not None:
-        outcome.mean_gpu_util = summary.mean_gpu_util
-        outcome.extra["monitor"] = summary.to_json()
-        if summary.peak_memory_gib is not None and recipe.device == "cuda":
-            # NVML sees what the allocator does not (CUDA context, a colocated vLLM engine)
-            outcome.peak_memory_gib = max(outcome.peak_memory_gib or 0.0, summary.peak_memory_gib)
-        if summary.low_util:
-            outcome.extra["low_util"] = True
-            outcome.detail = outcome.detail or summary.diagnosis
+        add_monitor_summary(outcome, summary, recipe.device)
+        if outcome.extra.get("low_util"):
             log.info("%s: low GPU utilization: %s", trial_dir.name, summary.diagnosis)
     # on disk before anything slow: a controller killed from here on resumes with this result
     outcome.extra["launched"] = True
@@ -130,6 +124,27 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
     if gpus and sampler is not None:
         wait_for_baseline(gpus, baseline, pgid=None, trial_dir=trial_dir.parent)
     return outcome
+
+
+def add_monitor_summary(outcome: Outcome, summary: MonitorSummary, device: str) -> None:
+    """Fold what the GPU sampler saw into the outcome.
+
+    NVML's peak counts what the allocator does not (the CUDA context, a colocated vLLM engine), so
+    on GPUs it raises the trainer's own figure. A low-utilization diagnosis is kept for a trial that
+    ran (status ok) only: a run that died of OOM or a crash idled because it was dying, and
+    "batch 32 may be too small to fill the GPU" on a CUDA OOM at batch 32 (seen on an H100) would
+    send the user the wrong way.
+    """
+    outcome.mean_gpu_util = summary.mean_gpu_util
+    data = summary.to_json()
+    if summary.peak_memory_gib is not None and device == "cuda":
+        outcome.peak_memory_gib = max(outcome.peak_memory_gib or 0.0, summary.peak_memory_gib)
+    if outcome.status != "ok":
+        data["low_util"], data["diagnosis"] = False, None
+    elif summary.low_util:
+        outcome.extra["low_util"] = True
+        outcome.detail = outcome.detail or summary.diagnosis
+    outcome.extra["monitor"] = data
 
 
 def judge(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: int) -> Outcome:
