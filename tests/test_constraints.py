@@ -58,3 +58,36 @@ def test_pins_that_leave_nothing_name_the_rule(recipe_factory):
         constraints.check_pins_leave_candidates(
             space, recipe_factory(), {"zero_stage": 2, "offload": "optimizer+params"})
     assert constraints.check_pins_leave_candidates(space, recipe_factory(), {}) > 100
+
+
+def test_generation_batch_rule_agrees_with_the_real_grpo_config(recipe_factory, tmp_path):
+    """TRL's own GRPOConfig decides: a space that sets steps_per_generation or generation_batch_size
+    is judged as TRL judges it (bs 2, GA 4, spg 1, G 8 is refused by TRL; bs 2, GA 1, spg 4, G 8 runs)."""
+    import itertools
+    import warnings
+
+    import trl
+
+    recipe = recipe_factory(gpus=1)
+    disagree = []
+    for bs, ga, spg, gbs, gens in itertools.product([1, 2, 4], [1, 4], [None, 1, 4], [None, 6, 8], [2, 8]):
+        params = {**OK, "per_device_train_batch_size": bs, "gradient_accumulation_steps": ga,
+                  "num_generations": gens, "use_vllm": False, "zero_stage": 0}
+        extra = {k: v for k, v in (("steps_per_generation", spg), ("generation_batch_size", gbs)) if v is not None}
+        ours = constraints.violations({**params, **extra}, recipe)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                trl.GRPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=bs, gradient_accumulation_steps=ga,
+                               num_generations=gens, use_cpu=True, bf16=False, report_to=[], **extra)
+            refused = None
+        except ValueError as exc:
+            refused = str(exc)
+        if bool(ours) != (refused is not None):
+            disagree.append((bs, ga, spg, gbs, gens, ours, refused))
+    assert not disagree, disagree[:5]
+    named = constraints.violations({**OK, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 4,
+                                    "steps_per_generation": 1, "num_generations": 8}, recipe)
+    assert named and "2 per device x 1 GPUs x 1 steps_per_generation" in named[0]
+    assert constraints.violations({**OK, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
+                                   "steps_per_generation": 4, "num_generations": 8}, recipe) == []

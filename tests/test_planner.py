@@ -158,3 +158,67 @@ def test_search_policy_beats_random_on_a_sim_landscape():
     assert ours.final >= 0.9 * land.best, (ours.final, land.best)
     assert ours.final > rand.final
     assert ours.ooms < rand.ooms
+
+
+# --------------------------------------------------------------------------------------------
+# Constructed histories (issue 8): each case was decided wrongly before the fix
+
+
+def test_a_measured_success_beats_an_oom_it_contradicts():
+    """An OOM (noise, another trial's leftovers) must not veto what a measured success proves fits."""
+    recipe, model, gpu = setup()
+    planner = Planner(model, recipe, gpu)
+    planner.observe(1, {**BASE, "per_device_train_batch_size": 4}, "oom", "cuda", None)
+    planner.observe(2, {**BASE, "per_device_train_batch_size": 8}, "ok", None, 60.0, 3.0)
+    assert not planner.verdict({**BASE, "per_device_train_batch_size": 4, "gradient_checkpointing": True}).skip
+
+
+def test_an_oom_that_started_on_dirty_gpus_vetoes_nothing():
+    recipe, model, gpu = setup()
+    planner = Planner(model, recipe, gpu)
+    planner.observe(1, {**BASE, "per_device_train_batch_size": 1}, "oom", "cuda", None, leftover=True)
+    assert not planner.verdict({**BASE, "per_device_train_batch_size": 2}).skip
+    planner.observe(2, {**BASE, "per_device_train_batch_size": 1}, "oom", "cuda", None)
+    assert planner.verdict({**BASE, "per_device_train_batch_size": 2}).skip
+
+
+def test_accumulation_raises_memory_without_vllm():
+    """Without vLLM TRL generates batch x steps_per_generation sequences in one generate() call."""
+    recipe, model, gpu = setup()
+    planner = Planner(model, recipe, gpu)
+    hf = {**BASE, "use_vllm": False, "gradient_accumulation_steps": 4}
+    planner.observe(1, hf, "oom", "cuda", None)
+    assert not planner.verdict({**hf, "gradient_accumulation_steps": 1}).skip
+    assert not planner.verdict({**hf, "gradient_accumulation_steps": 8, "steps_per_generation": 2}).skip
+    assert planner.verdict({**hf, "gradient_accumulation_steps": 8}).skip
+    # with vLLM accumulation does not change the per-GPU peak
+    planner.observe(2, BASE, "oom", "cuda", None)
+    assert planner.verdict({**BASE, "gradient_accumulation_steps": 16}).skip
+
+
+def test_fewer_training_gpus_in_server_mode_need_more_memory_each():
+    recipe, model, gpu = setup()
+    planner = Planner(model, recipe, gpu)
+    server = {**BASE, "vllm_mode": "server", "vllm_tensor_parallel_size": 2}      # trains on 2 of 4
+    planner.observe(1, server, "oom", "cuda", None)
+    assert not planner.verdict({**server, "vllm_tensor_parallel_size": 1}).skip   # trains on 3: smaller shards
+    planner.observe(2, {**server, "vllm_tensor_parallel_size": 1}, "oom", "cuda", None)
+    assert planner.verdict({**server, "vllm_tensor_parallel_size": 2}).skip
+
+
+def test_each_failure_kind_is_dominated_over_its_own_knobs():
+    recipe, model, gpu = setup()
+    planner = Planner(model, recipe, gpu)
+    # KV cache: fraction minus the weights (a smaller TP holds more weights per GPU); not the batch
+    planner.observe(1, {**BASE, "vllm_gpu_memory_utilization": 0.3, "vllm_tensor_parallel_size": 2}, "oom",
+                    "vllm_kv", None)
+    assert planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.3, "vllm_tensor_parallel_size": 1,
+                            "per_device_train_batch_size": 1}).skip
+    assert not planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.3, "vllm_tensor_parallel_size": 4}).skip
+    # vLLM start-up: the fraction and what the trainer holds (ZeRO stage, offload), not the batch
+    planner.observe(2, {**BASE, "vllm_gpu_memory_utilization": 0.7, "zero_stage": 2}, "oom", "vllm_startup", None)
+    assert planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.8, "zero_stage": 1,
+                            "per_device_train_batch_size": 1}).skip
+    assert not planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.8, "zero_stage": 3}).skip
+    assert not planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.75, "zero_stage": 2,
+                                "offload": "optimizer"}).skip

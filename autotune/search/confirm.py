@@ -15,31 +15,66 @@ from autotune.progress import Reporter
 from autotune.recipe import Recipe
 from autotune.search.planner import Planner
 from autotune.search.stopping import Budget
-from autotune.study import StudyPaths, confirmations, eligible, rows, save_confirmation
+from autotune.study import StudyPaths, TrialRow, confirmations, eligible, rows, save_confirmation
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.outcome import Outcome
 
 CONFIRM_NUMBER_OFFSET = 100_000   # confirmation runs are numbered apart from search trials
+MIN_NOISE = 0.03                  # relative run-to-run noise assumed before any run was repeated
+
+
+def noise(rows_: list[TrialRow], done: dict[int, dict[str, Any]]) -> float:
+    """Relative measurement noise: how far confirmed throughputs landed from their short trials'.
+
+    The search trials already measured every candidate once; a confirmation measures it again,
+    longer, so the gap between the two is the noise that can reorder close candidates."""
+    short = {r.number: r.throughput for r in rows_ if r.throughput}
+    gaps = [abs((c.get("throughput") or 0) / short[n] - 1) for n, c in done.items()
+            if c.get("status") == "ok" and c.get("throughput") and short.get(n)]
+    return max([MIN_NOISE, *gaps])
+
+
+def confirm_duration(row: TrialRow, recipe: Recipe) -> float:
+    """A confirmation's expected wall time: its short trial's, scaled by the steps it runs."""
+    short_steps = recipe.warmup_steps + recipe.measure_steps
+    return (row.wall_time_s or 0.0) * (recipe.warmup_steps + recipe.measure_steps * CONFIRM_FACTOR) / short_steps
 
 
 def confirm(study: optuna.Study, recipe: Recipe, paths: StudyPaths, execute: Callable[..., Outcome],
             reporter: Reporter, planner: Planner | None, budget: Budget) -> int:
-    """Run confirmations until ``recipe.confirm`` leaders held up (a few more runs are allowed for
-    casualties); earlier sessions' confirmations count. Returns the runs made now."""
+    """Confirm leaders by longer runs, only as many as it takes to separate them from the noise.
+
+    The fastest eligible trial is confirmed first. A runner-up is confirmed too only while its
+    short-trial throughput, plus the noise, could still beat the best confirmed throughput, up to
+    ``recipe.confirm`` leaders that held (a few more runs are allowed for casualties). A candidate
+    that is ahead of every confirmed one is always confirmed, so a resumed search that found a
+    better configuration exports it. Each run is admitted only if its own expected length fits the
+    time budget, and the study's clock is saved after each. Returns the runs made now.
+    """
+    if recipe.confirm <= 0:
+        return 0
     limit = recipe.gpu_memory_gib * (1 - recipe.headroom)
 
     def held_up(c: dict[str, Any]) -> bool:
         return c.get("status") == "ok" and (recipe.device == "cpu" or (c.get("peak_memory_gib") or 0) <= limit)
 
     runs = 0
-    held = sum(1 for c in confirmations(study).values() if held_up(c))
-    while held < recipe.confirm and runs < recipe.confirm + 2:
+    while runs < recipe.confirm + 2:
         done = confirmations(study)
-        candidates, _ = eligible(rows(study), recipe, done)
-        todo = [r for r in candidates if r.number not in done]
-        if not todo or budget.exceeded():
+        all_rows = rows(study)
+        candidates, _ = eligible(all_rows, recipe, done)
+        held = [c for c in done.values() if held_up(c)]
+        best = max((c.get("throughput") or 0.0 for c in held), default=0.0)
+        spread = noise(all_rows, done)
+        todo = [r for r in candidates if r.number not in done and (r.throughput or 0) * (1 + spread) > best]
+        if not todo:
             break
         row = todo[0]
+        if len(held) >= recipe.confirm and (row.throughput or 0) <= best:
+            break                        # enough leaders held, and this one is not ahead of them
+        if budget.exceeded(confirm_duration(row, recipe)):
+            reporter.message(f"not confirming trial {row.number}: its longer run would exceed --time-budget")
+            break
         trial_dir = paths.confirm_dir(row.number)
         reporter.message(f"confirming trial {row.number} with {recipe.measure_steps * CONFIRM_FACTOR} measured steps")
         control = TrialControl(StopRule.confirming(recipe), None, recipe.completions_per_step(row.params),
@@ -48,12 +83,11 @@ def confirm(study: optuna.Study, recipe: Recipe, paths: StudyPaths, execute: Cal
         outcome.write(trial_dir / "outcome.json")
         save_confirmation(study, row.number, outcome)
         budget.spent(outcome.wall_time_s)
+        study.set_user_attr("elapsed_s", round(budget.elapsed(), 1))    # a resume goes on from here
         if planner is not None and outcome.status == "oom":
             planner.observe(row.number, row.params, outcome.status, outcome.oom_kind, outcome.peak_memory_gib)
         reporter.message(f"confirmation of trial {row.number}: {outcome.status}"
                          + (f" {outcome.throughput:.3g}/s" if outcome.throughput else "")
                          + (f", peak {outcome.peak_memory_gib:.1f} GiB" if outcome.peak_memory_gib else ""))
         runs += 1
-        if held_up(outcome.to_json()):
-            held += 1
     return runs

@@ -18,7 +18,8 @@ from autotune.search.space import Space
 # Parameters the rules look at; exhaustive checks enumerate only these.
 RULE_PARAMS = [
     "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "zero_stage",
-    "offload", "use_vllm", "vllm_mode", "vllm_tensor_parallel_size",
+    "offload", "use_vllm", "vllm_mode", "vllm_tensor_parallel_size", "steps_per_generation",
+    "generation_batch_size",
 ]
 
 
@@ -59,10 +60,11 @@ def violations(params: dict[str, Any], recipe: Recipe,
         return out
     if gens < 2:
         out.append("num_generations must be at least 2 (GRPO needs 2 completions per prompt)")
-    generation_batch = pdbs * dp * gas
-    if gens >= 2 and generation_batch % gens:
-        out.append(f"generation batch {generation_batch} (= {pdbs} per device x {dp} GPUs x {gas} "
-                   f"accumulation) is not divisible by num_generations {gens}")
+    generation_batch, how = generation_batch_of(params, dp)
+    if generation_batch is None:
+        out.append(how)
+    elif gens >= 2 and generation_batch % gens:
+        out.append(f"generation batch {generation_batch} (= {how}) is not divisible by num_generations {gens}")
     if offload not in ("none", "optimizer", "optimizer+params"):
         out.append(f"offload '{offload}' is not none, optimizer or optimizer+params")
     if offload == "optimizer" and stage < 2:
@@ -83,6 +85,27 @@ def violations(params: dict[str, Any], recipe: Recipe,
         if message:
             out.append(message)
     return out
+
+
+def generation_batch_of(params: dict[str, Any], dp: int) -> tuple[int | None, str]:
+    """Completions generated per generation round, as TRL's GRPOConfig derives it, and how.
+
+    A space may set ``steps_per_generation`` or ``generation_batch_size`` (not both); without either
+    TRL generates once per optimizer step (steps_per_generation = accumulation). Returns (None,
+    the reason) for what GRPOConfig itself refuses.
+    """
+    pdbs = int(params.get("per_device_train_batch_size", 8))
+    spg, gbs = params.get("steps_per_generation"), params.get("generation_batch_size")
+    if spg is not None and gbs is not None:
+        return None, "generation_batch_size and steps_per_generation cannot both be set (TRL refuses it)"
+    if gbs is not None:
+        if int(gbs) % (pdbs * dp):
+            return None, (f"generation_batch_size {gbs} is not divisible by the global micro-batch "
+                          f"{pdbs * dp} (= {pdbs} per device x {dp} GPUs)")
+        return int(gbs), f"generation_batch_size {gbs}"
+    steps = int(params.get("gradient_accumulation_steps", 1)) if spg is None else int(spg)
+    what = "accumulation" if spg is None else "steps_per_generation"
+    return pdbs * dp * steps, f"{pdbs} per device x {dp} GPUs x {steps} {what}"
 
 
 def valid_combinations(space: Space, recipe: Recipe, fixed: dict[str, Any],
@@ -135,8 +158,10 @@ def _rule_kind(message: str) -> str:
     """Collapse a violation to its rule so that counts group by rule, not by number."""
     for key, kind in (
         ("global batch", "--global-batch must be divisible by per-device batch x data-parallel GPUs"),
-        ("generation batch", "the generation batch (per-device batch x GPUs x accumulation) must be "
-                             "divisible by num_generations"),
+        ("generation batch", "the generation batch (per-device batch x GPUs x accumulation or "
+                             "steps_per_generation) must be divisible by num_generations"),
+        ("generation_batch_size", "generation_batch_size must be divisible by the global micro-batch, "
+                                  "and not set together with steps_per_generation"),
         ("at least 2", "num_generations must be at least 2"),
         ("optimizer offload", "optimizer offload needs ZeRO stage >= 2"),
         ("parameter offload", "parameter offload needs ZeRO stage 3"),

@@ -22,7 +22,7 @@ from autotune.progress import Reporter
 from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
 from autotune.search import constraints
-from autotune.search.confirm import confirm
+from autotune.search.confirm import confirm, noise
 from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe
 from autotune.search.pruning import BelowBestPruner
@@ -34,6 +34,8 @@ from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.outcome import Outcome
 
 log = logging.getLogger(__name__)
+
+MIN_LAUNCHED = 6        # trials before the search may stop as converged (seeds plus a few local moves)
 
 # An executor runs one candidate and says what happened. The default is the runner's real process;
 # the benchmark swaps in the simulator's ground truth, in-process.
@@ -63,6 +65,14 @@ def fixed_values(space: Space, recipe: Recipe, runner: Runner) -> dict[str, Any]
     return fixed
 
 
+def answered(study: optuna.Study) -> dict[str, tuple[int, dict[str, Any]]]:
+    """What a repeat proposal is answered from without a launch: measured and refused configs.
+
+    A memory-model skip is not an answer: the model is re-fitted after every trial, so a candidate
+    it vetoed early is asked again when proposed again."""
+    return {k: v for k, v in measured_configs(study).items() if v[1].get("status") != "skipped"}
+
+
 class Search:
     """Runs one study until its trial count, its time budget or a stop condition."""
 
@@ -86,14 +96,14 @@ class Search:
 
     def run(self) -> SearchResult:
         study = self.open()
-        measured = measured_configs(study)
+        measured = answered(study)
         launched = len(launched_rows(study))
         stopped_reason = None
         while launched < self.recipe.trials:
             stop = self.stopping.reason()
             if stop is not None:
-                stopped_reason, message = stop
-                self.reporter.message(message)
+                stopped_reason = f"stopped after {launched} trials: {stop[0]}"
+                self.reporter.message(stop[1])
                 break
             trial = study.ask()                                                        # ask
             params = self.space.normalize(constraints.derive(self.space.suggest(trial, self.fixed), self.recipe))
@@ -103,6 +113,13 @@ class Search:
                 launched += 1
                 outcome = self.measure(trial, params, launched, predicted_gib)          # execute
             self.tell(study, trial, params, key, outcome, measured)                     # tell
+            stopped_reason = self.converged(study, launched) if outcome.extra.get("launched") else None
+            if stopped_reason:
+                self.reporter.message(stopped_reason)
+                break
+        if stopped_reason is None:
+            stopped_reason = f"stopped after {launched} trials: the --trials limit"
+        study.set_user_attr("stopped", stopped_reason)
         confirmed = confirm(study, self.recipe, self.paths, self.execute, self.reporter, self.planner,
                             self.stopping.budget)
         study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))   # the study's clock
@@ -111,6 +128,22 @@ class Search:
         best, _ = choose_best(rows(study), self.recipe, done)
         return SearchResult(launched=launched, best=best, stopped_reason=stopped_reason, exported=exported,
                             confirmed=confirmed, confirmation=done.get(best.number) if best else None)
+
+    def converged(self, study: optuna.Study, launched: int) -> str | None:
+        """Why to stop now that nothing untried is likely to beat the incumbent, or None.
+
+        Only with a usable memory model and speed prior (GPU trials), after :data:`MIN_LAUNCHED`
+        trials and a measured success: then the planner walks the candidates by prior and finds
+        none whose expected throughput, raised by how far measurements strayed from the prior,
+        beats the best by more than the measurement noise."""
+        if self.planner is None or not self.planner.use_model or launched < MIN_LAUNCHED or not self.best_value:
+            return None
+        spread = noise(rows(study), confirmations(study))
+        pool = self.planner.pool(self.space, self.fixed, self.rules)
+        if self.planner.improvable(pool, set(measured_configs(study)), candidate_key, self.best_value, spread):
+            return None
+        return (f"stopped after {launched} trials: converged, no untried candidate is expected to beat "
+                f"the best {self.best_value:.3g} completions/s by more than the noise ({spread:.0%})")
 
     def open(self) -> optuna.Study:
         """Open the study, recover what a killed controller left, and let the planner learn from it."""
@@ -123,13 +156,21 @@ class Search:
             for row in rows(study):
                 if row.launched and row.status not in ("crash", "interrupted"):
                     self.planner.observe(row.number, row.params, row.status, row.oom_kind, row.peak_memory_gib,
-                                         None if row.pruned else row.throughput)
+                                         None if row.pruned else row.throughput,
+                                         leftover=row.status == "oom" and self.leftover(row.number))
         previous = launched_rows(study)
         self.stopping = Stopping(Budget(self.recipe.time_budget_s, float(study.user_attrs.get("elapsed_s", 0.0)),
                                         [t.user_attrs.get("wall_time_s") or 0 for t in previous]), self.paths.name)
         self.best_value = max((r.throughput or 0 for r in rows(study) if r.status == "ok" and not r.pruned),
                               default=0.0)
         return study
+
+    def leftover(self, number: int) -> bool:
+        """Whether trial ``number`` started on GPUs still holding an earlier trial's memory."""
+        try:
+            return bool(Outcome.read(self.paths.trial_dir(number) / "outcome.json").extra.get("leftover_gib"))
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
 
     def gate(self, number: int, params: dict[str, Any], previous: tuple[int, dict[str, Any]] | None
              ) -> tuple[Outcome | None, float | None]:
@@ -172,7 +213,7 @@ class Search:
         trial_dir = self.paths.trial_dir(trial.number)
         record(study, trial, params, outcome, launched=launched, key=key, trial_dir=trial_dir,
                memory_limit_gib=self.memory_limit())
-        if outcome.status not in ("crash", "interrupted") and (launched or outcome.status != "invalid"):
+        if outcome.status not in ("crash", "interrupted", "skipped") and (launched or outcome.status != "invalid"):
             measured.setdefault(key, (trial.number, outcome.to_json()))   # a repeat is answered from it
         if not launched:
             self.stopping.not_launched()
@@ -180,7 +221,8 @@ class Search:
         study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))
         if self.planner is not None and outcome.status not in ("crash", "interrupted"):
             self.planner.observe(trial.number, params, outcome.status, outcome.oom_kind, outcome.peak_memory_gib,
-                                 None if outcome.extra.get("pruned") else outcome.throughput)
+                                 None if outcome.extra.get("pruned") else outcome.throughput,
+                                 leftover=bool(outcome.extra.get("leftover_gib")))
         self.reporter.trial_finished(trial.number, outcome)
         if outcome.status == "ok" and not outcome.extra.get("pruned") and (outcome.throughput or 0) > self.best_value:
             self.best_value = outcome.throughput or 0

@@ -14,6 +14,7 @@ Skipped candidates cost no GPU time and are told to Optuna as infeasible, like O
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -31,9 +32,28 @@ log = logging.getLogger(__name__)
 OFFLOAD_RANK = {"none": 2, "optimizer": 1, "optimizer+params": 0}   # higher = more GPU memory
 
 
-def memory_vector(params: dict[str, Any]) -> tuple[float, ...]:
-    """Each knob oriented so that larger means more GPU memory (num_generations and accumulation
-    do not change the per-GPU peak: TRL's micro-batch counts completions)."""
+def generation_sequences(params: dict[str, Any]) -> float:
+    """Sequences one ``generate()`` call decodes per GPU when TRL generates without vLLM.
+
+    TRL then generates a whole generation batch at once, per device batch x steps_per_generation
+    (accumulation unless the space sets steps_per_generation or generation_batch_size), so
+    accumulation raises the peak there although it does not with vLLM."""
+    if params.get("use_vllm"):
+        return 0.0
+    pdbs = float(params.get("per_device_train_batch_size", 8))
+    if params.get("generation_batch_size") is not None:
+        return float(params["generation_batch_size"])      # an upper bound: divided over the GPUs
+    steps = params.get("steps_per_generation")
+    return pdbs * float(params.get("gradient_accumulation_steps", 1) if steps is None else steps)
+
+
+def memory_vector(params: dict[str, Any], dp: int = 1) -> tuple[float, ...]:
+    """Each knob oriented so that larger means more GPU memory per GPU.
+
+    num_generations does not change the peak (TRL's micro-batch counts completions); accumulation
+    does only without vLLM (:func:`generation_sequences`). ``dp`` is the data-parallel size: ZeRO
+    shards states over it, so fewer training GPUs (vLLM server mode) means more memory on each.
+    """
     colocated = bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"
     return (
         float(params.get("per_device_train_batch_size", 8)),
@@ -44,13 +64,13 @@ def memory_vector(params: dict[str, Any]) -> tuple[float, ...]:
         float(params.get("vllm_gpu_memory_utilization", 0.0)) if colocated else 0.0,
         0.0 if (colocated and params.get("vllm_enable_sleep_mode")) else 1.0,
         -float(params.get("vllm_tensor_parallel_size", 1)) if colocated else 0.0,
+        generation_sequences(params),
+        -float(dp),
     )
 
 
 def _distance(a: tuple[float, ...], b: tuple[float, ...]) -> float:
-    import math
-
-    return sum(abs(math.log2(x) - math.log2(y)) if i == 0 and x > 0 and y > 0 else abs(x - y) * (4 if i == 5 else 1)
+    return sum(abs(math.log2(x) - math.log2(y)) if i in (0, 8) and x > 0 and y > 0 else abs(x - y) * (4 if i == 5 else 1)
                for i, (x, y) in enumerate(zip(a, b)))
 
 
@@ -73,6 +93,7 @@ class Seen:
     oom_kind: str | None
     peak_gib: float | None
     throughput: float | None = None
+    leftover: bool = False          # started on GPUs still holding an earlier trial's memory
 
 
 @dataclass
@@ -89,6 +110,7 @@ class Planner:
     weights: dict[str, float] = field(default_factory=dict)   # per-part corrections
     _turn: int = 0                  # which knob the local search moves next
     rel_error: float = 0.25         # typical |measured - predicted| / measured after calibration
+    _pool: list[tuple[float, dict[str, Any]]] | None = None
 
     # -- predictions ------------------------------------------------------------------------
     def raw(self, params: dict[str, Any]) -> Estimate:
@@ -107,9 +129,12 @@ class Planner:
 
     # -- learning ---------------------------------------------------------------------------
     def observe(self, number: int, params: dict[str, Any], status: str, oom_kind: str | None,
-                peak_gib: float | None, throughput: float | None = None) -> None:
-        self.seen.append(Seen(number, dict(params), status, oom_kind, peak_gib, throughput))
+                peak_gib: float | None, throughput: float | None = None, leftover: bool = False) -> None:
+        self.seen.append(Seen(number, dict(params), status, oom_kind, peak_gib, throughput, leftover))
         self.calibrate()
+
+    def vector(self, params: dict[str, Any]) -> tuple[float, ...]:
+        return memory_vector(params, self.recipe.dp_gpus(params))
 
     def calibrate(self) -> None:
         """Per-part corrections fitted to every measured peak.
@@ -146,20 +171,28 @@ class Planner:
 
     # -- decisions --------------------------------------------------------------------------
     def verdict(self, params: dict[str, Any]) -> Verdict:
-        vec = memory_vector(params)
+        """Skip or run, in the order of the evidence's strength.
+
+        A measured success that needs at least as much memory in every knob proves the candidate
+        fits, so it is never skipped, whatever an OOM or the model says (an OOM it contradicts was
+        noise, or another trial's leftovers). Then a measured OOM that the candidate dominates in
+        the knobs that kind of failure depends on; an OOM that started on GPUs still holding an
+        earlier trial's memory proves nothing and is not used. Last, the calibrated model.
+        """
+        vec = self.vector(params)
         predicted = self.predict(params) if self.use_model else None
-        fits_surely = next((s for s in self.seen if s.status == "ok" and at_least(memory_vector(s.params), vec)),
+        fits_surely = next((s for s in self.seen if s.status == "ok" and at_least(self.vector(s.params), vec)),
                            None)
+        if fits_surely is not None:
+            return Verdict(False, None, predicted)
         for s in self.seen:
-            if s.status != "oom":
-                continue
-            if self._dominates_oom(params, vec, s):
+            if s.status == "oom" and not s.leftover and self._dominates_oom(params, vec, s):
                 return Verdict(True, f"needs at least the memory of trial {s.number}, which hit "
                                      f"oom/{s.oom_kind}", predicted)
         # the model only vetoes once a measured peak has anchored it: an uncalibrated model that
         # is wrong for this trainer (a --command trainer with its own tricks) must not veto
         # every candidate before a single trial has run
-        if fits_surely is not None or predicted is None or not self.calibrated:
+        if predicted is None or not self.calibrated:
             return Verdict(False, None, predicted)
         cap = self.recipe.gpu_memory_gib
         margin = max(self.margin, 2 * self.rel_error)
@@ -175,19 +208,29 @@ class Planner:
         return Verdict(False, None, predicted)
 
     def _dominates_oom(self, params: dict[str, Any], vec: tuple[float, ...], s: Seen) -> bool:
-        other = memory_vector(s.params)
+        """Whether ``params`` needs at least what OOM trial ``s`` needed, in the knobs its kind of
+        failure depends on (each a different resource):
+
+        - cuda: the trainer's peak, every knob;
+        - vllm_kv: the KV cache vLLM finds left = fraction x capacity - weights / TP, so a smaller
+          or equal fraction at an equal or smaller TP fails too; the batch does not matter;
+        - vllm_startup: vLLM asks for fraction x total while the trainer already holds its states,
+          so an equal or larger fraction beside as much trainer state (ZeRO stage, offload, the
+          data-parallel size that shards it) fails too; the batch does not matter;
+        - host: host RAM, which on GPUs holds offloaded states (CPU trials: every knob).
+        """
+        other = self.vector(s.params)
+        colocated = bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"
+        fraction = float(params.get("vllm_gpu_memory_utilization", 0) or 0)
+        seen_fraction = float(s.params.get("vllm_gpu_memory_utilization", 0) or 0)
         if s.oom_kind == "cuda":
             return at_least(vec, other)
-        if s.oom_kind == "vllm_kv":          # vLLM budget too small: smaller or equal fails too
-            same = (params.get("vllm_tensor_parallel_size") == s.params.get("vllm_tensor_parallel_size")
-                    and params.get("use_vllm") and params.get("vllm_mode", "colocate") == "colocate")
-            return bool(same) and float(params.get("vllm_gpu_memory_utilization", 1)) <= float(
-                s.params.get("vllm_gpu_memory_utilization", 0)) + 1e-9
-        if s.oom_kind == "vllm_startup":     # fraction too large beside the trainer's states
-            return (bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"
-                    and float(params.get("vllm_gpu_memory_utilization", 0)) >= float(
-                        s.params.get("vllm_gpu_memory_utilization", 1)) - 1e-9
-                    and vec[1] >= other[1] and vec[2] >= other[2])
+        if s.oom_kind == "vllm_kv":
+            return (colocated and fraction <= seen_fraction + 1e-9
+                    and int(params.get("vllm_tensor_parallel_size", 1)) <= int(s.params.get("vllm_tensor_parallel_size", 1)))
+        if s.oom_kind == "vllm_startup":
+            return (colocated and fraction >= seen_fraction - 1e-9
+                    and vec[1] >= other[1] and vec[2] >= other[2] and vec[9] >= other[9])
         if s.oom_kind == "host":
             if self.recipe.device == "cpu":  # on CPU trials host RAM is the device memory
                 return at_least(vec, other)
@@ -229,39 +272,66 @@ class Planner:
         ok = [(s, s.params) for s in self.seen if s.status == "ok" and s.throughput]
         if not ok:
             return prior
-        vec = memory_vector(params)
-        nearest = sorted(ok, key=lambda t: _distance(vec, memory_vector(t[1])))[:3]
+        vec = self.vector(params)
+        nearest = sorted(ok, key=lambda t: _distance(vec, self.vector(t[1])))[:3]
         ratios = [s.throughput / self.prior(p) for s, p in nearest]
         return prior * statistics.fmean(ratios)
 
+    # -- the candidate pool -----------------------------------------------------------------
+    def pool(self, space: Space, fixed: dict[str, Any],
+             rules: Iterable[Callable[[dict[str, Any]], str | None]] = ()) -> list[tuple[float, dict[str, Any]]]:
+        """Every valid candidate of the space's grid with its speed prior, fastest first.
+
+        Computed once per search (the space, the pins and the rules do not change): seeding ranks
+        from it, and the convergence test walks it from the top."""
+        if self._pool is None:
+            rules = list(rules)
+            scored: dict[str, tuple[float, dict[str, Any]]] = {}
+            for cand in space.grid(fixed, float_points=5):
+                cand = space.normalize(constraints.derive(cand, self.recipe))
+                key = repr(sorted(cand.items()))
+                if key in scored or constraints.violations(cand, self.recipe, rules):
+                    continue
+                scored[key] = (self.prior(cand), cand)
+            self._pool = sorted(scored.values(), key=lambda t: -t[0])
+        return self._pool
+
+    def improvable(self, pool: list[tuple[float, dict[str, Any]]], tried: set[str],
+                   key: Callable[[dict[str, Any]], str], best: float, noise: float) -> dict[str, Any] | None:
+        """An untried candidate that could still beat ``best`` by more than ``noise``, or None.
+
+        A candidate could win when its expected throughput (the prior corrected by the nearest
+        measurements), raised by how far measurements have strayed from the prior, beats the
+        incumbent by more than the noise, and nothing known rules it out as too big. The pool is
+        sorted by prior, so the walk stops at the first prior that even the most favourable
+        correction measured so far cannot lift over the bar.
+        """
+        ok = [s for s in self.seen if s.status == "ok" and s.throughput]
+        if not ok or not self.use_model:
+            return pool[0][1] if pool else None           # nothing to judge by: keep searching
+        logs = [math.log(s.throughput / self.prior(s.params)) for s in ok]
+        # one and a half standard deviations of the prior's log error, and never less than 10%
+        spread = max(1.10, math.exp(1.5 * statistics.pstdev(logs))) if len(logs) >= 3 else 1.5
+        ceiling = math.exp(max(logs)) * spread
+        bar = best * (1 + noise)
+        for prior, cand in pool:
+            if prior * ceiling <= bar:
+                return None
+            if key(cand) in tried or self.expected_throughput(cand) * spread <= bar:
+                continue
+            if not self.verdict(cand).skip:
+                return cand
+        return None
+
     # -- seeding ----------------------------------------------------------------------------
     def rank_candidates(self, space: Space, fixed: dict[str, Any],
-                        rules: Iterable[Callable[[dict[str, Any]], str | None]] = (), k: int = 4,
-                        names: list[str] | None = None) -> list[dict[str, Any]]:
+                        rules: Iterable[Callable[[dict[str, Any]], str | None]] = (), k: int = 4
+                        ) -> list[dict[str, Any]]:
         """The k valid candidates the model expects to fit with headroom and the prior ranks
         fastest, spread over ZeRO stages so one wrong guess does not sink all seeds."""
-        rules = list(rules)
         limit = self.recipe.gpu_memory_gib * (1 - max(self.recipe.headroom, 0.05) - 0.05)
-        scored: list[tuple[float, dict[str, Any]]] = []
-        seen_keys: set[str] = set()
-        for cand in space.grid(fixed, names=names, float_points=5):
-            cand = space.normalize(constraints.derive(cand, self.recipe))
-            if constraints.violations(cand, self.recipe, rules):
-                continue
-            key = repr(sorted(cand.items()))
-            if key in seen_keys:
-                continue
-            seen_keys.add(key)
-            if self.use_model:
-                est = self.raw(cand)
-                if est.vllm_problem or self.predict(cand) > limit:
-                    continue
-            score = throughput_prior(self.model, cand, self.gpu, gpus=self.recipe.gpus,
-                                     dp_gpus=self.recipe.dp_gpus(cand),
-                                     prompt=self.recipe.max_prompt_length,
-                                     completion=self.recipe.max_completion_length, beta=self.recipe.beta)
-            scored.append((score, cand))
-        scored.sort(key=lambda t: -t[0])
+        scored = [(score, cand) for score, cand in self.pool(space, fixed, rules)
+                  if not self.use_model or not (self.raw(cand).vllm_problem or self.predict(cand) > limit)]
         picked: list[dict[str, Any]] = []
         stages: set[Any] = set()
         for score, cand in scored:           # best per ZeRO stage first, then the rest by score
@@ -275,10 +345,7 @@ class Planner:
                 break
             if cand not in picked:
                 picked.append(cand)
-        picked.sort(key=lambda c: -throughput_prior(
-            self.model, c, self.gpu, gpus=self.recipe.gpus, dp_gpus=self.recipe.dp_gpus(c),
-            prompt=self.recipe.max_prompt_length, completion=self.recipe.max_completion_length,
-            beta=self.recipe.beta))
+        picked.sort(key=lambda c: -self.prior(c))
         return picked
 
 

@@ -37,11 +37,13 @@ class Budget:
     def spent(self, duration_s: float | None) -> None:
         self.durations.append(duration_s or 0.0)
 
-    def exceeded(self) -> bool:
-        """Would the next trial, as long as the longest of the last five, pass the limit?"""
+    def exceeded(self, next_s: float | None = None) -> bool:
+        """Would the next run pass the limit? It lasts ``next_s`` when known (a confirmation's
+        own estimate), else as long as the longest of the last five trials."""
         if not self.limit_s:
             return False
-        return self.elapsed() + max(self.durations[-5:], default=0.0) > self.limit_s
+        duration = next_s if next_s is not None else max(self.durations[-5:], default=0.0)
+        return self.elapsed() + duration > self.limit_s
 
 
 class Stopping:
