@@ -12,7 +12,9 @@ import dataclasses
 import json
 import logging
 import re
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -70,15 +72,59 @@ runs_dir_option = click.option("--runs-dir", type=click.Path(path_type=Path), de
                                show_default=True, help="Folder that holds the studies.")
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP (a scheduler's stop, a closed terminal): handled exactly like Ctrl-C."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    """Raise :class:`Terminated` in the main thread, once: a second signal must not cut short the
+    cleanup the first one started (a scheduler follows up with SIGKILL anyway)."""
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    raise Terminated(signum)
+
+
+def handle_termination() -> dict[signal.Signals, Any]:
+    """SIGTERM and SIGHUP raise like Ctrl-C, so trials are killed and the study stays resumable.
+
+    Only where they would kill us outright (a ``nohup`` run keeps ignoring SIGHUP); returns the
+    handlers replaced, for :func:`restore_handlers`.
+    """
+    replaced: dict[signal.Signals, Any] = {}
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                replaced[sig] = signal.signal(sig, _terminate)
+    return replaced
+
+
+def restore_handlers(replaced: dict[signal.Signals, Any]) -> None:
+    """Put back what :func:`handle_termination` replaced (the CLI may run inside another program)."""
+    for sig, handler in replaced.items():
+        signal.signal(sig, handler)
+
+
 class Group(click.Group):
-    """Ctrl-C leaves the study resumable and says so, instead of click's bare 'Aborted!'."""
+    """Ctrl-C, SIGTERM and SIGHUP leave the study resumable and say so, instead of click's bare
+    'Aborted!' or a death that skips all cleanup (exit 128 + the signal's number)."""
 
     def invoke(self, ctx: click.Context) -> Any:
+        replaced = handle_termination()
         try:
             return super().invoke(ctx)
+        except Terminated as exc:
+            click.echo(f"stopped by {signal.Signals(exc.signum).name}: the study is saved; "
+                       "continue with autotune resume", err=True)
+            sys.exit(128 + exc.signum)
         except KeyboardInterrupt:
             click.echo("interrupted: the study is saved; continue with autotune resume", err=True)
             sys.exit(130)
+        finally:
+            restore_handlers(replaced)
 
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})

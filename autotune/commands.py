@@ -3,6 +3,10 @@
 ``search`` resolves the recipe's inputs (model, hardware, space, pins), opens or creates the
 study folder and hands over to the search loop; ``resume`` rebuilds the same from recipe.yaml;
 ``show``, ``export``, ``verify`` and ``estimate`` read the study or the memory model.
+
+A study folder that lost a part (recipe.yaml, study.db) is named as such and refused before
+anything is written, and a damaged database or a full disk met while a command runs ends it with
+one line (:func:`autotune.study.storage.plain_failures`), never a traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from autotune.errors import UsageError
 from autotune.export import export_study
@@ -21,12 +26,18 @@ from autotune.runners import TrialContext, make_runner
 from autotune.search import constraints
 from autotune.search.loop import Search
 from autotune.search.space import load_space
-from autotune.study import StudyPaths, load_existing, prepare_root, rank, rows
+from autotune.study import (StudyPaths, check_database, held_trials, load_existing, plain_failures, prepare_root,
+                            rank, rows)
 from autotune.trial.control import StopRule, TrialControl
+
+if TYPE_CHECKING:
+    import optuna
 
 log = logging.getLogger(__name__)
 
 VERIFY_NUMBER_OFFSET = 200_000   # verify runs are numbered apart from search trials and confirmations
+ROOM_FOR_SEARCH = "use --runs-dir on a disk with room"
+ROOM_FOR_STUDY = "copy the study folder to a disk with room and use --runs-dir there"
 
 
 def resolve_inputs(recipe: Recipe, gpu_type: str | None, gpu_memory: float | None,
@@ -83,33 +94,56 @@ def start_search(recipe: Recipe, runs_dir: Path) -> None:
             raise UsageError(
                 f"study '{recipe.name}' already exists with a different recipe ({', '.join(diff)} "
                 f"differ): run `autotune resume {recipe.name}` to continue it, or choose a new --name")
-    prepare_root(paths)
-    recipe.save(paths.recipe)
-    run(recipe, paths)
+    check_database(paths, recipe)
+    search = prepare_search(recipe, paths)       # every check first: a typo must not claim the name
+    with plain_failures(paths, recipe, ROOM_FOR_SEARCH):
+        prepare_root(paths)
+        recipe.save(paths.recipe)
+        run(search, recipe, paths)
+
+
+def saved_recipe(paths: StudyPaths, hint: str) -> Recipe:
+    """The study's recipe.yaml. A folder that holds a study but lost its recipe is told apart
+    from no study at all: the fix differs (restore the file, not start a search)."""
+    if paths.recipe.exists():
+        return Recipe.load(paths.recipe)
+    held = held_trials(paths)
+    there = [name for name, present in (("study.db", paths.db.exists()), (f"{held} trials", held > 0),
+                                        ("best/", paths.best.is_dir())) if present]
+    if there:
+        raise UsageError(f"study '{paths.name}' in {paths.runs_dir} has {', '.join(there)} but its recipe.yaml "
+                         f"is missing: restore {paths.recipe} from a backup, or run autotune search with the "
+                         f"study's original flags and --name {paths.name} to write it again")
+    raise UsageError(f"no study '{paths.name}' in {paths.runs_dir}{hint}")
 
 
 def resume_search(name: str, runs_dir: Path, *, trials: int | None = None,
                   time_budget_s: float | None = None) -> None:
     paths = StudyPaths(runs_dir, name)
-    if not paths.recipe.exists():
-        known = sorted(p.parent.name for p in runs_dir.glob("*/recipe.yaml")) if runs_dir.exists() else []
-        hint = f"; studies here: {', '.join(known)}" if known else ""
-        raise UsageError(f"no study '{name}' in {runs_dir}{hint} (start one with autotune search)")
-    recipe = Recipe.load(paths.recipe)
+    known = sorted(p.parent.name for p in runs_dir.glob("*/recipe.yaml")) if runs_dir.exists() else []
+    hint = f"; studies here: {', '.join(known)}" if known else ""
+    recipe = saved_recipe(paths, f"{hint} (start one with autotune search)")
+    check_database(paths, recipe)
     if trials is not None:
         if trials < 1:
             raise UsageError("--trials must be at least 1")
         recipe.trials = trials
     if time_budget_s is not None:
         recipe.time_budget_s = time_budget_s
-    prepare_root(paths)
-    recipe.save(paths.recipe)
-    run(recipe, paths)
+    search = prepare_search(recipe, paths)
+    with plain_failures(paths, recipe, ROOM_FOR_STUDY):
+        prepare_root(paths)
+        recipe.save(paths.recipe)
+        run(search, recipe, paths)
 
 
-def run(recipe: Recipe, paths: StudyPaths) -> None:
-    context = context_for(recipe)
-    search = Search(recipe, paths, context, make_reporter(recipe.trials))
+def prepare_search(recipe: Recipe, paths: StudyPaths) -> Search:
+    """The search with every check done (space, pins, the runner's program and rules) and
+    nothing written yet."""
+    return Search(recipe, paths, context_for(recipe), make_reporter(recipe.trials))
+
+
+def run(search: Search, recipe: Recipe, paths: StudyPaths) -> None:
     try:
         result = search.run()
     finally:
@@ -132,18 +166,25 @@ def finish_lines(recipe: Recipe, paths: StudyPaths, result) -> None:
     print(f"      {short_params(best.params)}")
     names = ", ".join(p.name for p in result.exported) or "nothing"
     print(f"launch configs: {paths.best}/ ({names})")
+    if result.stopped_reason:
+        print(result.stopped_reason)
 
 
 def open_named(name: str, runs_dir: Path):
     paths = StudyPaths(runs_dir, name)
-    if not paths.recipe.exists():
-        raise UsageError(f"no study '{name}' in {runs_dir} (list them with ls {runs_dir})")
-    recipe = Recipe.load(paths.recipe)
-    return paths, recipe, load_existing(paths, recipe)
+    recipe = saved_recipe(paths, f" (list them with ls {runs_dir})")
+    with plain_failures(paths, recipe, ROOM_FOR_STUDY):
+        return paths, recipe, load_existing(paths, recipe)
 
 
 def show_study(name: str, runs_dir: Path, as_json: bool) -> None:
     paths, recipe, study = open_named(name, runs_dir)
+    with plain_failures(paths, recipe, ROOM_FOR_STUDY):
+        _show(name, recipe, study, as_json)
+
+
+def _show(name: str, recipe: Recipe, study: "optuna.Study", as_json: bool) -> None:
+    """The table (or JSON) of trials, best first; may read pages of the database no open touched."""
     ranked = rank(rows(study))
     if as_json:
         print(json.dumps([r.__dict__ for r in ranked], indent=2, default=str))
@@ -179,7 +220,9 @@ def export_named(name: str, runs_dir: Path, out: Path | None) -> list[Path]:
     paths, recipe, study = open_named(name, runs_dir)
     if out is not None and out.exists() and not out.is_dir():
         raise UsageError(f"--out {out} is a file: give a folder (it keeps whatever else it holds)")
-    written = export_study(study, recipe, out or paths.best)
+    target = out or paths.best
+    with plain_failures(paths, recipe, "export elsewhere with --out DIR", where=target):
+        written = export_study(study, recipe, target)
     if not written:
         raise UsageError(f"study '{name}' has no successful trial yet: nothing to export")
     return written
@@ -259,14 +302,15 @@ def verify_best(name: str, runs_dir: Path, steps: int) -> bool:
                                                           / (recipe.warmup_steps + recipe.measure_steps))
     rule = StopRule(warmup=recipe.warmup_steps, measure=steps, adaptive=False, prune=False)
     print(f"verifying {short_params(params)} for {recipe.warmup_steps} + {steps} steps in {trial_dir}")
-    outcome = runner.run(params, trial_dir, VERIFY_NUMBER_OFFSET + number,
-                         TrialControl(rule, None, recipe.completions_per_step(params), purpose="verify"))
-    limit = recipe.gpu_memory_gib * (1 - recipe.headroom)
-    peak = outcome.peak_memory_gib
-    within = recipe.device == "cpu" or peak is None or peak <= limit
-    held = outcome.status == "ok" and within
-    outcome.extra["held"] = held
-    outcome.write(trial_dir / "outcome.json")
+    with plain_failures(paths, recipe, ROOM_FOR_STUDY):
+        outcome = runner.run(params, trial_dir, VERIFY_NUMBER_OFFSET + number,
+                             TrialControl(rule, None, recipe.completions_per_step(params), purpose="verify"))
+        limit = recipe.gpu_memory_gib * (1 - recipe.headroom)
+        peak = outcome.peak_memory_gib
+        within = recipe.device == "cpu" or peak is None or peak <= limit
+        held = outcome.status == "ok" and within
+        outcome.extra["held"] = held
+        outcome.write(trial_dir / "outcome.json")
     if outcome.status == "ok":
         print(f"throughput: {outcome.throughput:.4g} completions/s over {outcome.steps} steps")
     else:

@@ -2,11 +2,13 @@
 
 ``autotune resume`` reads back everything a search wrote (outcome.json, params.json, recipe.yaml):
 a controller killed in the middle of a write must leave the old file or the new one, never a torn
-one. Every writer of those files goes through here.
+one. Every writer of those files goes through here. A full disk leaves no temporary file behind
+and is reported against the file that was being written.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -23,11 +25,14 @@ def write_text(path: Path | str, text: str) -> None:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         try:
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            # name the file the user knows, not the temporary one that is gone already
+            raise OSError(exc.errno, exc.strerror, str(path)) from exc
         raise
 
 

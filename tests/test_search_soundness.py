@@ -5,7 +5,6 @@ import json
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import optuna
 
@@ -127,3 +126,21 @@ def test_a_confirmation_that_would_overrun_the_budget_is_not_started(tmp_path):
     budget = search.stopping.budget
     assert result.launched == 2, result
     assert budget.elapsed() <= budget.limit_s, (budget.elapsed(), budget.limit_s, result.confirmed)
+
+
+def test_a_mistyped_command_does_not_claim_the_study_name(tmp_path):
+    """The runner's checks ran after recipe.yaml was saved: the corrected command was then refused
+    as "already exists with a different recipe"."""
+    base = ["search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "1", "--gpu-type", "A100-80GB", "--name", "n",
+            "--trials", "1"]
+    typo = run_cli(*base, "--command", "no-such-trainer {per_device_train_batch_size}", cwd=tmp_path)
+    assert typo.returncode == 2 and "no-such-trainer" in typo.stderr
+    assert not (tmp_path / "runs" / "n").exists()
+    (tmp_path / "trainer.py").write_text(TRAINER)
+    (tmp_path / "speed.txt").write_text("fast")
+    fixed = run_cli(*base, "--command", f"{sys.executable} trainer.py {{per_device_train_batch_size}} speed.txt",
+                    cwd=tmp_path)
+    assert fixed.returncode == 0, fixed.stdout + fixed.stderr
+    # why it stopped: on the final line and in summary.md
+    assert fixed.stdout.strip().splitlines()[-1] == "stopped after 1 trials: the --trials limit"
+    assert "- stopped after 1 trials: the --trials limit" in (tmp_path / "runs" / "n" / "best" / "summary.md").read_text()

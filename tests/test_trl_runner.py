@@ -174,7 +174,7 @@ def test_prepare_vllm_server_mode_adds_sidecar_on_its_own_gpus(runner, tmp_path)
     assert side.env["CUDA_VISIBLE_DEVICES"] == "3"
     shape_dir = (tmp_path / "t3" / "model").resolve()
     tokenizer_dir = (tmp_path / "t3" / "tokenizer").resolve()
-    served = lc.vllm_serve_command(params, run.recipe, str(shape_dir))
+    served = lc.vllm_serve_command(params, run.recipe, str(shape_dir), port=side.port)
     assert side.argv == [sys.executable, "-m", "trl.cli.main", *served[1:], "--load-format", "dummy",
                          "--tokenizer", str(tokenizer_dir)]
     assert "vllm-serve" in side.argv

@@ -121,10 +121,15 @@ def dropped_params(params: dict[str, Any]) -> list[str]:
     return sorted(k for k in params if k not in used)
 
 
-def vllm_serve_command(params: dict[str, Any], recipe: Recipe, model: str) -> list[str]:
-    """``trl vllm-serve`` for server mode, on the GPUs left after training."""
+def vllm_serve_command(params: dict[str, Any], recipe: Recipe, model: str,
+                       port: int = DEFAULT_VLLM_SERVER_PORT) -> list[str]:
+    """``trl vllm-serve`` for server mode, on the GPUs left after training.
+
+    The export keeps TRL's default port; a trial passes a free port of its own, so a stale or
+    foreign server on the default port can never answer for it.
+    """
     eff = effective(params, recipe)
     return ["trl", "vllm-serve", "--model", model,
             "--tensor_parallel_size", str(int(eff["vllm_tensor_parallel_size"])),
             "--max_model_len", str(vllm_max_model_length(recipe)),
-            "--port", str(DEFAULT_VLLM_SERVER_PORT)]
+            "--port", str(int(port))]

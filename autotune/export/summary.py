@@ -37,7 +37,7 @@ def _differs(params: dict[str, Any], best: dict[str, Any]) -> str:
 
 
 def summary_md(final: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow], notes: list[str],
-             names: list[str]) -> str:
+             names: list[str], stopped: str | None = None) -> str:
     params = best.params
     capacity = recipe.gpu_memory_gib
     lines = [f"# autotune: best GRPO configuration for {recipe.model}", ""]
@@ -98,6 +98,8 @@ def summary_md(final: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow]
     wall = sum(r.wall_time_s or 0.0 for r in rows)
     if wall:
         lines.append(f"- wall time in trials: {wall / 3600:.2f} h")
+    if stopped:
+        lines.append(f"- {stopped}")
 
     if notes:
         lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]

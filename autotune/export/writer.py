@@ -36,11 +36,11 @@ def export_study(study: optuna.Study, recipe: Recipe, out_dir: Path) -> list[Pat
     best, notes = choose_best(all_rows, recipe, confirmations(study))
     if best is None:
         return []
-    return write_best(out_dir, best, recipe, all_rows, notes=notes)
+    return write_best(out_dir, best, recipe, all_rows, notes=notes, stopped=study.user_attrs.get("stopped"))
 
 
 def write_best(out_dir: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow], *,
-               notes: Iterable[str] = ()) -> list[Path]:
+               notes: Iterable[str] = (), stopped: str | None = None) -> list[Path]:
     """Write params, TRL / accelerate / DeepSpeed configs, launch scripts and a summary.
 
     Returns the final paths of the files written. ``ds_config.json`` exists only when the run
@@ -64,7 +64,8 @@ def write_best(out_dir: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRo
     files[ACCELERATE_YAML] = (accelerate_yaml(params, recipe, ds_path), False)
     files[LAUNCH_SH] = (launch_sh(params, recipe, best, ds_path is not None), True)
     files[SWIFT_SH] = (swift_sh(params, recipe, best), True)
-    files[SUMMARY_MD] = (summary_md(final, best, recipe, rows, notes, sorted(files) + [SUMMARY_MD]), False)
+    files[SUMMARY_MD] = (summary_md(final, best, recipe, rows, notes, sorted(files) + [SUMMARY_MD],
+                                    stopped), False)
 
     _swap_in(final, files)
     return [final / name for name in files]
@@ -78,19 +79,27 @@ def _swap_in(final: Path, files: dict[str, tuple[str, bool]]) -> None:
     written here replace their namesakes, each by an atomic rename, and of what was there only
     autotune's own stale files go (a ds_config.json the new configuration does not use). Nothing
     else in the folder is touched. Leftover temp folders of an earlier crash are cleared first.
+    A write that fails (a full disk) happens before anything is moved: the temp folder goes and
+    ``final`` is left as it was.
     """
     parent = final.parent
     for stale in parent.glob(f".{final.name}.tmp-*"):
         if stale.is_dir():
             shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+    except OSError as exc:
+        raise _named(exc, final)
     try:
         for name, (text, executable) in files.items():
             path = tmp / name
-            with open(path, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
+            try:
+                with open(path, "w", encoding="utf-8") as handle:
+                    handle.write(text)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+            except OSError as exc:
+                raise _named(exc, final / name)
             os.chmod(path, 0o755 if executable else 0o644)
         os.chmod(tmp, 0o755)
         if not final.exists() or (final.is_dir() and not any(final.iterdir())):
@@ -104,3 +113,12 @@ def _swap_in(final: Path, files: dict[str, tuple[str, bool]]) -> None:
             (final / name).unlink(missing_ok=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _named(exc: OSError, target: Path) -> OSError:
+    """The same error, naming the file the user asked for rather than its temporary twin."""
+    if exc.errno is None:
+        return exc
+    named = OSError(exc.errno, exc.strerror, str(target))
+    named.__cause__ = exc
+    return named

@@ -33,7 +33,10 @@ vLLM server mode: the trial's :attr:`LaunchSpec.sidecars` holds the ``trl vllm-s
 on the GPUs training does not use. :meth:`TrlRunner.start_services` starts it and waits for its
 health endpoint before the trial is launched, and :meth:`TrlRunner.stop_services` stops it after;
 a server that does not come up raises :class:`ServiceFailed` with its log, so the trial is
-recorded from the server's own error (a vLLM start-up OOM reads like one).
+recorded from the server's own error (a vLLM start-up OOM reads like one). Each server has its
+own free port (``--port`` and the worker's ``vllm_server_port``), a pid file in its folder and the
+trial's ``AUTOTUNE_TRIAL_DIR`` marker, so a resume finds it after a crash; a health answer counts
+only from our own live server.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import zlib
 from pathlib import Path
@@ -58,7 +62,7 @@ from autotune import configs as lc
 from autotune.errors import UsageError
 from autotune.runners.base import Rule, Runner
 from autotune.trial.launch import LaunchSpec, ServiceFailed
-from autotune.trial.processes import kill_group
+from autotune.trial.processes import PID_FILE, TRIAL_ENV, kill_group, kill_marked, process_tree
 
 #: Packages a real trial imports; ``check`` names the missing ones in one line.
 REQUIRED = ("torch", "transformers", "trl", "accelerate", "datasets")
@@ -84,6 +88,20 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether something already listens on ``port`` (it answers, or the port cannot be bound)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        if probe.connect_ex((host, port)) == 0:
+            return True
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+        except OSError:
+            return True
+    return False
 
 
 def _uses_zero(params: dict[str, Any]) -> bool:
@@ -203,6 +221,10 @@ class TrlRunner(Runner):
         trial_dir = Path(trial_dir)
         trial_dir.mkdir(parents=True, exist_ok=True)
         spec = self.trial_spec(params, trial_dir, number)
+        train, server = lc.gpu_split(params, recipe)
+        port = free_port() if server and not recipe.device == "cpu" else None
+        if port is not None:   # the trainer's client and the server meet on this trial's own port
+            spec["grpo_config"]["vllm_server_port"] = port
         spec_path = trial_dir / SPEC_FILE
         spec_path.write_text(json.dumps(spec, indent=1), encoding="utf-8")
         processes = int(spec["processes"])
@@ -224,7 +246,6 @@ class TrlRunner(Runner):
         env.update({k: v for k, v in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"))
                     if k not in os.environ})
         devices = [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d]
-        train, server = lc.gpu_split(params, recipe)
         if cpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
             # N processes on a shared host: more threads than cores only thrashes
@@ -235,8 +256,9 @@ class TrlRunner(Runner):
         elif server:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i] for i in train if i < len(devices))
         sidecars = []
-        if server and not cpu:
-            sidecars.append(self.vllm_sidecar(params, trial_dir, [devices[i] for i in server if i < len(devices)]))
+        if port is not None:
+            sidecars.append(self.vllm_sidecar(params, trial_dir, [devices[i] for i in server if i < len(devices)],
+                                              port=port))
         return LaunchSpec(argv=argv, env=env, trial_dir=trial_dir, memory_limit_gib=recipe.memory_limit_gib,
                           sidecars=sidecars)
 
@@ -257,10 +279,15 @@ class TrlRunner(Runner):
         """Start the vLLM server of a server-mode trial and wait for ``/health/``."""
         procs: list[tuple[LaunchSpec, subprocess.Popen]] = []
         for side in spec.sidecars:
-            proc = start_sidecar(side)
+            try:
+                proc = start_sidecar(side)
+            except RuntimeError as exc:
+                self.stop_services(procs)
+                raise ServiceFailed(str(exc), None, "") from exc
             procs.append((side, proc))
             try:
-                wait_health(vllm_health_url(), timeout_s=self.recipe.hang_timeout_s, proc=proc)
+                wait_health(vllm_health_url(side.port or lc.DEFAULT_VLLM_SERVER_PORT),
+                            timeout_s=self.recipe.hang_timeout_s, proc=proc)
             except (RuntimeError, TimeoutError) as exc:
                 self.stop_services(procs)
                 err = side.trial_dir / "stderr.log"
@@ -269,10 +296,11 @@ class TrlRunner(Runner):
         return procs
 
     def stop_services(self, handles: list[Any]) -> None:
-        for _, proc in handles:
-            stop_sidecar(proc)
+        for side, proc in handles:
+            stop_sidecar(proc, pid_dir=side.trial_dir, marker=Path(side.env.get(TRIAL_ENV, side.trial_dir)))
 
-    def vllm_sidecar(self, params: dict[str, Any], trial_dir: Path, devices: list[str]) -> LaunchSpec:
+    def vllm_sidecar(self, params: dict[str, Any], trial_dir: Path, devices: list[str],
+                     port: int = lc.DEFAULT_VLLM_SERVER_PORT) -> LaunchSpec:
         """The ``trl vllm-serve`` process of a server-mode trial, on the GPUs training leaves.
 
         A model without weights is served from the trial's shape directory (config.json in bf16,
@@ -293,12 +321,12 @@ class TrlRunner(Runner):
             served = str(write_shape_dir(info, trial_dir, "cuda").resolve())
             tokenizer_dir = write_tokenizer_dir(load_tokenizer(model.config, None), trial_dir)
             extra = ["--load-format", "dummy", "--tokenizer", str(tokenizer_dir.resolve())]
-        argv = lc.vllm_serve_command(params, self.recipe, served)
+        argv = lc.vllm_serve_command(params, self.recipe, served, port=port)
         # the same venv's trl, whatever is first on PATH
         argv = [sys.executable, "-m", "trl.cli.main", *argv[1:], *extra]
         env = self.base_env(trial_dir)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-        return LaunchSpec(argv=argv, env=env, trial_dir=trial_dir / SIDECAR_DIR, memory_limit_gib=None)
+        return LaunchSpec(argv=argv, env=env, trial_dir=trial_dir / SIDECAR_DIR, memory_limit_gib=None, port=port)
 
 
 # -- vLLM server sidecar ------------------------------------------------------------------------
@@ -312,39 +340,76 @@ def vllm_health_url(port: int = lc.DEFAULT_VLLM_SERVER_PORT, host: str = "127.0.
 def start_sidecar(spec: LaunchSpec) -> subprocess.Popen:
     """Start a sidecar in its own session, output to its folder's stdout.log / stderr.log.
 
-    Its own process group lets :func:`stop_sidecar` end it and the engine processes it starts.
+    Its own process group lets :func:`stop_sidecar` end it and the engine processes it starts; its
+    pid file (``<folder>/pid``) and the ``AUTOTUNE_TRIAL_DIR`` marker let a resume find it after a
+    crash. Raises RuntimeError when its port is already taken (a stale or foreign server would
+    answer for it).
     """
+    if spec.port is not None and port_in_use(spec.port):
+        raise RuntimeError(f"port {spec.port} for the vLLM server is already in use by another process")
     spec.trial_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **spec.env}
+    env.setdefault(TRIAL_ENV, str(spec.trial_dir))
     with open(spec.trial_dir / "stdout.log", "ab") as out, open(spec.trial_dir / "stderr.log", "ab") as err:
-        return subprocess.Popen(spec.argv, env=env, cwd=spec.cwd or spec.trial_dir, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(spec.argv, env=env, cwd=spec.cwd or spec.trial_dir, stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=err, start_new_session=True)
+    try:
+        (spec.trial_dir / PID_FILE).write_text(f"{proc.pid}\n")
+    except OSError as exc:
+        log.warning("cannot write the sidecar's pid file: %s", exc)
+    return proc
+
+
+def listens(proc: subprocess.Popen, port: int) -> bool:
+    """Whether ``proc`` or one of its descendants listens on TCP ``port``."""
+    for member in process_tree(proc.pid):
+        try:
+            conns = member.net_connections(kind="tcp")
+        except Exception:   # psutil.Error (gone, AccessDenied)
+            continue
+        if any(c.status == "LISTEN" and c.laddr and c.laddr.port == port for c in conns):
+            return True
+    return False
 
 
 def wait_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
                 interval_s: float = 1.0) -> float:
     """Poll ``GET url`` until it answers 200; return the seconds it took.
 
-    Raises RuntimeError when ``proc`` exits first (a vLLM startup failure: read its stderr.log)
-    and TimeoutError after ``timeout_s``.
+    With ``proc``, an answer counts only while ``proc`` runs and listens on the URL's port itself:
+    another server on that port (a stale one, someone else's) is not ours. Raises RuntimeError when
+    ``proc`` exits first (a vLLM startup failure: read its stderr.log) and TimeoutError after
+    ``timeout_s``.
     """
     start = time.monotonic()
+    port = urllib.parse.urlsplit(url).port or 80
+    foreign_noted = False
     while True:
         if proc is not None and proc.poll() is not None:
             raise RuntimeError(f"the vLLM server exited with status {proc.returncode} before {url} answered")
         try:
             with urllib.request.urlopen(url, timeout=min(5.0, interval_s * 5)) as response:
-                if response.status == 200:
-                    return time.monotonic() - start
+                answered = response.status == 200
         except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            pass
+            answered = False
+        if answered and (proc is None or (proc.poll() is None and listens(proc, port))):
+            return time.monotonic() - start
+        if answered and not foreign_noted:
+            log.warning("%s answered, but not from our vLLM server: ignored", url)
+            foreign_noted = True
         if time.monotonic() - start > timeout_s:
             raise TimeoutError(f"the vLLM server did not answer {url} within {timeout_s:.0f} s")
         time.sleep(interval_s)
 
 
-def stop_sidecar(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """End a sidecar and everything in its process group (SIGTERM, then SIGKILL)."""
+def stop_sidecar(proc: subprocess.Popen, grace_s: float = 10.0, *, pid_dir: Path | None = None,
+                 marker: Path | None = None) -> None:
+    """End a sidecar and its process group (SIGTERM, then SIGKILL), then what carries ``marker``
+    (``AUTOTUNE_TRIAL_DIR``) outside it; remove ``pid_dir``'s pid file."""
     if proc.poll() is None:
-        kill_group(proc.pid, grace_s=grace_s)
+        kill_group(proc.pid, grace_s=grace_s, leader=proc)
     proc.wait()
+    if marker is not None:
+        kill_marked(marker, grace_s=min(grace_s, 2.0))
+    if pid_dir is not None:
+        (pid_dir / PID_FILE).unlink(missing_ok=True)

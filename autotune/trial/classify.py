@@ -6,56 +6,50 @@ reason. The distinction matters more than the wording: the search treats an OOM 
 not fit" and an invalid trial as "never launch its like again", while a crash is not a memory
 signal at all, and a repeated crash stops the search.
 
-The texts recognised are the real ones, taken from the libraries' sources and real logs (the
-test fixtures under ``tests/data/logs`` say where each came from):
+The texts recognised are the real ones, from the libraries' sources and real logs (the fixtures
+under ``tests/data/logs`` say where each came from):
 
-=============== ==================================================================================
-kind            recognised by
-=============== ==================================================================================
-cuda            PyTorch's allocator ``CUDA out of memory. Tried to allocate ...`` (both the
-                ``GPU 0 has a total capacity of ... of which ... is free`` and the older
-                ``(GPU 0; X total capacity; Y already allocated; ...)`` wordings),
-                ``torch.OutOfMemoryError`` / ``torch.cuda.OutOfMemoryError``,
-                ``CUDA error: out of memory`` (RuntimeError before torch 2.8, ``torch.AcceleratorError``
-                after), ``CUBLAS/CUDNN/CUSOLVER_STATUS_ALLOC_FAILED``, NCCL
-                ``Cuda failure 'out of memory'`` / ``Cuda failure 2 'out of memory'``, vLLM's sleep
-                allocator ``CUDA Error: out of memory at .../cumem_allocator.cpp:N``, and the ROCm /
-                XPU / NPU / MPS spellings.
-host            ``DefaultCPUAllocator: can't allocate memory``, ``std::bad_alloc``, Python
-                ``MemoryError``, ``[Errno 12] Cannot allocate memory``, Ray's
-                ``ray.exceptions.OutOfMemoryError``, a DataLoader worker "killed by signal: Killed",
-                ``CUDA error: out of memory`` raised from ``pin_memory`` (page-locked host memory),
-                and death by SIGKILL (return code -9 or 137, torchrun's ``Signal 9 (SIGKILL)
-                received by PID`` / ``exitcode: -9``, accelerate's ``died with <Signals.SIGKILL:
-                9>``, bash's ``Killed``) when no error of its own explains the exit: the kernel's
-                OOM killer leaves no traceback.
-vllm_kv         ``No available memory for the cache blocks``, ``... KV cache is needed, which is
-                larger than the available KV cache memory``, ``... is larger than the maximum number
-                of tokens that can be stored in KV cache``: vLLM's fraction is too small.
-vllm_startup    ``Free memory on device ... on startup is less than desired GPU memory
-                utilization``: vLLM's fraction is larger than what the trainer left free.
-=============== ==================================================================================
+- **cuda**: PyTorch's ``CUDA out of memory. Tried to allocate ...`` (new and old wordings),
+  ``torch.OutOfMemoryError`` / ``torch.cuda.OutOfMemoryError``, ``CUDA error: out of memory``
+  (RuntimeError before torch 2.8, ``torch.AcceleratorError`` after), ``CUBLAS/CUDNN/CUSOLVER_STATUS_
+  ALLOC_FAILED``, NCCL ``Cuda failure 'out of memory'``, vLLM's sleep allocator ``CUDA Error: out of
+  memory at .../cumem_allocator.cpp:N``, and the ROCm / XPU / NPU / MPS spellings.
+- **host**: ``DefaultCPUAllocator: can't allocate memory``, ``std::bad_alloc``, ``MemoryError``,
+  ``[Errno 12] Cannot allocate memory``, Ray's ``OutOfMemoryError``, a DataLoader worker "killed by
+  signal: Killed", ``CUDA error: out of memory`` from ``pin_memory``, and death by SIGKILL (-9/137,
+  torchrun's ``Signal 9 (SIGKILL) received by PID`` / ``exitcode: -9``, accelerate's ``died with
+  <Signals.SIGKILL: 9>``, bash's ``Killed``) when no error of its own explains it: the kernel's OOM
+  killer leaves no traceback.
+- **vllm_kv**: ``No available memory for the cache blocks``, ``... KV cache is needed, which is larger
+  than the available KV cache memory``, ``... larger than the maximum number of tokens that can be
+  stored in KV cache``: vLLM's fraction is too small.
+- **vllm_startup**: ``Free memory on device ... on startup is less than desired GPU memory
+  utilization``: vLLM's fraction is larger than what the trainer left free.
 
 ``invalid`` is TRL's (and ms-swift's) own refusal of a configuration: ``generation_batch_size (g)
 must be divisible by num_generations (G)`` / ``by the global batch size``, ``GRPO requires at least
 2 generations per prompt``, ``tensor_parallel_size (t) must divide world size (n) evenly``.
 
-Precedence: a log often holds several of these, because one failure causes others (rank 0 runs out
-of memory, rank 1 then reports a closed connection or an NCCL watchdog timeout, the launcher then
-raises ``ChildFailedError``; vLLM's ``Engine core initialization failed. See root cause above.``
-wraps the real error). The earliest memory or configuration signal in the log is the root cause
-and decides the status; messages known to be consequences are never the root cause, and for a
-plain crash the error line is the last exception that is not one of those consequences.
+Precedence: one failure causes others (rank 0 runs out of memory, rank 1 reports a closed
+connection or an NCCL watchdog timeout, torchrun raises ``ChildFailedError``; vLLM's ``Engine core
+initialization failed. See root cause above.`` wraps the real error). The earliest memory or
+configuration signal is the root cause and decides; known consequences never are, and for a plain
+crash the error line is the last exception that is not one of them. A trial is judged from its
+whole log files (:func:`diagnose_files`), since the teardown noise after the root cause can be
+longer than any tail kept in memory.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
 
+from autotune.trial.logparse import log_digest
 from autotune.trial.outcome import describe
 
-__all__ = ["Diagnosis", "classify_failure", "diagnose", "last_error_line"]
+__all__ = ["Diagnosis", "classify_failure", "diagnose", "diagnose_files", "last_error_line"]
 
 ERROR_LINE_MAX = 300
 
@@ -206,6 +200,15 @@ _FATAL = re.compile(
 _PIN_MEMORY = re.compile(r"pin_memory|cudaHostAlloc|pinned", re.IGNORECASE)
 
 
+# Words without which no rule above can match a line (a cheap filter before the rules, so that a
+# 64 MiB log is read in about a second), and those of the memory and configuration rules alone.
+_ROOT_CAUSE_WORDS = re.compile(r"emory|alloc|ALLOC|MEMORY|KV cache|Killed|generation|tensor_parallel_size"
+                               r"|divisible|auto_find_batch_size")
+_WORTH_READING = re.compile(_ROOT_CAUSE_WORDS.pattern + r"|Error|Exception|Exit|Interrupt|Failure|Exceeded"
+                            r"|fault|Fatal|terminate called|Abort|Bus error|Illegal|dumped|SIGKILL|exitcode"
+                            r"|return code|NCCL WARN")
+
+
 def _is_secondary(name: str | None, text: str) -> bool:
     short = (name or "").rsplit(".", 1)[-1]
     return short in _SECONDARY_NAMES or bool(_SECONDARY_TEXT.search(text))
@@ -305,14 +308,7 @@ def _root(hits: list[_Hit]) -> tuple[str | None, int]:
     return first.kind, best.index
 
 
-def last_error_line(log_text: str) -> str | None:
-    """The line that best says why a process failed, for a failure that is not about memory.
-
-    The last exception of the last traceback that is not a mere consequence of another failure
-    (a launcher's ``ChildFailedError``, a peer's closed connection, an NCCL watchdog timeout);
-    else the last fatal C++/signal message; else the last consequence; else the last line that
-    is not a progress bar."""
-    lines = _lines(log_text)
+def _last_error(lines: list[str]) -> str | None:
     primary = secondary = fatal = None
     for i, line in enumerate(lines):
         exc = _exception(line)
@@ -330,6 +326,16 @@ def last_error_line(log_text: str) -> str | None:
         if line.strip() and not _PROGRESS.search(line):
             return _trim(line.strip())
     return None
+
+
+def last_error_line(log_text: str) -> str | None:
+    """The line that best says why a process failed, for a failure that is not about memory.
+
+    The last exception of the last traceback that is not a mere consequence of another failure
+    (a launcher's ``ChildFailedError``, a peer's closed connection, an NCCL watchdog timeout);
+    else the last fatal C++/signal message; else the last consequence; else the last line that
+    is not a progress bar."""
+    return _last_error(_lines(log_text))
 
 
 def _has_primary_error(lines: list[str]) -> bool:
@@ -352,29 +358,29 @@ class Diagnosis:
     detail: str
 
 
-def diagnose(returncode: int | None, log_text: str, *, stopped_by_us: bool = False) -> Diagnosis:
-    """Like :func:`classify_failure`, with a human detail line."""
-    lines = _lines(log_text)
-    hits = _scan(lines)
-    if hits:
-        kind, index = _root(hits)
-        first = min(hits, key=lambda h: h.index)
-        status = first.rule.category
-        error_line = _error_text(lines, index)
-        return Diagnosis(
-            status=status,
-            oom_kind=kind if status == "oom" else None,
-            error_line=error_line,
-            detail=describe(status, kind),
-        )
-
+def _judge(returncode: int | None, parts: list[list[str]], stopped_by_us: bool) -> Diagnosis:
+    """The verdict over cleaned log lines, one list per stream in order of trust (stderr first):
+    the first stream holding a memory or configuration signal decides by its earliest one."""
+    for lines in parts:
+        hits = _scan(lines)
+        if hits:
+            kind, index = _root(hits)
+            status = min(hits, key=lambda h: h.index).rule.category
+            return Diagnosis(status=status, oom_kind=kind if status == "oom" else None,
+                             error_line=_error_text(lines, index), detail=describe(status, kind))
+    # stdout first, stderr last: the last error of stderr (where tracebacks go) names a crash
+    lines = [line for part in reversed(parts) for line in part]
     killed_line = next((line for line in reversed(lines) if _SIGKILL.search(line)), None)
     killed = killed_line is not None or (returncode in (-9, 137) and not stopped_by_us)
     if killed and not _has_primary_error(lines):
         error_line = _trim(killed_line.strip()) if killed_line else f"killed by SIGKILL (exit code {returncode})"
         return Diagnosis("oom", "host", error_line, describe("oom", "host") + " (SIGKILL with no error of its own)")
+    return Diagnosis("crash", None, _last_error(lines), describe("crash"))
 
-    return Diagnosis("crash", None, last_error_line(log_text), describe("crash"))
+
+def diagnose(returncode: int | None, log_text: str, *, stopped_by_us: bool = False) -> Diagnosis:
+    """Like :func:`classify_failure`, with a human detail line."""
+    return _judge(returncode, [_lines(log_text)], stopped_by_us)
 
 
 def classify_failure(
@@ -393,3 +399,18 @@ def classify_failure(
     still does, since our own kill reaches the launcher, not its children)."""
     d = diagnose(returncode, log_text, stopped_by_us=stopped_by_us)
     return d.status, d.oom_kind, d.error_line
+
+
+def diagnose_files(returncode: int | None, paths: Sequence[Path], *, fallback: str = "",
+                   stopped_by_us: bool = False) -> Diagnosis:
+    """:func:`diagnose` over whole log files (give stderr.log first, then stdout.log).
+
+    The in-memory tail of a trial's output ends in whatever the other ranks printed while the job
+    came down (hundreds of KiB of NCCL warnings, then torchrun's ``ChildFailedError``): the OOM
+    that caused it all sits further up. So the files are read, each through :func:`log_digest`,
+    and ``fallback`` (the tail) is used only when no file has anything."""
+    parts = [[_clean(line) for line in log_digest(path, _WORTH_READING, _ROOT_CAUSE_WORDS)] for path in paths]
+    parts = [part for part in parts if part]
+    if not parts:
+        return diagnose(returncode, fallback, stopped_by_us=stopped_by_us)
+    return _judge(returncode, parts, stopped_by_us)

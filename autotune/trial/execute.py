@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, ContextManager
 
 from autotune.recipe import Recipe
-from autotune.trial.classify import classify_failure
+from autotune.trial.classify import classify_failure, diagnose, diagnose_files
 from autotune.trial.cleanup import read_baseline, wait_for_baseline
 from autotune.trial.control import TrialControl
 from autotune.trial.launch import LaunchResult, LaunchSpec, ServiceFailed, launch
@@ -48,6 +48,9 @@ def write_command(spec: LaunchSpec) -> None:
 
 
 _BASELINES: dict[tuple[int, ...], dict[int, float] | None] = {}
+# GPUs whose last wait_for_baseline gave up: the next trial may start beside a predecessor's memory
+_CLEANUP_FAILED: dict[tuple[int, ...], bool] = {}
+LEFTOVER_TOLERANCE_GIB = 1.0   # what wait_for_baseline is given: above it, memory is a leftover
 
 
 def baseline_for(gpus: list[int]) -> dict[int, float] | None:
@@ -56,6 +59,26 @@ def baseline_for(gpus: list[int]) -> dict[int, float] | None:
     if key not in _BASELINES:
         _BASELINES[key] = read_baseline(gpus)
     return _BASELINES[key]
+
+
+def leftover_gib(gpus: list[int], baseline: dict[int, float] | None, *, nvml: Any | None = None,
+                 previous_failed: bool = False, tolerance_gib: float = LEFTOVER_TOLERANCE_GIB) -> float | None:
+    """GiB the GPUs hold above their baseline as a trial starts (the most of any GPU), or None.
+
+    An OOM of a trial that started beside a predecessor's leftover memory says nothing about its
+    own configuration, so the amount goes into its outcome for the search to judge. It is given
+    when it passes the tolerance the cleanup uses, and always when the previous cleanup gave up
+    (``previous_failed``); None without a baseline or NVML."""
+    if baseline is None or not gpus:
+        return None
+    now = read_baseline(gpus, nvml=nvml)
+    if now is None:
+        return None
+    base = {int(k): float(v) for k, v in baseline.items()}
+    excess = max((now[i] - base[i] for i in now if i in base), default=0.0) / 1024
+    if excess > tolerance_gib or previous_failed:
+        return round(max(excess, 0.0), 3)
+    return None
 
 
 def trial_gpus(spec: LaunchSpec) -> list[int]:
@@ -78,6 +101,11 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
     gpus = trial_gpus(spec) if recipe.device == "cuda" else []
     sampler = GpuSampler(trial_dir, gpus, params=params, min_util=recipe.min_util) if monitors_gpus else None
     baseline = baseline_for(gpus) if sampler is not None and gpus else None
+    previous_failed = _CLEANUP_FAILED.get(tuple(gpus), False)
+    leftover = leftover_gib(gpus, baseline, previous_failed=previous_failed) if baseline is not None else None
+    if leftover is not None:
+        log.warning("%s starts with %.1f GiB of GPU memory above the baseline%s", trial_dir.name, leftover,
+                    " (the last cleanup gave up)" if previous_failed else "")
     seen = 0
 
     def should_stop() -> str | None:
@@ -101,8 +129,10 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
             around.enter_context(services)
         except ServiceFailed as exc:
             status, oom_kind, error_line = classify_failure(exc.returncode, exc.log_text)
-            return Outcome(status=status if status in ("oom", "invalid") else "crash", oom_kind=oom_kind,
-                           error_line=error_line or str(exc), detail=f"the vLLM server did not start: {exc}")
+            failed = Outcome(status=status if status in ("oom", "invalid") else "crash", oom_kind=oom_kind,
+                             error_line=error_line or str(exc), detail=f"the vLLM server did not start: {exc}")
+            note_leftover(failed, leftover, previous_failed)
+            return failed
         if sampler is not None:
             sampler.start()
         try:
@@ -113,7 +143,8 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
             summary = sampler.stop(step_times=phase_times(trial_dir / "metrics.jsonl",
                                                           after_step=control.rule.warmup)) if sampler else None
     monitor.poll()
-    outcome = judge(result, monitor, recipe, control.rule.warmup)
+    outcome = judge(result, monitor, recipe, control.rule.warmup, trial_dir=trial_dir)
+    note_leftover(outcome, leftover, previous_failed)
     if summary is not None:
         add_monitor_summary(outcome, summary, recipe.device)
         if outcome.extra.get("low_util"):
@@ -122,8 +153,18 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
     outcome.extra["launched"] = True
     outcome.write(trial_dir / "outcome.json")
     if gpus and sampler is not None:
-        wait_for_baseline(gpus, baseline, pgid=None, trial_dir=trial_dir.parent)
+        reached = wait_for_baseline(gpus, baseline, tolerance_gib=LEFTOVER_TOLERANCE_GIB, pgid=None,
+                                    trial_dir=trial_dir.parent)
+        _CLEANUP_FAILED[tuple(gpus)] = not reached
     return outcome
+
+
+def note_leftover(outcome: Outcome, leftover: float | None, previous_failed: bool) -> None:
+    """Record on the outcome what a predecessor left on the GPUs (see :func:`leftover_gib`)."""
+    if leftover is not None:
+        outcome.extra["leftover_gib"] = leftover
+    if previous_failed:
+        outcome.extra["previous_cleanup_failed"] = True
 
 
 def add_monitor_summary(outcome: Outcome, summary: MonitorSummary, device: str) -> None:
@@ -147,19 +188,47 @@ def add_monitor_summary(outcome: Outcome, summary: MonitorSummary, device: str) 
     outcome.extra["monitor"] = data
 
 
-def judge(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: int) -> Outcome:
-    """Turn how the process ended plus what it reported into an Outcome."""
+def judge(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: int, *,
+          trial_dir: Path | None = None) -> Outcome:
+    """Turn how the process ended plus what it reported into an Outcome, with the reasons for any
+    reported value that was not believed (``extra["rejected_metrics"]``)."""
+    outcome = _verdict(result, monitor, recipe, warmup, trial_dir)
+    notes = getattr(result, "notes", None)    # a log file that was capped or could not be written
+    if notes:
+        outcome.extra["log_notes"] = list(notes)
+    reasons, count = monitor.rejected()
+    if count:
+        outcome.extra["rejected_metrics"] = reasons
+        outcome.extra["rejected_metrics_count"] = count
+    return outcome
+
+
+def _verdict(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: int,
+             trial_dir: Path | None) -> Outcome:
+    """The status. A run that measured its steps and ended well (exit 0, or stopped by us once
+    measured) is ok whatever its log mentions: trainers and libraries print recovered OOMs, and
+    "MemoryError" or "CUDA error: out of memory" in a warning is not a failure. A mention is
+    noted in ``extra["memory_mention"]``. Anything else is judged from the whole log files."""
     records = monitor.records
     throughput = steady_throughput(records, warmup, monitor.samples_per_step)
     common = dict(peak_memory_gib=monitor.peak_memory_gib(), steps=monitor.steps,
                   step_times=[r.step_time for r in records if r.step_time is not None],
                   wall_time_s=round(result.wall_time_s, 3), returncode=result.returncode)
-    if result.stopped in ("measured", "pruned") and throughput:
-        extra = {"pruned": True} if result.stopped == "pruned" else {}
-        return Outcome(status="ok", throughput=throughput, extra=extra, **common)
+    if throughput and (result.stopped in ("measured", "pruned") or (result.stopped is None and result.returncode == 0)):
+        extra: dict[str, Any] = {"pruned": True} if result.stopped == "pruned" else {}
+        mention = diagnose(result.returncode, result.log_tail, stopped_by_us=True)
+        if mention.status == "oom":
+            extra["memory_mention"] = mention.error_line
+        detail = None if result.stopped else "the trainer finished before all measured steps"
+        return Outcome(status="ok", throughput=throughput, extra=extra, detail=detail, **common)
     # a trial we killed ourselves (-9 after SIGTERM was ignored) is not the kernel's OOM killer
-    status, oom_kind, error_line = classify_failure(result.returncode, result.log_tail,
-                                                    stopped_by_us=result.stopped is not None)
+    stopped_by_us = result.stopped is not None
+    if trial_dir is not None:
+        found = diagnose_files(result.returncode, [trial_dir / "stderr.log", trial_dir / "stdout.log"],
+                               fallback=result.log_tail, stopped_by_us=stopped_by_us)
+    else:
+        found = diagnose(result.returncode, result.log_tail, stopped_by_us=stopped_by_us)
+    status, oom_kind, error_line = found.status, found.oom_kind, found.error_line
     if status == "oom":
         return Outcome(status="oom", oom_kind=oom_kind, error_line=error_line, **common)
     if result.stopped in ("timeout", "hang"):
@@ -167,9 +236,6 @@ def judge(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: i
         detail = (f"no result within --trial-timeout {limit:g}s" if result.stopped == "timeout"
                   else f"no output for --hang-timeout {limit:g}s")
         return Outcome(status=result.stopped, detail=detail, error_line=error_line, **common)
-    if result.returncode == 0 and throughput:
-        return Outcome(status="ok", throughput=throughput,
-                       detail="the trainer finished before all measured steps", **common)
     if result.returncode == 0:
         return Outcome(status="crash", error_line=error_line or (
             f"the trainer exited after {monitor.steps} step(s) without enough step times; "

@@ -42,14 +42,19 @@ A metrics-contract dict printed on stdout (``{"step": 3, "step_time": 41.2, ...}
 
 from __future__ import annotations
 
+import logging
 import re
-from typing import Any
+from collections import deque
+from pathlib import Path
+from typing import Any, Iterator
 
-from autotune.trial.metrics import (MIN_STEP_S, PLAUSIBLE_STEP_S, StepRecord, parse_mapping, record_from_dict, to_float,
-                                    to_int)
+from autotune.trial.metrics import (MAX_LITERAL_CHARS, MIN_STEP_S, PLAUSIBLE_STEP_S, Rejections, StepRecord, parse_mapping,
+                                    record_from_dict, to_float, to_int)
 from autotune.units import duration_seconds
 
-__all__ = ["LogParser", "parse_log_dicts"]
+__all__ = ["LogParser", "log_digest", "parse_log_dicts"]
+
+log = logging.getLogger(__name__)
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
@@ -59,51 +64,163 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # --------------------------------------------------------------------------------------------
 
 
-def _closing_brace(text: str, start: int) -> int | None:
-    """Index of the '}' that closes the '{' at ``start``, skipping quoted text."""
-    depth = 0
+#: Characters of one ``\r`` segment searched for dicts; a log dict is a few KiB at most, and a
+#: longer segment (a flood, a binary dump) is read only this far, so a line costs linear time.
+MAX_SEGMENT_CHARS = 256 * 1024
+#: Characters of candidate text handed to the parsers per segment, all attempts together: a line of
+#: nested braces offers thousands of candidates, each of which could be tried at a linear cost.
+PARSE_BUDGET_CHARS = 2**20
+
+_BRACE_TOKENS = re.compile(r"""\\.|[{}'"]""", re.DOTALL)
+
+
+def _brace_pairs(text: str) -> list[tuple[int, int]]:
+    """(start, end) of every balanced ``{...}`` in ``text``, outer before inner, in one pass.
+
+    Quotes count only inside braces (an apostrophe in the prose around a dict must not swallow
+    it), and a backslash escapes the next character inside quotes. Only the characters that
+    matter are visited (a regex finds them), so a 1 MB line costs a fraction of a second."""
+    pairs: list[tuple[int, int]] = []
+    stack: list[int] = []
     quote: str | None = None
-    i = start
-    while i < len(text):
-        ch = text[i]
-        if quote:
-            if ch == "\\":
-                i += 1
-            elif ch == quote:
+    for match in _BRACE_TOKENS.finditer(text):
+        token = match.group()
+        if quote is not None:
+            if token == quote:
                 quote = None
-        elif ch in "'\"":
-            quote = ch
-        elif ch == "{":
-            depth += 1
-        elif ch == "}":
-            depth -= 1
-            if depth == 0:
-                return i
-        i += 1
-    return None
+            continue
+        char = token[-1]
+        if char in "'\"":
+            if stack:
+                quote = char
+        elif char == "{":
+            stack.append(match.start() + len(token) - 1)
+        elif char == "}" and stack:
+            pairs.append((stack.pop(), match.start() + len(token) - 1))
+    pairs.sort()
+    return pairs
 
 
 def parse_log_dicts(line: str) -> list[dict[str, Any]]:
     """Every dict printed on one physical line, whatever surrounds it. Never raises.
 
     Real lines carry tqdm redraws separated by ``\\r``, ``[rank0]:`` or logger prefixes, ANSI
-    colours and the odd second message glued on without a newline; each ``{...}`` is tried on
-    its own, and when one does not parse, the dicts nested inside it are tried instead."""
+    colours and the odd second message glued on without a newline; each balanced ``{...}`` is
+    tried on its own, outermost first, and when one does not parse, the dicts nested inside it are
+    tried instead. The cost is linear in the line: the braces are matched in one pass
+    (:func:`_brace_pairs`), and the text handed to the parsers is bounded by
+    :data:`PARSE_BUDGET_CHARS` (a 30 KB line of nested braces once took 42 s here)."""
     found: list[dict[str, Any]] = []
-    text = _ANSI.sub("", line)
+    text = _ANSI.sub("", line) if "\x1b" in line else line
     for segment in text.split("\r"):
-        start = segment.find("{")
-        while start != -1:
-            end = _closing_brace(segment, start)
-            if end is None:
-                break
+        if "{" not in segment:
+            continue
+        budget = PARSE_BUDGET_CHARS
+        inside_until = -1          # end of the last dict found: what is inside it is not tried again
+        for start, end in _brace_pairs(segment[:MAX_SEGMENT_CHARS]):
+            if start < inside_until:
+                continue
+            size = end + 1 - start
+            if size > MAX_LITERAL_CHARS:
+                continue           # never parsed (see MAX_LITERAL_CHARS); a dict inside may be
+            if size > budget:
+                continue
+            budget -= size
             parsed = parse_mapping(segment[start : end + 1])
             if parsed is not None:
                 found.append(parsed)
-                start = segment.find("{", end + 1)
-            else:
-                start = segment.find("{", start + 1)
+                inside_until = end
     return found
+
+
+# --------------------------------------------------------------------------------------------
+# Reading a whole log file, bounded
+# --------------------------------------------------------------------------------------------
+
+#: A log file is read whole up to this size; a longer one (launch caps them near 65 MiB) by its
+#: first :data:`READ_HEAD` and last :data:`READ_END` bytes.
+READ_HEAD = 72 * 2**20
+READ_END = 8 * 2**20
+LINE_KEEP = 16 * 1024           # characters of one line kept: its start and its end
+CONTEXT_LINES = 60              # lines kept before a line worth reading (the traceback above it)
+AFTER_LINES = 3                 # and after it (an exception's message printed on the next line)
+TAIL_LINES = 200                # the file's last lines, always kept
+DIGEST_CHARS = 8 * 2**20        # past this, only lines matching ``priority`` are still kept (4x)
+_READ_CHUNK = 2**20
+
+
+def _file_lines(path: Path) -> Iterator[str]:
+    """The lines of a log file, decoded leniently, each cut to :data:`LINE_KEEP` characters."""
+    half = LINE_KEEP // 2
+    size = path.stat().st_size
+    spans = [(0, size)] if size <= READ_HEAD + READ_END else [(0, READ_HEAD), (size - READ_END, size)]
+    with open(path, "rb") as fh:
+        for number, (start, stop) in enumerate(spans):
+            if number:
+                yield f"[autotune: {start - READ_HEAD} bytes of this log not read]"
+            fh.seek(start)
+            left, carry, skip_first = stop - start, b"", number > 0
+            while left > 0:
+                chunk = fh.read(min(_READ_CHUNK, left))
+                if not chunk:
+                    break
+                left -= len(chunk)
+                parts = (carry + chunk).split(b"\n")
+                carry = parts.pop()
+                if len(carry) > LINE_KEEP:       # a line longer than a chunk: keep its start and its end
+                    carry = carry[:half] + carry[-half:]
+                for raw in parts:
+                    if skip_first:               # the end span starts mid-line
+                        skip_first = False
+                        continue
+                    if len(raw) > LINE_KEEP:
+                        raw = raw[:half] + b" ... " + raw[-half:]
+                    yield raw.decode("utf-8", "replace")
+            if carry and not skip_first:
+                yield carry.decode("utf-8", "replace")
+
+
+def log_digest(path: Path | str, worth: re.Pattern[str], priority: re.Pattern[str]) -> list[str]:
+    """The lines of a log file that can decide a verdict, with their context, in order.
+
+    A trial's log can be 64 MiB, and the line that matters (the first OOM) can sit anywhere in it.
+    Every line is read (bounded, see :func:`_file_lines`), but only lines matching ``worth`` are
+    kept, each with the :data:`CONTEXT_LINES` before it and :data:`AFTER_LINES` after it, plus the
+    file's last :data:`TAIL_LINES`; a skipped run of lines leaves one marker line. Memory stays
+    bounded: past :data:`DIGEST_CHARS` only ``priority`` lines are kept. A missing or unreadable
+    file gives no lines."""
+    kept: list[str] = []
+    before: deque[tuple[int, str]] = deque(maxlen=CONTEXT_LINES)
+    tail: deque[tuple[int, str]] = deque(maxlen=TAIL_LINES)
+    last, after, chars = -1, 0, 0
+
+    def keep(index: int, text: str) -> None:
+        nonlocal last, chars
+        if index > last + 1:
+            kept.append(f"[autotune: {index - last - 1} lines not shown]")
+        kept.append(text)
+        last = index
+        chars += len(text)
+
+    try:
+        for index, text in enumerate(_file_lines(Path(path))):
+            tail.append((index, text))
+            if worth.search(text) and (chars < DIGEST_CHARS or (chars < 4 * DIGEST_CHARS and priority.search(text))):
+                for prior in before:
+                    keep(*prior)
+                before.clear()
+                after = AFTER_LINES + 1
+            if after > 0:
+                keep(index, text)
+                after -= 1
+            else:
+                before.append((index, text))
+    except OSError as exc:
+        log.debug("cannot read %s: %s", path, exc)
+    for index, text in tail:
+        if index > last:
+            keep(index, text)
+    return kept
 
 
 # --------------------------------------------------------------------------------------------
@@ -176,9 +293,13 @@ def _clock(d: dict[str, Any], step: int) -> float | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _plausible_step(seconds: float | None) -> float | None:
-    """A step time a real optimizer step can have, else None (see :data:`PLAUSIBLE_STEP_S`)."""
-    return seconds if seconds is not None and MIN_STEP_S <= seconds <= PLAUSIBLE_STEP_S else None
+def _plausible_step(seconds: float | None, rejections: Rejections, where: str) -> float | None:
+    """A step time a real optimizer step can have, else None (see :data:`PLAUSIBLE_STEP_S`), noted."""
+    if seconds is None or MIN_STEP_S <= seconds <= PLAUSIBLE_STEP_S:
+        return seconds
+    side, bound = ("below", MIN_STEP_S) if seconds < MIN_STEP_S else ("above", PLAUSIBLE_STEP_S)
+    rejections.add(f"{where} {seconds:g} s {side} {bound:g} s")
+    return None
 
 
 class LogParser:
@@ -197,6 +318,7 @@ class LogParser:
         self._last_elapsed: float | None = None
         self._last_tokens: float | None = None
         self._peak: float | None = None
+        self.rejections = Rejections()     # implausible values dropped, and why
 
     @property
     def peak_memory_gib(self) -> float | None:
@@ -227,7 +349,7 @@ class LogParser:
             self.final = {k: (to_float(v) if to_float(v) is not None else v) for k, v in d.items()}
             return None
         if _is_contract_line(d):
-            record = record_from_dict(d)
+            record = record_from_dict(d, self.rejections)
             if record is None or (self.records and record.step <= self._last_step):
                 return None
             self._last_step = record.step
@@ -245,12 +367,13 @@ class LogParser:
         span = step - self._last_step
 
         elapsed = _clock(d, step)
-        step_time = _plausible_step(to_float(d.get("step_time")))
+        step_time = _plausible_step(to_float(d.get("step_time")), self.rejections, f"step {step}: step_time")
         if step_time is None and elapsed is not None:
+            where = f"step {step}: step_time from the trainer's clock"
             if self._last_elapsed is not None:
-                step_time = _plausible_step((elapsed - self._last_elapsed) / span)
+                step_time = _plausible_step((elapsed - self._last_elapsed) / span, self.rejections, where)
             elif self._last_step == 0:
-                step_time = _plausible_step(elapsed / span)
+                step_time = _plausible_step(elapsed / span, self.rejections, where)
 
         tokens = None
         total = to_float(d.get("num_tokens"))

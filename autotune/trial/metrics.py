@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ast
 import json
+import logging
 import math
 import os
 import re
@@ -29,6 +30,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
+
+log = logging.getLogger(__name__)
 
 # Bounds of a real GRPO optimizer step; a value outside them is a trainer's bug, not a measurement.
 MIN_STEP_S = 1e-3               # no optimizer step of a language model takes under a millisecond
@@ -38,6 +41,7 @@ PLAUSIBLE_STEPS = 10**9
 PLAUSIBLE_GIB = 1e5             # memory of one device or host, GiB
 
 __all__ = [
+    "Rejections",
     "StepRecord",
     "MetricsTail",
     "parse_mapping",
@@ -199,35 +203,75 @@ def parse_mapping(text: str) -> dict[str, Any] | None:
 # --------------------------------------------------------------------------------------------
 
 
-def _plausible(value: float | int | None, low: float, high: float) -> float | int | None:
-    return value if value is not None and low <= value <= high else None
+class Rejections:
+    """Why values a trial reported were not believed: the first :data:`KEEP` reasons, and a count.
+
+    A dropped step time changes which steps are measured, so ``outcome.json`` says what was
+    dropped and why (``extra["rejected_metrics"]``), rather than leaving a throughput that seems
+    to come from fewer steps than the trainer logged."""
+
+    KEEP = 10
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.reasons: list[str] = []
+
+    def add(self, reason: str) -> None:
+        self.count += 1
+        if len(self.reasons) < self.KEEP:
+            self.reasons.append(reason)
+            log.info("measurement rejected: %s", reason)
 
 
-def record_from_dict(d: dict[str, Any]) -> StepRecord | None:
+def _shown(value: Any) -> str:
+    text = f"{value:g}" if isinstance(value, float) else repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _plausible(d: dict[str, Any], key: str, value: float | int | None, low: float, high: float,
+               rejections: Rejections | None, where: str, unit: str = "") -> float | int | None:
+    """``value`` when within [low, high]; else None, with the reason noted when the key was given."""
+    if value is not None and low <= value <= high:
+        return value
+    raw = d.get(key)
+    if rejections is not None and raw is not None:
+        if value is None:
+            rejections.add(f"{where}{key} {_shown(raw)} is not a usable number")
+        else:
+            side, bound = ("below", low) if value < low else ("above", high)
+            rejections.add(f"{where}{key} {_shown(value)}{unit} {side} {bound:g}{unit}")
+    return None
+
+
+def record_from_dict(d: dict[str, Any], rejections: Rejections | None = None) -> StepRecord | None:
     """A StepRecord from a metrics-contract dict; None without a usable ``step``.
 
     Values no real GRPO step can have are dropped, not kept: negative counts, a step faster than
     :data:`PLAUSIBLE_STEP_S` bounds allow (a step time of 1e-300 s would export a configuration
-    at 1e301 completions/s), more completions in one step than any node trains."""
-    step = _plausible(to_int(d.get("step")), 0, PLAUSIBLE_STEPS)
+    at 1e301 completions/s), more completions in one step than any node trains. Each drop is noted
+    in ``rejections`` with its reason."""
+    step = _plausible(d, "step", to_int(d.get("step")), 0, PLAUSIBLE_STEPS, rejections, "")
     if step is None:
         return None
+    where = f"step {step}: "
     return StepRecord(
         step=int(step),
-        step_time=_plausible(to_float(d.get("step_time")), MIN_STEP_S, PLAUSIBLE_STEP_S),
-        samples=_plausible(to_int(d.get("samples")), 0, PLAUSIBLE_SAMPLES),
-        tokens=_plausible(to_int(d.get("tokens")), 0, PLAUSIBLE_SAMPLES * 10**6),
-        peak_memory_gib=_plausible(to_float(d.get("peak_memory_gib")), 0.0, PLAUSIBLE_GIB),
+        step_time=_plausible(d, "step_time", to_float(d.get("step_time")), MIN_STEP_S, PLAUSIBLE_STEP_S,
+                             rejections, where, " s"),
+        samples=_plausible(d, "samples", to_int(d.get("samples")), 0, PLAUSIBLE_SAMPLES, rejections, where),
+        tokens=_plausible(d, "tokens", to_int(d.get("tokens")), 0, PLAUSIBLE_SAMPLES * 10**6, rejections, where),
+        peak_memory_gib=_plausible(d, "peak_memory_gib", to_float(d.get("peak_memory_gib")), 0.0, PLAUSIBLE_GIB,
+                                   rejections, where, " GiB"),
     )
 
 
-def parse_metrics_line(line: str) -> StepRecord | None:
+def parse_metrics_line(line: str, rejections: Rejections | None = None) -> StepRecord | None:
     """One metrics-file line -> StepRecord; None for blank, partial or foreign lines."""
     text = line.strip()
     if not text.startswith("{") or not text.endswith("}"):
         return None
     d = parse_mapping(text)
-    return record_from_dict(d) if d is not None else None
+    return record_from_dict(d, rejections) if d is not None else None
 
 
 def read_metrics_file(path: Path | str) -> list[StepRecord]:
@@ -257,6 +301,7 @@ class MetricsTail:
         self.path = Path(path)
         self.offset = 0
         self.records: list[StepRecord] = []
+        self.rejections = Rejections()
 
     def poll(self) -> list[StepRecord]:
         try:
@@ -275,11 +320,14 @@ class MetricsTail:
         if cut < 0:
             return []
         self.offset += cut + 1
-        new = [
-            r
-            for r in (parse_metrics_line(x) for x in chunk[:cut].decode("utf-8", "replace").splitlines())
-            if r is not None
-        ]
+        new = []
+        for text in chunk[:cut].decode("utf-8", "replace").splitlines():
+            noted = self.rejections.count
+            record = parse_metrics_line(text, self.rejections)
+            if record is not None:
+                new.append(record)
+            elif text.strip() and self.rejections.count == noted:
+                self.rejections.add(f"metrics line {_shown(text.strip())} is not a JSON object with a step")
         self.records.extend(new)
         return new
 

@@ -48,6 +48,13 @@ class TrialMonitor:
     def last_activity(self) -> float:
         return self.last_growth
 
+    def rejected(self) -> tuple[list[str], int]:
+        """Why reported values were dropped as implausible (the first few reasons) and how many,
+        from the metrics file and the log dicts together."""
+        sources = (self.metrics.rejections, self.parser.rejections)
+        reasons = [reason for source in sources for reason in source.reasons]
+        return reasons[: self.metrics.rejections.KEEP], sum(source.count for source in sources)
+
     def peak_memory_gib(self) -> float | None:
         peaks = [r.peak_memory_gib for r in self.metrics.records + self.parser.records
                  if r.peak_memory_gib is not None]

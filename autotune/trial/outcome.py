@@ -37,6 +37,10 @@ class Outcome:
     wall_time_s: float | None = None
     returncode: int | None = None
     detail: str | None = None  # one-line human explanation
+    # everything else, e.g. "rejected_metrics" (why reported values were not believed, the first
+    # few) and "rejected_metrics_count", "memory_mention" (an OOM text in the log of a run that
+    # succeeded), "leftover_gib" / "previous_cleanup_failed" (a predecessor's memory still on the
+    # GPUs at the start), "log_notes" (a log file capped or not written), "launched", "monitor"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -5,6 +5,12 @@ group holds the trainer and everything it started (accelerate workers, vLLM engi
 else. Killing a trial means SIGTERM to that group and to any descendant that left it, a grace
 period, then SIGKILL to whatever is still there (:func:`kill_group`).
 
+A trainer may also start a daemon that double-forks into a session of its own (``setsid``) and
+ignores SIGTERM: it is in neither the group nor the tree, yet it holds the trial's output pipes and
+outlives every later trial. Such processes are found by the environment marker wherever they run
+(:func:`marked_processes`) and killed with the trial (:func:`kill_marked`), and again on resume
+(:func:`kill_stale`).
+
 A pid alone is never trusted: pids are recycled, and NVML reports processes of other users and
 containers. A process counts as a trial's only when its environment carries ``AUTOTUNE_TRIAL_DIR``
 (:data:`TRIAL_ENV`, set in every trial's environment, DESIGN.md) naming that trial's folder
@@ -28,7 +34,8 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "TRIAL_ENV", "PID_FILE", "process_tree", "group_members", "kill_group", "kill_stale",
-    "owned_by_trial", "protected_pids", "inside", "signal_group", "wait_gone",
+    "owned_by_trial", "protected_pids", "inside", "signal_group", "wait_gone", "marked_processes",
+    "kill_marked",
 ]
 
 TRIAL_ENV = "AUTOTUNE_TRIAL_DIR"   # set in every trial's environment (DESIGN.md)
@@ -188,24 +195,64 @@ def kill_group(pgid: int | None, extra: Sequence[psutil.Process] | None = None, 
     return survivors
 
 
-def kill_stale(trial_dir: Path) -> bool:
-    """Kill a trial left running by a controller that died, if its pid file says one is alive.
+def marked_processes(trial_dir: Path) -> list[psutil.Process]:
+    """Every live process whose environment names ``trial_dir`` (or a folder inside it).
 
-    The leader is usually gone (it dies with the controller); its group may not be. The group is
-    only trusted through members that still have the trial folder in their environment, so a
-    recycled pid belonging to someone else is never touched.
+    Found wherever it runs, so a daemon that left the trial's session is found too. This process
+    and its ancestors never count, nor processes of other users (their environment is unreadable).
     """
-    pid_file = trial_dir / PID_FILE
-    if not pid_file.exists():
-        return False
-    try:
-        pid = int(pid_file.read_text().strip())
-    except ValueError:
+    protected = protected_pids()
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid in protected:
+            continue
+        owner = _trial_of(proc)
+        if owner and inside(Path(owner), Path(trial_dir)) and _running(proc):
+            found.append(proc)
+    return found
+
+
+def kill_marked(trial_dir: Path, grace_s: float = 2.0, rounds: int = 3) -> list[psutil.Process]:
+    """SIGTERM what :func:`marked_processes` finds, SIGKILL it after ``grace_s``; returns the victims.
+
+    A process may start another while dying, so the scan is repeated (up to ``rounds`` times) until
+    nothing marked is left.
+    """
+    victims: list[psutil.Process] = []
+    for _ in range(rounds):
+        procs = marked_processes(trial_dir)
+        if not procs:
+            break
+        log.info("ending %d process(es) of trial %s left running: pids %s", len(procs), trial_dir,
+                 sorted(p.pid for p in procs))
+        victims += procs
+        kill_group(None, procs, grace_s)
+        wait_gone(procs, grace_s)
+    return victims
+
+
+def kill_stale(trial_dir: Path) -> bool:
+    """Kill what a trial left running (a controller died, or a daemon outlived it); True if any.
+
+    The pid file of the trial (and of its sidecars, ``trial_dir/*/pid``) names a process group; the
+    leader is usually gone (it dies with the controller), its group may not be. The group is only
+    trusted through members that carry the trial folder in their environment, so a recycled pid
+    belonging to someone else is never touched. Then every process marked as the trial's, in
+    whatever session, is killed as well (:func:`kill_marked`).
+    """
+    trial_dir = Path(trial_dir)
+    killed = False
+    for pid_file in [trial_dir / PID_FILE, *sorted(trial_dir.glob(f"*/{PID_FILE}"))]:
+        try:
+            pid = int(pid_file.read_text().strip())
+        except (ValueError, OSError):
+            pid_file.unlink(missing_ok=True)
+            continue
+        members = [p for p in group_members(pid) if p.pid not in protected_pids()
+                   and (owner := _trial_of(p)) and inside(Path(owner), trial_dir)]
+        if members:
+            log.info("killing stale trial process group %s (%s)", pid, trial_dir)
+            kill_group(pid, members, grace_s=5.0)
+            killed = True
         pid_file.unlink(missing_ok=True)
-        return False
-    members = [p for p in group_members(pid) if _trial_of(p) == str(trial_dir)]
-    if members:
-        log.info("killing stale trial process group %s (%s)", pid, trial_dir)
-        kill_group(pid, members, grace_s=5.0)
-    pid_file.unlink(missing_ok=True)
-    return bool(members)
+    return bool(kill_marked(trial_dir, grace_s=5.0)) or killed
