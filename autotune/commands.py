@@ -156,6 +156,8 @@ def finish_lines(recipe: Recipe, paths: StudyPaths, result) -> None:
     if best is None:
         print(f"no configuration ran successfully in {result.launched} trial(s); see "
               f"autotune show {paths.name} (runs dir {paths.runs_dir})")
+        if result.stopped_reason:
+            print(result.stopped_reason)
         return
     peak = f", peak {best.peak_memory_gib:.1f}/{recipe.gpu_memory_gib:.1f} GiB" if best.peak_memory_gib else ""
     print(f"best: trial {best.number}: {best.throughput:.4g} completions/s{peak}")

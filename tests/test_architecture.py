@@ -20,7 +20,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (0, ("autotune", "autotune.errors", "autotune.units", "autotune.files")),
     (1, ("autotune.recipe", "autotune.hardware", "autotune.models")),
     (2, ("autotune.search.space", "autotune.search.constraints", "autotune.search.memory",
-         "autotune.search.speed", "autotune.configs", "autotune.trial")),
+         "autotune.search.speed", "autotune.search.moves", "autotune.configs", "autotune.trial")),
     (3, ("autotune.runners", "autotune.worker", "autotune.study", "autotune.sim", "autotune.progress")),
     (4, ("autotune.search.planner", "autotune.search.policy", "autotune.search.pruning",
          "autotune.search.stopping", "autotune.search", "autotune.export")),

@@ -222,3 +222,26 @@ def test_each_failure_kind_is_dominated_over_its_own_knobs():
     assert not planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.8, "zero_stage": 3}).skip
     assert not planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.75, "zero_stage": 2,
                                 "offload": "optimizer"}).skip
+
+
+def test_when_nothing_has_fit_the_next_proposal_walks_from_the_nearest_oom():
+    """Seen on tight hardware: all seeds died, TPE learned nothing from a wall of OOMs and the search
+    stopped with nothing exported. Now the next proposal steps from the OOM nearest the boundary."""
+    recipe, model, gpu = setup(model="Qwen2.5-14B", gpus=4, gpu="L40S")
+    space = load_space()
+    planner = Planner(model, recipe, gpu)
+    tried = set()
+    big = space.normalize({**space.defaults(), **BASE, "per_device_train_batch_size": 16, "zero_stage": 2,
+                           "gradient_checkpointing": False, "vllm_gpu_memory_utilization": 0.5})
+    near = space.normalize({**big, "per_device_train_batch_size": 4, "zero_stage": 3, "gradient_checkpointing": True})
+    for n, params in enumerate((big, near)):
+        planner.observe(n, params, "oom", "cuda", None)
+        tried.add(repr(sorted(params.items())))
+    assert planner.predict(near) < planner.predict(big)
+    step = planner.toward_feasible(space, {}, [], tried, lambda c: repr(sorted(c.items())))
+    assert step is not None and not planner.verdict(step).skip
+    assert step in neighbors(near, space, {}, recipe)
+    assert planner.predict(step) < planner.predict(near)
+    # once something fits, the local search around the best takes over
+    planner.observe(9, step, "ok", None, 40.0, 1.0)
+    assert planner.toward_feasible(space, {}, [], tried, lambda c: repr(sorted(c.items()))) is None

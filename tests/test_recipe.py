@@ -11,7 +11,7 @@ def test_durations(text, seconds):
     assert parse_duration(text) == seconds
 
 
-@pytest.mark.parametrize("text", ["soon", "8x", "-1h", "0"])
+@pytest.mark.parametrize("text", ["soon", "8x", "-1h", "0", "h8", "8hm", "mm5", "m"])
 def test_bad_durations(text):
     with pytest.raises(UsageError):
         parse_duration(text)

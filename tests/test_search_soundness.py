@@ -144,3 +144,12 @@ def test_a_mistyped_command_does_not_claim_the_study_name(tmp_path):
     # why it stopped: on the final line and in summary.md
     assert fixed.stdout.strip().splitlines()[-1] == "stopped after 1 trials: the --trials limit"
     assert "- stopped after 1 trials: the --trials limit" in (tmp_path / "runs" / "n" / "best" / "summary.md").read_text()
+
+
+def test_pins_under_which_nothing_can_fit_are_refused_with_the_part_that_does_not(tmp_path):
+    res = run_cli("search", "--model", "Qwen2.5-32B", "--gpus", "1", "--gpu-type", "A10G", "--runner", "sim",
+                  "--set", "zero_stage=0", "--name", "big", cwd=tmp_path)
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    (line,) = res.stderr.strip().splitlines()
+    assert "nothing can fit with zero_stage=0" in line and "model states alone" in line and "offload" in line
+    assert not (tmp_path / "runs" / "big").exists()

@@ -18,11 +18,12 @@ from typing import Any, Callable
 import optuna
 
 from autotune.export import export_study
-from autotune.progress import Reporter
+from autotune.errors import UsageError
+from autotune.progress import Reporter, short_params
 from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
 from autotune.search import constraints
-from autotune.search.confirm import confirm, noise
+from autotune.search.confirm import MIN_NOISE, confirm, noise
 from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe
 from autotune.search.pruning import BelowBestPruner
@@ -35,7 +36,9 @@ from autotune.trial.outcome import Outcome
 
 log = logging.getLogger(__name__)
 
+IMPOSSIBLE_FACTOR = 1.5  # refuse to start when even the leanest candidate is predicted above this x capacity
 MIN_LAUNCHED = 6        # trials before the search may stop as converged (seeds plus a few local moves)
+PATIENCE = 8            # launched trials without a gain beyond the noise before converging is considered
 
 # An executor runs one candidate and says what happened. The default is the runner's real process;
 # the benchmark swaps in the simulator's ground truth, in-process.
@@ -93,6 +96,7 @@ class Search:
         self.execute: Executor = execute or self.runner.run
         self.planner = Planner(context.model, recipe, context.gpu, use_model=recipe.device != "cpu") \
             if use_planner else None
+        self.check_something_fits()
 
     def run(self) -> SearchResult:
         study = self.open()
@@ -129,16 +133,45 @@ class Search:
         return SearchResult(launched=launched, best=best, stopped_reason=stopped_reason, exported=exported,
                             confirmed=confirmed, confirmation=done.get(best.number) if best else None)
 
+    def check_something_fits(self) -> None:
+        """Refuse pins or a space under which even the leanest candidate is far too big.
+
+        Only far (:data:`IMPOSSIBLE_FACTOR` x capacity), since the model is uncalibrated here, and
+        only for trainers whose memory it describes (autotune's TRL worker, the simulator): a
+        ``--command`` trainer may quantize or shard in ways the model does not know, so it gets a
+        warning instead of a refusal."""
+        if self.planner is None or not self.planner.use_model:
+            return
+        lean = self.planner.leanest(self.planner.pool(self.space, self.fixed, self.rules))
+        cap = self.recipe.gpu_memory_gib
+        if lean is None or lean[1].total_gib <= cap * IMPOSSIBLE_FACTOR:
+            return
+        params, est = lean
+        parts = {"model states": est.model_states_gib, "activations": est.activations_gib, "logits": est.logits_gib,
+                 "reference model": est.reference_gib, "vLLM": est.vllm_gib}
+        part, size = max(parts.items(), key=lambda kv: kv[1])
+        pinned = ", ".join(f"{k}={v}" for k, v in self.recipe.pins.items()) or "the space as it is"
+        message = (f"nothing can fit with {pinned}: the leanest candidate ({short_params(params)}) needs "
+                   f"{est.total_gib:.0f} GiB per GPU of {cap:.0f}, {part} alone {size:.0f} GiB; pin less (allow "
+                   "ZeRO-3 and offload), shorten the sequences, or use more or larger GPUs")
+        if self.recipe.runner in ("trl", "sim"):
+            raise UsageError(message)
+        log.warning("%s (searching anyway: the --command trainer may use less than the model predicts)", message)
+
     def converged(self, study: optuna.Study, launched: int) -> str | None:
         """Why to stop now that nothing untried is likely to beat the incumbent, or None.
 
         Only with a usable memory model and speed prior (GPU trials), after :data:`MIN_LAUNCHED`
-        trials and a measured success: then the planner walks the candidates by prior and finds
-        none whose expected throughput, raised by how far measurements strayed from the prior,
-        beats the best by more than the measurement noise."""
+        trials, a measured success and :data:`PATIENCE` launched trials without a gain beyond the
+        noise: then the planner walks the candidates by prior and finds none whose expected
+        throughput, raised by how far measurements strayed from the prior, beats the best by more
+        than the measurement noise. (Patience 8 with half a standard deviation was chosen on the
+        benchmark over patience 6 with one: see docs/benchmarks-notes.md.)"""
         if self.planner is None or not self.planner.use_model or launched < MIN_LAUNCHED or not self.best_value:
             return None
         spread = noise(rows(study), confirmations(study))
+        if launched - self.improved_at < PATIENCE:
+            return None
         pool = self.planner.pool(self.space, self.fixed, self.rules)
         if self.planner.improvable(pool, set(measured_configs(study)), candidate_key, self.best_value, spread):
             return None
@@ -161,6 +194,7 @@ class Search:
         previous = launched_rows(study)
         self.stopping = Stopping(Budget(self.recipe.time_budget_s, float(study.user_attrs.get("elapsed_s", 0.0)),
                                         [t.user_attrs.get("wall_time_s") or 0 for t in previous]), self.paths.name)
+        self.improved_at = len(launched_rows(study))     # a resumed search waits its patience again
         self.best_value = max((r.throughput or 0 for r in rows(study) if r.status == "ok" and not r.pruned),
                               default=0.0)
         return study
@@ -225,6 +259,8 @@ class Search:
                                  leftover=bool(outcome.extra.get("leftover_gib")))
         self.reporter.trial_finished(trial.number, outcome)
         if outcome.status == "ok" and not outcome.extra.get("pruned") and (outcome.throughput or 0) > self.best_value:
+            if (outcome.throughput or 0) > self.best_value * (1 + MIN_NOISE):
+                self.improved_at = len(launched_rows(study))
             self.best_value = outcome.throughput or 0
             export_study(study, self.recipe, self.paths.best)
         self.stopping.finished(outcome, trial_dir)

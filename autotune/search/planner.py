@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable
 from autotune.search import constraints
 from autotune.hardware import GpuType
 from autotune.search.memory import Estimate, estimate
+from autotune.search.moves import neighbors
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
 from autotune.search.space import Space
@@ -265,6 +266,32 @@ class Planner:
                 return max(group, key=self.expected_throughput)
         return max(options, key=self.expected_throughput)
 
+    def toward_feasible(self, space: Space, fixed: dict[str, Any],
+                        rules: Iterable[Callable[[dict[str, Any]], str | None]], tried: set[str],
+                        key: Callable[[dict[str, Any]], str]) -> dict[str, Any] | None:
+        """While nothing has fit yet: one step from the OOM closest to fitting toward less memory.
+
+        On tight hardware the seeds can all die, and TPE learns nothing from a wall of OOMs. The
+        OOM the model predicts smallest is nearest the boundary; of its untried, undominated
+        neighbours, the fastest one the model expects to fit with headroom is next, and when none
+        is expected to fit, the one that frees the most memory (offload, ZeRO stage, sleep, the
+        vLLM fraction, the batch: whichever the model says gives most)."""
+        if not self.use_model or any(s.status == "ok" for s in self.seen):
+            return None
+        ooms = [s for s in self.seen if s.status == "oom" and not s.leftover]
+        if not ooms:
+            return None
+        closest = min(ooms, key=lambda s: self.predict(s.params))
+        options = [c for c in neighbors(closest.params, space, fixed, self.recipe, rules)
+                   if key(c) not in tried and not self.verdict(c).skip]
+        if not options:
+            return None
+        limit = self.recipe.gpu_memory_gib * (1 - self.recipe.headroom)
+        fitting = [c for c in options if self.predict(c) <= limit]
+        if fitting:
+            return max(fitting, key=self.expected_throughput)
+        return min(options, key=self.predict)
+
     def expected_throughput(self, params: dict[str, Any]) -> float:
         """The speed prior corrected by what was measured nearby: prior x the mean
         measured/prior ratio of the closest successful trials (in knob space)."""
@@ -310,8 +337,9 @@ class Planner:
         if not ok or not self.use_model:
             return pool[0][1] if pool else None           # nothing to judge by: keep searching
         logs = [math.log(s.throughput / self.prior(s.params)) for s in ok]
-        # one and a half standard deviations of the prior's log error, and never less than 10%
-        spread = max(1.10, math.exp(1.5 * statistics.pstdev(logs))) if len(logs) >= 3 else 1.5
+        # half a standard deviation of the prior's log error, never less than 5%: the caller has
+        # already waited out its patience, so this guards against a prior that is wrong nearby
+        spread = max(1.05, math.exp(0.5 * statistics.pstdev(logs))) if len(logs) >= 3 else 1.5
         ceiling = math.exp(max(logs)) * spread
         bar = best * (1 + noise)
         for prior, cand in pool:
@@ -322,6 +350,15 @@ class Planner:
             if not self.verdict(cand).skip:
                 return cand
         return None
+
+    def leanest(self, pool: list[tuple[float, dict[str, Any]]]) -> tuple[dict[str, Any], Estimate] | None:
+        """The candidate the (uncalibrated) model predicts smallest, with its estimate."""
+        best: tuple[dict[str, Any], Estimate] | None = None
+        for _, cand in pool:
+            est = self.raw(cand)
+            if best is None or est.total_gib < best[1].total_gib:
+                best = (cand, est)
+        return best
 
     # -- seeding ----------------------------------------------------------------------------
     def rank_candidates(self, space: Space, fixed: dict[str, Any],
@@ -347,41 +384,3 @@ class Planner:
                 picked.append(cand)
         picked.sort(key=lambda c: -self.prior(c))
         return picked
-
-
-def neighbors(params: dict[str, Any], space: Space, fixed: dict[str, Any], recipe: Recipe,
-              rules: Iterable[Callable[[dict[str, Any]], str | None]] = ()) -> list[dict[str, Any]]:
-    """Valid candidates one or two knobs away from ``params`` (the next choice up or down, a
-    flipped switch, the vLLM fraction one or two steps away), for a local search around the
-    incumbent. Pairs matter: trading memory between knobs (drop offload, turn on checkpointing)
-    is how the fastest configurations are reached from a good one."""
-    rules = list(rules)
-    full = {**space.defaults(), **params}
-    moves = _single_moves(full, space, fixed)
-    out: list[dict[str, Any]] = []
-    combos = [dict([m]) for m in moves]
-    combos += [dict([a, b]) for i, a in enumerate(moves) for b in moves[i + 1:] if a[0] != b[0]]
-    for change in combos:
-        cand = space.normalize(constraints.derive({**full, **change}, recipe))
-        if cand != space.normalize(full) and not constraints.violations(cand, recipe, rules) and cand not in out:
-            out.append(cand)
-    return out
-
-
-def _single_moves(full: dict[str, Any], space: Space, fixed: dict[str, Any]) -> list[tuple[str, Any]]:
-    moves: list[tuple[str, Any]] = []
-    for name, param in space.params.items():
-        if name in fixed or not space.relevant(name, full):
-            continue
-        value = full[name]
-        options: list[Any] = []
-        if param.choices is not None:
-            choices = list(param.choices)
-            if value in choices:
-                i = choices.index(value)
-                options = [choices[j] for j in (i - 1, i + 1) if 0 <= j < len(choices)]
-        elif param.step:
-            options = [round(value + d * param.step, 6) for d in (-2, -1, 1, 2)]
-            options = [v for v in options if param.contains(v)]
-        moves += [(name, option) for option in options]
-    return moves

@@ -10,7 +10,8 @@ sample it:
    spread over ZeRO stages (:func:`seed_candidates`); without a usable model (CPU trials),
    hand-written starting points that find the memory boundary at once.
 2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial
-   so far (:meth:`Planner.next_local`).
+   so far (:meth:`Planner.next_local`); while nothing has fit, a step from the OOM nearest the
+   boundary toward less memory (:meth:`Planner.toward_feasible`).
 3. **A random valid candidate** after three invalid proposals in a row: TPE learns infeasible
    regions, but slowly when most of the space is infeasible.
 4. Otherwise **TPE** (multivariate, reading each trial's ``fits`` constraint).
@@ -171,8 +172,9 @@ class PolicySampler(BaseSampler):
         if self.planner is None:
             return None
         best, _ = choose_best(rows(study), self.recipe)
-        if best is None:
-            return None
+        if best is None:                     # nothing fits yet: walk from the nearest OOM
+            return self.planner.toward_feasible(self.space, self.fixed, self.rules, set(measured_configs(study)),
+                                                candidate_key)
         return self.planner.next_local(best.params, self.space, self.fixed, self.rules, set(measured_configs(study)),
                                        candidate_key)
 
