@@ -235,6 +235,18 @@ def export(study: str, runs_dir: Path, out: Path | None) -> None:
 @main.command()
 @click.argument("study")
 @runs_dir_option
+@click.option("--out", type=click.Path(path_type=Path), default=None,
+              help="HTML file (default: runs/<study>/report.html).")
+def report(study: str, runs_dir: Path, out: Path | None) -> None:
+    """Write the study's HTML report (plots; self-contained, opens offline)."""
+    from autotune.commands import report_named
+
+    click.echo(str(report_named(study, runs_dir, out)))
+
+
+@main.command()
+@click.argument("study")
+@runs_dir_option
 @click.option("--steps", type=int, default=20, show_default=True, help="Measured steps after warm-up.")
 def verify(study: str, runs_dir: Path, steps: int) -> None:
     """Run best/params.json as one longer trial: does it hold?"""
@@ -248,11 +260,16 @@ def verify(study: str, runs_dir: Path, steps: int) -> None:
 @recipe_options(("recipe",))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def estimate(as_json: bool, **kw: Any) -> None:
-    """Predicted peak memory per GPU of one candidate, part by part (no GPU needed)."""
+    """Predicted peak memory per GPU of one candidate, part by part (no GPU needed).
+
+    Exit status 0 when it fits, 1 when it does not, 2 on bad input. ``--set`` takes any value of
+    the parameter's type (a what-if), with a warning when it is outside the space."""
     from autotune.commands import estimate_candidate
 
     kw.update(runner="sim", device="cuda")
-    estimate_candidate(recipe_from_flags(kw), as_json)
+    raw_pins = parse_pins(kw.pop("pins", ()) or ())
+    if not estimate_candidate(recipe_from_flags({**kw, "pins": ()}), as_json, raw_pins):
+        sys.exit(1)
 
 
 @main.command()

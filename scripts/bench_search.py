@@ -316,7 +316,7 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     tracker = Tracker(land, TruthExecutor(SimRunner(context)))
     with tempfile.TemporaryDirectory() as tmp:
         search = Search(recipe, StudyPaths(Path(tmp), recipe.name), context, Quiet(trials),
-                        execute=tracker, storage=optuna.storages.InMemoryStorage())
+                        execute=tracker, storage=optuna.storages.InMemoryStorage(), report=False)
         result = search.run()
     tracker.run.final = land.value(result.best.params if result.best else None)
     tracker.run.stopped = (result.stopped_reason or "").split(": ", 1)[-1]

@@ -32,7 +32,7 @@ def replace(args, flag, value):
     (replace(BASE, "--gpu-type", "B300"), ("unknown GPU type 'B300'", "A100-80GB")),
     (replace(BASE, "--gpus", "0"), ("--gpus must be at least 1",)),
     (BASE + ["--set", "batch=4"], ("--set batch: unknown parameter", "per_device_train_batch_size")),
-    (BASE + ["--set", "num_generations=3"], ("num_generations=3 is out of range", "one of 4, 8, 16")),
+    (BASE + ["--set", "num_generations=3"], ("num_generations=3 is out of range", "one of 2, 4, 8, 16", "--space")),
     (BASE + ["--set", "vllm_gpu_memory_utilization=1.5"], ("out of range",)),
     (BASE + ["--set", "num_generations"], ("NAME=VALUE",)),
     (replace(BASE, "--gpus", "1") + ["--set", "per_device_train_batch_size=1", "--set", "gradient_accumulation_steps=1"],

@@ -41,9 +41,10 @@ def test_real_cpu_search_meets_real_oom_exports_and_verifies(tmp_path):
     assert by_batch[64]["status"] == "oom" and by_batch[64]["oom_kind"] == "host"
     assert "DefaultCPUAllocator: can't allocate memory" in by_batch[64]["error_line"]
     assert by_batch[4]["status"] == "ok" and by_batch[4]["throughput"] > 0
-    # vLLM and ZeRO cannot run on CPU: those values were fixed by the rules, never launched
+    # vLLM cannot run on CPU: that value was fixed by the rules, never launched (ZeRO can:
+    # tests/test_deepspeed_cpu.py)
     params = [json.loads(p.read_text()) for p in study.glob("trials/*/params.json")]
-    assert all(p["zero_stage"] == 0 and p["use_vllm"] is False for p in params)
+    assert all(p["use_vllm"] is False for p in params)
     best = json.loads((study / "best" / "params.json").read_text())
     assert best["per_device_train_batch_size"] == 4
     cfg = yaml.safe_load((study / "best" / "grpo_config.yaml").read_text())

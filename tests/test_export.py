@@ -299,8 +299,9 @@ def test_accelerate_without_deepspeed(gpus, mode, device, kind, procs, tmp_path)
     assert loaded.distributed_type.value == kind and loaded.num_processes == procs
     assert loaded.mixed_precision == ("no" if device == "cpu" else "bf16")
     assert loaded.use_cpu == (device == "cpu")
-    if device == "cpu":   # DeepSpeed never launches under --cpu, so it is not configured there
-        assert "deepspeed_config" not in lc.accelerate_config(params(zero_stage=3), r, "x.json")
+    if device == "cpu":   # ZeRO on CPU goes through DeepSpeed too (its CPU accelerator, gloo)
+        zero = lc.accelerate_config(params(zero_stage=3), r, "x.json")
+        assert zero["distributed_type"] == "DEEPSPEED" and zero["use_cpu"] is True
 
 
 # --------------------------------------------------------------------------------------------
@@ -511,21 +512,28 @@ def test_write_best_replaces_atomically(tmp_path, monkeypatch):
     assert [p.name for p in tmp_path.iterdir()] == ["best"]
 
 
-def test_write_best_cpu_device(tmp_path):
-    """The CPU rehearsal: no DeepSpeed, no bf16, and the YAML loads as is."""
+@pytest.mark.parametrize("stage", [0, 3])
+def test_write_best_cpu_device(tmp_path, stage):
+    """The CPU rehearsal: no bf16, DeepSpeed only with ZeRO (no bf16, nothing pinned), and the YAML
+    loads as is."""
     import trl
 
     r = recipe(gpus=1, device="cpu")
-    best = TrialRow(0, params(zero_stage=3, use_vllm=False), "ok", throughput=1.0, peak_memory_gib=2.0)
+    best = TrialRow(0, params(zero_stage=stage, offload="optimizer" if stage else "none", use_vllm=False), "ok",
+                    throughput=1.0, peak_memory_gib=2.0)
     written = write_best(tmp_path / "best", best, r, [best])
-    assert "ds_config.json" not in {p.name for p in written}
+    assert ("ds_config.json" in {p.name for p in written}) == (stage > 0)
+    if stage:
+        ds = json.loads((tmp_path / "best" / "ds_config.json").read_text())
+        assert "bf16" not in ds and ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu",
+                                                                                     "pin_memory": False}
     kwargs = yaml.safe_load((tmp_path / "best" / "grpo_config.yaml").read_text())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         config = trl.GRPOConfig(**kwargs, output_dir=str(tmp_path / "o"), report_to=[])
     assert config.use_cpu and not config.bf16
     accel = yaml.safe_load((tmp_path / "best" / "accelerate_config.yaml").read_text())
-    assert accel["use_cpu"] is True and accel["distributed_type"] == "NO"
+    assert accel["use_cpu"] is True and accel["distributed_type"] == ("DEEPSPEED" if stage else "NO")
     assert "CUDA_VISIBLE_DEVICES" not in (tmp_path / "best" / "launch.sh").read_text()
     _bash_n(tmp_path / "best" / "launch.sh")
 

@@ -110,7 +110,9 @@ def test_calibration_reduces_error_on_a_sim_landscape():
     for i, (cand, peak) in enumerate(train):
         planner.observe(i, cand, "ok", None, peak, 1.0)
     after = error()
-    assert after < before * 0.8, (before, after)
+    # calibration cuts the raw model's error, or keeps it at the landscape's noise (the run-to-run
+    # noise and memory creep are 2-5%) when the raw model is already that close
+    assert after < max(before * 0.8, 0.05), (before, after)
     assert after < 0.15
 
 

@@ -54,7 +54,7 @@ def test_pins_checked_against_definitions():
     space.check_pins({"num_generations": 8, "vllm_gpu_memory_utilization": 0.45})
     with pytest.raises(UsageError, match="unknown parameter"):
         space.check_pins({"batch": 4})
-    with pytest.raises(UsageError, match="out of range.*one of 4, 8, 16"):
+    with pytest.raises(UsageError, match="out of range.*one of 2, 4, 8, 16.*--space my_space.yaml"):
         space.check_pins({"num_generations": 3})
     with pytest.raises(UsageError, match="float from 0.2 to 0.9 in steps of 0.05"):
         space.check_pins({"vllm_gpu_memory_utilization": 0.95})
@@ -89,3 +89,23 @@ def test_suggest_respects_fixed_and_ranges():
         for name, value in values.items():
             assert space.params[name].contains(value), (name, value)
         study.tell(trial, 1.0)
+
+
+def test_shipped_space_offers_two_generations_and_points_at_a_copy(tmp_path):
+    space = load_space()
+    assert 2 in space.params["num_generations"].choices
+    with pytest.raises(UsageError) as exc:
+        space.check_pins({"zero_stage": 4})
+    assert "--space my_space.yaml" in str(exc.value) and "cp " in str(exc.value)
+    copy = tmp_path / "mine.yaml"
+    copy.write_text(space.path.read_text())
+    with pytest.raises(UsageError, match=f"widen it in {copy}, the file given to --space"):
+        load_space(copy).check_pins({"zero_stage": 4})
+
+
+def test_outside_warns_for_the_right_type_and_refuses_the_wrong_one():
+    space = load_space()
+    assert space.outside({"use_vllm": False, "num_generations": 8}) == [
+        "--set use_vllm=false is outside the space (use_vllm is one of true); estimated anyway"]
+    with pytest.raises(UsageError, match="takes int values"):
+        space.outside({"num_generations": "many"})

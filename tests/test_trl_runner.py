@@ -109,8 +109,13 @@ def test_rules_on_cpu(runner, monkeypatch):
     assert reasons(cpu, PLAIN) == []
     (why,) = reasons(cpu, {**PLAIN, "use_vllm": True})
     assert "vLLM needs a GPU" in why
+    # DeepSpeed ZeRO and offload run on CPU too (gloo, CPU Adam): tests/test_deepspeed_cpu.py
+    assert reasons(cpu, {**PLAIN, "zero_stage": 3, "offload": "optimizer+params"}) == []
+    assert cpu.forced() == {"use_vllm": False}
+    monkeypatch.setattr(trl_runner, "installed", lambda name: name != "deepspeed")
     (why,) = reasons(cpu, {**PLAIN, "zero_stage": 2})
-    assert "GPUs only" in why and "zero_stage=0" in why
+    assert "deepspeed package" in why and "DS_BUILD_OPS=0 pip install" in why
+    assert cpu.forced() == {"use_vllm": False, "zero_stage": 0, "offload": "none"}
 
 
 # -- prepare --------------------------------------------------------------------------------------

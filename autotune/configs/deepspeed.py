@@ -6,8 +6,12 @@ Rules checked in the installed packages (accelerate 1.15, DeepSpeed 0.19):
   ``zero_stage``, ``offload_*_device``, ``gradient_accumulation_steps``, ``gradient_clipping``,
   ``zero3_save_16bit_model`` or the top-level ``mixed_precision`` (any value, even ``'no'``):
   they must live in the JSON. Precision then comes from TRL's ``bf16`` through the Trainer.
-* DeepSpeed runs only on GPUs here: on ``device == "cpu"`` ``accelerate launch --cpu`` never starts
-  the DeepSpeed launcher, so the accelerate config is plain (NO / MULTI_CPU) and no JSON is used.
+* DeepSpeed runs on CPU too (0.19.8, its CPU accelerator): a ``DEEPSPEED`` accelerate config with
+  ``use_cpu`` starts torchrun, DeepSpeed picks gloo (``ccl`` only with oneCCL installed), and
+  optimizer offload uses DeepSpeedCPUAdam (JIT-compiled on first use, cached in
+  ``~/.cache/torch_extensions``). Pinned memory needs a GPU, so ``pin_memory`` is off on CPU;
+  ``bf16`` is not written (a CPU trial runs float32). ``accelerate launch --cpu`` must not be used:
+  it skips the DeepSpeed launcher.
 """
 
 from __future__ import annotations
@@ -45,13 +49,13 @@ def offload_of(params: dict[str, Any]) -> str:
 
 
 def uses_deepspeed(params: dict[str, Any], recipe: Recipe) -> bool:
-    """Whether the run goes through DeepSpeed: ZeRO stage >= 1 on GPUs.
+    """Whether the run goes through DeepSpeed: ZeRO stage >= 1, on GPUs or on CPU.
 
     Stage 0 is plain data parallelism (DDP): it is what the space means by 0, and DDP is the
     faster launcher for it.
     """
     stage = zero_stage_of(params)
-    return stage is not None and stage > 0 and recipe.device != "cpu"
+    return stage is not None and stage > 0
 
 
 def deepspeed_config(params: dict[str, Any], recipe: Recipe) -> dict[str, Any] | None:
@@ -67,10 +71,11 @@ def deepspeed_config(params: dict[str, Any], recipe: Recipe) -> dict[str, Any] |
         return None
     offload = offload_of(params)
     zero: dict[str, Any] = {"stage": stage}
+    pin = recipe.device != "cpu"     # page-locked host memory is for GPU copies
     if offload in ("optimizer", "optimizer+params"):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if offload == "optimizer+params":
-        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     if stage >= 1:
         zero.update({"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": AUTO})
     if stage == 2:

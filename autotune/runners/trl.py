@@ -14,7 +14,7 @@ monitor reads its metrics file and the classifier reads its traceback. Files in 
      "max_steps": 7, "lora_rank": null, "dataset": null | "/abs/prompts.jsonl", "seed": 0,
      "processes": 4, "recipe": {...Recipe.to_dict()...}}
 
-``accelerate_config.yaml`` (+ ``ds_config.json`` with ZeRO >= 1 on GPUs): for multi-process or
+``accelerate_config.yaml`` (+ ``ds_config.json`` with ZeRO >= 1, GPUs or CPU): for multi-process or
 DeepSpeed trials, from :mod:`autotune.configs`, the same generator the export uses.
 
 Launch (no shell; ``python`` is this interpreter)::
@@ -24,10 +24,11 @@ Launch (no shell; ``python`` is this interpreter)::
                          --num_processes N --main_process_port P [--multi_gpu] -m autotune.worker
                          --trial-spec trial_spec.json
 
-``--multi_gpu`` is added on CPU only: the exported CPU config says ``MULTI_CPU``, which accelerate
-1.15 hands to its single-process launcher (meant for ``mpirun``); ``--multi_gpu`` makes it start
-N processes with torchrun, and ``use_cpu`` in the config puts them on gloo. The main process port
-is a free port picked per trial, so a trial's leftovers never block the next rendezvous.
+``--multi_gpu`` is added on CPU without DeepSpeed only: the exported CPU config says ``MULTI_CPU``,
+which accelerate 1.15 hands to its single-process launcher (meant for ``mpirun``); ``--multi_gpu``
+makes it start N processes with torchrun, and ``use_cpu`` in the config puts them on gloo. A
+``DEEPSPEED`` config starts torchrun itself, and DeepSpeed's CPU accelerator picks gloo. The main
+process port is a free port picked per trial, so a trial's leftovers never block the next rendezvous.
 
 vLLM server mode: the trial's :attr:`LaunchSpec.sidecars` holds the ``trl vllm-serve`` process
 on the GPUs training does not use. :meth:`TrlRunner.start_services` starts it and waits for its
@@ -155,32 +156,25 @@ class TrlRunner(Runner):
             return None
 
         def deepspeed_rule(params: dict[str, Any]) -> str | None:
-            if not _uses_zero(params):
+            if not _uses_zero(params) or have_deepspeed:
                 return None
             what = f"zero_stage={params.get('zero_stage', 0)}, offload={params.get('offload', 'none')}"
-            if cpu:
-                # autotune.configs runs CPU trials as plain data parallel: a ZeRO label would lie
-                return (f"{what}: DeepSpeed ZeRO runs on GPUs only here (--device cpu); "
-                        "pin --set zero_stage=0 --set offload=none")
-            if not have_deepspeed:
-                return f"{what} needs the deepspeed package (pip install -e '.[deepspeed]')"
-            return None
+            return f"{what} needs the deepspeed package (DS_BUILD_OPS=0 pip install -e '.[deepspeed]')"
 
         return [vllm_rule, deepspeed_rule]
 
     def forced(self) -> dict[str, Any]:
-        """CPU trials run without vLLM and without DeepSpeed; a GPU machine without vllm or
-        deepspeed searches what it can run (a log line says so) instead of refusing everything."""
-        if self.recipe.device == "cpu":
-            return {"use_vllm": False, "zero_stage": 0, "offload": "none"}
-        out: dict[str, Any] = {}
-        if not installed("vllm"):
+        """CPU trials run without vLLM (DeepSpeed ZeRO runs on CPU, gloo + CPU Adam); a machine
+        without vllm or deepspeed searches what it can run (a log line says so) instead of
+        refusing everything."""
+        out: dict[str, Any] = {"use_vllm": False} if self.recipe.device == "cpu" else {}
+        if not out and not installed("vllm"):
             log.warning("vllm is not installed: searching without vLLM generation "
                         "(pip install -e '.[vllm]' to include it)")
             out["use_vllm"] = False
         if not installed("deepspeed"):
             log.warning("deepspeed is not installed: searching ZeRO stage 0 only "
-                        "(pip install -e '.[deepspeed]' to include ZeRO and offload)")
+                        "(DS_BUILD_OPS=0 pip install -e '.[deepspeed]' to include ZeRO and offload)")
             out.update(zero_stage=0, offload="none")
         return out
 
@@ -235,7 +229,7 @@ class TrlRunner(Runner):
             config_path = self.write_launch_configs(params, trial_dir)
             argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
                     "--num_processes", str(processes), "--main_process_port", str(free_port())]
-            if cpu and processes > 1:
+            if cpu and processes > 1 and not lc.uses_deepspeed(params, recipe):
                 argv.append("--multi_gpu")
             argv += worker
         else:

@@ -16,6 +16,7 @@ from autotune.recipe import Recipe
 from autotune.search.planner import Planner
 from autotune.search.stopping import Budget
 from autotune.study import StudyPaths, TrialRow, confirmations, eligible, rows, save_confirmation
+from autotune.study.ranking import headroom_limit
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.outcome import Outcome
 
@@ -53,10 +54,10 @@ def confirm(study: optuna.Study, recipe: Recipe, paths: StudyPaths, execute: Cal
     """
     if recipe.confirm <= 0:
         return 0
-    limit = recipe.gpu_memory_gib * (1 - recipe.headroom)
+    limit = headroom_limit(recipe)
 
     def held_up(c: dict[str, Any]) -> bool:
-        return c.get("status") == "ok" and (recipe.device == "cpu" or (c.get("peak_memory_gib") or 0) <= limit)
+        return c.get("status") == "ok" and (limit is None or (c.get("peak_memory_gib") or 0) <= limit)
 
     runs = 0
     while runs < recipe.confirm + 2:

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import optuna
 
 from autotune.export import export_study
+from autotune.export.report import write_report
 from autotune.errors import UsageError
 from autotune.progress import Reporter, short_params
 from autotune.recipe import Recipe
@@ -80,8 +81,10 @@ class Search:
     """Runs one study until its trial count, its time budget or a stop condition."""
 
     def __init__(self, recipe: Recipe, paths: StudyPaths, context: TrialContext, reporter: Reporter,
-                 execute: Executor | None = None, storage: Any = None, use_planner: bool = True):
+                 execute: Executor | None = None, storage: Any = None, use_planner: bool = True,
+                 report: bool = True):
         self.recipe, self.paths, self.reporter, self.storage = recipe, paths, reporter, storage
+        self.report = report                 # keep runs/<study>/report.html current (off in the benchmark)
         self.space = context.space
         self.runner = make_runner(context)
         self.rules = self.runner.rules()
@@ -128,10 +131,20 @@ class Search:
                             self.stopping.budget)
         study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))   # the study's clock
         exported = export_study(study, self.recipe, self.paths.best)
+        self.refresh_report(study)
         done = confirmations(study)
         best, _ = choose_best(rows(study), self.recipe, done)
         return SearchResult(launched=launched, best=best, stopped_reason=stopped_reason, exported=exported,
                             confirmed=confirmed, confirmation=done.get(best.number) if best else None)
+
+    def refresh_report(self, study: optuna.Study) -> None:
+        """Rewrite report.html; a report that cannot be written never stops the search."""
+        if not self.report:
+            return
+        try:
+            write_report(study, self.recipe, self.paths)
+        except OSError as exc:
+            log.warning("report.html not written: %s", exc)
 
     def check_something_fits(self) -> None:
         """Refuse pins or a space under which even the leanest candidate is far too big.
@@ -258,6 +271,7 @@ class Search:
                                  None if outcome.extra.get("pruned") else outcome.throughput,
                                  leftover=bool(outcome.extra.get("leftover_gib")))
         self.reporter.trial_finished(trial.number, outcome)
+        self.refresh_report(study)
         if outcome.status == "ok" and not outcome.extra.get("pruned") and (outcome.throughput or 0) > self.best_value:
             if (outcome.throughput or 0) > self.best_value * (1 + MIN_NOISE):
                 self.improved_at = len(launched_rows(study))
@@ -266,7 +280,8 @@ class Search:
         self.stopping.finished(outcome, trial_dir)
 
     def memory_limit(self) -> float | None:
-        """Peak memory an exportable config may reach (None on CPU, where RSS is not the limit)."""
-        if self.recipe.device == "cpu":
-            return None
-        return self.recipe.gpu_memory_gib * (1 - self.recipe.headroom)
+        """Peak memory an exportable config may reach: headroom below the GPU's memory, or on CPU
+        below ``--memory-limit`` (None on CPU without one: the host's RAM is not the limit)."""
+        from autotune.study.ranking import headroom_limit
+
+        return headroom_limit(self.recipe)

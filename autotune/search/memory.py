@@ -5,13 +5,20 @@ planner uses this to skip candidates that cannot fit and to start the search nea
 boundary; the search then corrects it with every measured peak and every OOM (``calibrate``).
 
 The parts (GiB per GPU):
-- model states: weights, gradients and Adam states, by ZeRO stage and offload. Stages 2 and 3 use
-  DeepSpeed's own estimator formulas (``estimate_zero2/3_model_states_mem_needs``); stages 0/1 the
-  ZeRO paper's mixed-precision Adam (16P and 4P + 12P/N). LoRA: frozen bf16 base weights, and
-  states for the adapters only.
-- activations: Korthikanti et al. 2022 (s*b*h*34 bytes per layer with FlashAttention; with full
-  recomputation 2*s*b*h per layer plus one layer's full activations during backward), scaled for
-  the SwiGLU MLP width.
+- model states: weights, gradients and Adam states, by ZeRO stage and offload. Stage 0 is plain
+  DDP on a bf16 model (the worker loads bf16): torch's AdamW keeps m and v in the parameters' dtype,
+  so bf16 weights + grads + m + v = 8P. DeepSpeed's bf16 mode adds fp32 master weights, fp32 Adam
+  states and an fp32 gradient partition: stage 1 4P + 16P/N, stages 2 and 3 DeepSpeed's own
+  estimators (``estimate_zero2/3_model_states_mem_needs``: 2P + 18P/N, 4*largest layer + 18P/N),
+  which on one GPU is 20P (measured on an H100: ZeRO-1/2 16.6 GiB over plain DDP for 1.54B
+  parameters, 11.6 bytes per parameter; 20P - 8P = 12P). ZeRO-3 also keeps up to
+  ``stage3_max_live_parameters`` (1e9 in autotune's ds_config) gathered. LoRA: frozen bf16 base
+  weights, and states for the adapters only.
+- activations: what autograd saves per decoder layer of an HF Llama/Qwen2 block in bf16 with SDPA
+  attention and no dropout, counted with saved-tensor hooks (tests/test_memory.py does it on CPU):
+  22h + 4*kv_dim + 8*intermediate bytes per token (RMSNorm keeps its fp32 input). With full
+  recomputation 2*s*b*h per layer stay, plus one layer's full activations during backward, which
+  comes after the logits are freed (so the peak is the larger of the two, not their sum).
 - logits: the loss materialises micro_batch x completion x vocab logits, upcast to fp32 and kept
   with their log-softmax for backward: about 4.6x the bf16 tensor (2.9x in the no-grad log-prob
   pass, trl issue 3678). With Qwen's 152k vocabulary this is often the largest part.
@@ -19,6 +26,13 @@ The parts (GiB per GPU):
 - vLLM colocated: the engine takes its fraction of TOTAL memory; with sleep mode only a small
   leftover remains while training, but generation still needs the full fraction next to the
   trainer's model states.
+- generation without vLLM: TRL's ``_generate_single_turn`` calls ``unwrapped_model.generate()``
+  once on the whole local generation batch, per-device batch x steps_per_generation sequences
+  (``_prepare_inputs`` generates every steps_per_generation steps). That phase holds the trainer's
+  states (ZeRO-3 gathers the full bf16 weights, ``ds3_gather_for_generation``), the KV cache
+  (2 x layers x kv_heads x head_dim x (prompt + completion) x sequences x 2 bytes), the prefill's
+  working set (one layer's MLP, ~(3*intermediate + 4h) x 2 bytes per prompt token) and the
+  sampler's fp32 last-token logits. The peak is the larger of the two phases.
 - overhead: CUDA context, NCCL buffers, allocator slack.
 
 It also states vLLM's start-up conditions: the fraction must fit in what the trainer leaves free,
@@ -43,6 +57,12 @@ NCCL_GIB = 0.5
 VLLM_SLEEP_LEFTOVER_GIB = 0.6
 VLLM_RUNTIME_GIB = 1.0         # activations, CUDA graphs and sampler buffers inside its budget
 LORA_TARGETS_PER_LAYER = 7     # q, k, v, o, gate, up, down ("all-linear")
+ZERO3_MAX_LIVE_PARAMS = 1e9    # stage3_max_live_parameters in configs/deepspeed.py
+GEN_LOGITS_FACTOR = 3.0        # fp32 last-token logits, their softmax and the sampled copy
+# How far off the model has been on measured peaks (test_memory.py's H100 cases: 6 runs, largest
+# error 5.3%) and on published figures (trl#3456, within 30%): what ``estimate`` prints beside its
+# verdict. Not a confidence interval: a handful of points on Qwen2.5 shapes.
+TYPICAL_REL_ERROR = 0.06
 
 
 @dataclass
@@ -59,6 +79,9 @@ class Estimate:
     capacity_gib: float
     fits: bool
     host_gib: float = 0.0                 # offloaded states in host RAM (all GPUs of the node)
+    generation_gib: float = 0.0           # HF generate() without vLLM: KV cache + prefill + sampling
+    generation_sequences: int = 0         # sequences in that one generate() call per GPU
+    phase: str = "training"               # which phase sets the peak: training | generation
     vllm_problem: str | None = None       # 'vllm_kv' | 'vllm_startup' when vLLM cannot start
     notes: list[str] = field(default_factory=list)
     # the parts that add up to the peak (training or generation phase, whichever is larger):
@@ -84,7 +107,8 @@ def zero_model_states_bytes(params: int, largest_layer: int, stage: int, offload
                             n_gpus: int) -> tuple[float, float]:
     """(GPU bytes, CPU bytes) for weights + gradients + Adam states of a full fine-tune.
 
-    Stages 2 and 3 follow DeepSpeed's estimators (CPU side with their 1.5 buffer factor).
+    Stages 2 and 3 follow DeepSpeed's estimators (CPU side with their 1.5 buffer factor); stage 1
+    is stage 2 with unpartitioned bf16 gradients; stage 0 is torch AdamW on a bf16 model (8P).
     """
     P, N, LL = float(params), float(max(n_gpus, 1)), float(largest_layer)
     if stage == 3:
@@ -98,8 +122,8 @@ def zero_model_states_bytes(params: int, largest_layer: int, stage: int, offload
             return 2 * P, P * max(4 * N, 16) * 1.5
         return 2 * P + 18 * P / N, 0.0
     if stage == 1:
-        return 4 * P + 12 * P / N, 0.0
-    return 16 * P, 0.0
+        return 4 * P + 16 * P / N, 0.0
+    return 8 * P, 0.0
 
 
 def lora_params(model: ModelSpec, rank: int) -> int:
@@ -126,13 +150,41 @@ def model_states(model: ModelSpec, params: dict[str, Any], n_gpus: int, lora_ran
     return zero_model_states_bytes(P, LL, stage, offload, n_gpus)
 
 
-def activation_bytes(model: ModelSpec, micro_batch: int, seq: int, checkpointing: bool) -> float:
+def layer_activation_bytes_per_token(model: ModelSpec) -> float:
+    """Bytes autograd saves per token in one decoder layer (bf16, SDPA, no dropout)."""
+    h = model.hidden_size
+    return 22 * h + 4 * model.num_kv_heads * model.head_dim + 8 * model.intermediate_size
+
+
+def activation_bytes(model: ModelSpec, micro_batch: int, seq: int, checkpointing: bool) -> tuple[float, float]:
+    """(kept through the logits, one layer's recomputation during backward) in bytes."""
     h, L = model.hidden_size, model.num_layers
-    mlp_scale = (10 + 24 * model.intermediate_size / (4 * h)) / 34   # Korthikanti assumes 4h MLP
-    per_layer_full = seq * micro_batch * h * 34 * mlp_scale
+    per_layer_full = seq * micro_batch * layer_activation_bytes_per_token(model)
     if checkpointing:
-        return 2 * seq * micro_batch * h * L + per_layer_full
-    return per_layer_full * L
+        return 2 * seq * micro_batch * h * L, per_layer_full
+    return per_layer_full * L, 0.0
+
+
+def generation_bytes(model: ModelSpec, sequences: float, prompt: int, completion: int) -> float:
+    """One HF ``generate()`` over ``sequences``: KV cache at full length, the prefill's working
+    set (one layer's MLP over every prompt token) and the sampler's last-token logits."""
+    kv = kv_bytes_per_token(model) * (prompt + completion) * sequences
+    prefill = sequences * prompt * (3 * model.intermediate_size + 4 * model.hidden_size) * 2
+    sampling = sequences * model.vocab_size * 4 * GEN_LOGITS_FACTOR
+    return kv + prefill + sampling
+
+
+def generation_sequences(params: dict[str, Any], dp: int) -> int:
+    """Sequences one ``generate()`` call decodes per GPU without vLLM (0 with vLLM): TRL's local
+    generation batch, per-device batch x steps_per_generation (accumulation unless the space sets
+    steps_per_generation, or generation_batch_size / data-parallel GPUs)."""
+    if params.get("use_vllm"):
+        return 0
+    if params.get("generation_batch_size") is not None:
+        return -(-int(params["generation_batch_size"]) // max(dp, 1))
+    steps = params.get("steps_per_generation")
+    steps = int(params.get("gradient_accumulation_steps", 1) if steps is None else steps)
+    return int(params.get("per_device_train_batch_size", 8)) * max(steps, 1)
 
 
 def logits_bytes(model: ModelSpec, micro_batch: int, completion: int) -> float:
@@ -153,8 +205,12 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
     seq = max_prompt_length + max_completion_length
     stage = int(params.get("zero_stage", 0))
     gpu_states, host_states = model_states(model, params, n, lora_rank)
-    acts = activation_bytes(model, b, seq, bool(params.get("gradient_checkpointing", True)))
+    if stage == 3 and not lora_rank:   # parameters ZeRO-3 keeps gathered between uses
+        gpu_states += 2 * min(model.num_params, ZERO3_MAX_LIVE_PARAMS)
+    kept, recompute = activation_bytes(model, b, seq, bool(params.get("gradient_checkpointing", True)))
     logits = logits_bytes(model, b, max_completion_length)
+    # with recomputation one layer's activations come back only after the logits are freed
+    acts = kept + max(recompute - logits, 0.0)
     ref = 0.0
     if beta and not lora_rank:   # with LoRA the reference is the base model with adapters off
         ref = 2 * model.num_params / (n if stage == 3 else 1)
@@ -167,11 +223,26 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
         "reference": ref / GIB,
         "overhead": overhead / GIB,
     }
+    static = parts["model_states"] + parts["reference"] + parts["overhead"]
     notes: list[str] = []
     vllm = 0.0
     problem = None
+    gen_peak, gen_features = 0.0, {}
     use_vllm = bool(params.get("use_vllm", False))
     mode = params.get("vllm_mode", "colocate")
+    sequences = generation_sequences(params, n)
+    generation = 0.0
+    if sequences:   # transformers' generate() in the trainer's process
+        kv = kv_bytes_per_token(model) * seq * sequences / GIB
+        generation = generation_bytes(model, sequences, max_prompt_length, max_completion_length) / GIB
+        sampling = sequences * model.vocab_size * 4 * GEN_LOGITS_FACTOR / GIB
+        gathered = 2 * model.num_params / GIB if stage == 3 else 0.0   # ds3_gather_for_generation
+        gen_peak = static + gathered + generation
+        gen_features = {"model_states": parts["model_states"] + parts["reference"] + gathered,
+                        "activations": generation - sampling, "logits": sampling, "vllm": 0.0,
+                        "overhead": parts["overhead"]}
+        notes.append(f"generation without vLLM: one generate() over {sequences} sequences x {seq} tokens "
+                     f"per GPU, {kv:.1f} GiB of KV cache, {generation:.1f} GiB in all")
     if use_vllm and mode == "colocate":
         frac = float(params.get("vllm_gpu_memory_utilization", 0.3))
         tp = int(params.get("vllm_tensor_parallel_size", 1))
@@ -182,7 +253,6 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
             problem = "vllm_kv"
             notes.append(f"vLLM's {budget:.1f} GiB leave {max(kv_left, 0):.1f} GiB of KV cache after "
                          f"{weights:.1f} GiB of weights: not one {seq}-token sequence fits")
-        static = parts["model_states"] + parts["reference"] + parts["overhead"]
         if static + budget > capacity_gib:
             problem = problem or "vllm_startup"
             notes.append(f"vLLM wants {budget:.1f} GiB but the trainer leaves "
@@ -191,27 +261,26 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
             vllm = VLLM_SLEEP_LEFTOVER_GIB
             # generation still needs the whole budget beside the trainer's static memory
             gen_peak = static + budget
-            gen_budget = budget
+            gen_features = {"model_states": parts["model_states"] + parts["reference"], "activations": 0.0,
+                            "logits": 0.0, "vllm": budget, "overhead": parts["overhead"]}
         else:
             vllm = budget
-            gen_peak = 0.0
-        parts["vllm"] = vllm
-    else:
-        gen_peak = 0.0
-        parts["vllm"] = 0.0
-    if gen_peak > sum(parts.values()):   # generation phase dominates: trainer statics + vLLM
-        features = {"model_states": parts["model_states"] + parts["reference"], "activations": 0.0,
-                    "logits": 0.0, "vllm": gen_budget, "overhead": parts["overhead"]}
+    parts["vllm"] = vllm
+    train_peak = sum(parts.values())
+    if gen_peak > train_peak:   # the generation phase sets the peak
+        features, phase = gen_features, "generation"
     else:
         features = {"model_states": parts["model_states"] + parts["reference"],
                     "activations": parts["activations"], "logits": parts["logits"], "vllm": parts["vllm"],
                     "overhead": parts["overhead"]}
-    total = max(sum(parts.values()), gen_peak)
+        phase = "training"
+    total = max(train_peak, gen_peak)
     fits = total <= capacity_gib and problem is None
     return Estimate(
         model_states_gib=parts["model_states"],
         activations_gib=parts["activations"], logits_gib=parts["logits"],
         reference_gib=parts["reference"], vllm_gib=parts["vllm"], overhead_gib=parts["overhead"],
         total_gib=total, capacity_gib=capacity_gib, fits=fits, host_gib=host_states / GIB,
+        generation_gib=generation, generation_sequences=sequences, phase=phase,
         vllm_problem=problem, notes=notes, features=features,
     )

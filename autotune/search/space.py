@@ -162,10 +162,32 @@ class Space:
                 )
             param = self.params[name]
             if not param.contains(value):
-                raise UsageError(
-                    f"--set {name}={_show(value)} is out of range: {name} is {param.allowed()} "
-                    f"(edit {self.path} to widen it)"
-                )
+                raise UsageError(f"--set {name}={_show(value)} is out of range: {name} is {param.allowed()} "
+                                 f"({self.how_to_widen()})")
+
+    def how_to_widen(self) -> str:
+        """Where to widen a range: a copy passed with ``--space``, never the installed package."""
+        if self.path.resolve() == default_space_path().resolve():
+            return (f"to widen it, copy the shipped space: cp {self.path} my_space.yaml, edit the copy "
+                    "and pass --space my_space.yaml")
+        return f"widen it in {self.path}, the file given to --space"
+
+    def outside(self, pins: dict[str, Any]) -> list[str]:
+        """Pins outside the space but of the parameter's type, as warnings (``estimate`` is a
+        what-if calculator); a wrong type or an unknown name still raises."""
+        warnings = []
+        for name, value in pins.items():
+            if name not in self.params:
+                self.check_pins({name: value})
+            param = self.params[name]
+            if param.contains(value):
+                continue
+            if not _type_ok(param.type, value) or (param.type == "float" and isinstance(value, bool)):
+                raise UsageError(f"--set {name}={_show(value)}: {name} takes {param.type} values "
+                                 f"(the space has {param.allowed()})")
+            warnings.append(f"--set {name}={_show(value)} is outside the space ({name} is {param.allowed()}); "
+                            "estimated anyway")
+        return warnings
 
     def suggest(self, trial: optuna.Trial, fixed: dict[str, Any]) -> dict[str, Any]:
         """Ask Optuna for every parameter that is not fixed (pinned or derived)."""

@@ -1,9 +1,9 @@
 """Which trial wins: ranking, the headroom rule, and the longer confirmation runs.
 
 A trial is exportable only when it ran, measured its throughput, left ``headroom`` of GPU memory
-free and, when it was re-run longer, survived that run too. Among those, confirmed throughput
-beats a short trial's: short trials of configurations within a few percent of each other are
-ranked by noise.
+free (on CPU: of ``--memory-limit``, when one is given; see :func:`headroom_limit`) and, when it
+was re-run longer, survived that run too. Among those, confirmed throughput beats a short trial's:
+short trials of configurations within a few percent of each other are ranked by noise.
 """
 
 from __future__ import annotations
@@ -15,6 +15,21 @@ import optuna
 from autotune.recipe import Recipe
 from autotune.study.record import TrialRow
 from autotune.trial.outcome import Outcome
+
+
+def headroom_limit(recipe: Recipe) -> float | None:
+    """The peak memory an exportable configuration may reach, or None when none applies.
+
+    On GPUs, ``(1 - headroom)`` of the GPU's memory. On CPU, ``(1 - headroom)`` of ``--memory-limit``
+    (the RLIMIT_AS cap each trial ran under, against the trial's peak RSS: the trainer's own figure
+    or, when it reports none, the process tree's); without a cap the host's RAM is shared with
+    everything else on it and no headroom is judged.
+    """
+    if recipe.device == "cpu":
+        if not recipe.memory_limit_gib:
+            return None
+        return float(recipe.memory_limit_gib) * (1.0 - recipe.headroom)
+    return recipe.gpu_memory_gib * (1.0 - recipe.headroom)
 
 
 def rank(rows_: list[TrialRow]) -> list[TrialRow]:
@@ -34,15 +49,17 @@ def eligible(rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[st
     confirmed = confirmed or {}
     notes: list[str] = []
     out: list[TrialRow] = []
-    limit = recipe.gpu_memory_gib * (1.0 - recipe.headroom)
-    check_peak = recipe.device != "cpu"
+    limit = headroom_limit(recipe)
+    check_peak = limit is not None
+    capacity = recipe.memory_limit_gib if recipe.device == "cpu" else recipe.gpu_memory_gib
+    what_cap = "--memory-limit" if recipe.device == "cpu" else "capacity"
     for row in rank(rows_):
         if row.status != "ok" or not row.throughput or not row.launched or row.pruned:
             break
         what = f"trial {row.number} ({row.throughput:.3g} completions/s)"
         if check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
             notes.append(f"{what} passed over: peak {row.peak_memory_gib:.1f} GiB is within "
-                         f"{recipe.headroom:.0%} of the {recipe.gpu_memory_gib:.1f} GiB capacity")
+                         f"{recipe.headroom:.0%} of the {capacity:.1f} GiB {what_cap}")
             continue
         c = confirmed.get(row.number)
         if c is not None:
@@ -54,7 +71,7 @@ def eligible(rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[st
             peak = c.get("peak_memory_gib")
             if check_peak and peak is not None and peak > limit:
                 notes.append(f"{what} passed over: its confirmation run peaked at {peak:.1f} GiB, within "
-                             f"{recipe.headroom:.0%} of the {recipe.gpu_memory_gib:.1f} GiB capacity")
+                             f"{recipe.headroom:.0%} of the {capacity:.1f} GiB {what_cap}")
                 continue
         out.append(row)
     return out, notes

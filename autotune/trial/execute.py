@@ -122,6 +122,7 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
         verdict = control.decide(records, monitor.steps)
         if verdict and sampler is not None:
             sampler.mark("end")
+            sampler.tick()    # the last look at the tree's memory before it is stopped
         return verdict
 
     with contextlib.ExitStack() as around:
@@ -171,7 +172,10 @@ def add_monitor_summary(outcome: Outcome, summary: MonitorSummary, device: str) 
     """Fold what the GPU sampler saw into the outcome.
 
     NVML's peak counts what the allocator does not (the CUDA context, a colocated vLLM engine), so
-    on GPUs it raises the trainer's own figure. A low-utilization diagnosis is kept for a trial that
+    on GPUs it raises the trainer's own figure. On CPU, a trainer that reports no peak (ms-swift
+    prints no ``memory(GiB)`` there, a template trainer may print nothing) gets the trial process
+    tree's peak RSS (``extra["peak_source"] = "host_rss"``); one that reports its own keeps it
+    (``"trainer"``). A low-utilization diagnosis is kept for a trial that
     ran (status ok) only: a run that died of OOM or a crash idled because it was dying, and
     "batch 32 may be too small to fill the GPU" on a CUDA OOM at batch 32 (seen on an H100) would
     send the user the wrong way.
@@ -180,6 +184,12 @@ def add_monitor_summary(outcome: Outcome, summary: MonitorSummary, device: str) 
     data = summary.to_json()
     if summary.peak_memory_gib is not None and device == "cuda":
         outcome.peak_memory_gib = max(outcome.peak_memory_gib or 0.0, summary.peak_memory_gib)
+    elif device == "cpu":
+        if outcome.peak_memory_gib is None and summary.peak_host_gib is not None:
+            outcome.peak_memory_gib = round(summary.peak_host_gib, 3)
+            outcome.extra["peak_source"] = "host_rss"
+        elif outcome.peak_memory_gib is not None:
+            outcome.extra["peak_source"] = "trainer"
     if outcome.status != "ok":
         data["low_util"], data["diagnosis"] = False, None
     elif summary.low_util:

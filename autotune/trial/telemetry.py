@@ -41,6 +41,19 @@ CSV_COLUMNS = ("time_s", "phase", "gpu", "util_pct", "mem_used_gib", "mem_total_
                "host_rss_gib", "host_cpu_pct")
 
 
+def _peak_rss_bytes(pid: int) -> int | None:
+    """The kernel's own peak resident set of one process (``VmHWM`` in /proc/<pid>/status, Linux),
+    which a short allocation between two ticks cannot hide from; None where it is not readable."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 class _HostTree:
     """RSS and CPU of a process and its descendants, keeping psutil objects between ticks.
 
@@ -48,11 +61,13 @@ class _HostTree:
     must live across ticks; a process seen for the first time reports 0 once.
     RSS is summed, which double-counts pages shared between processes (forked DataLoader workers):
     a safe-side figure for "does the host have room", and cheap enough for several ticks a second,
-    unlike PSS from smaps.
+    unlike PSS from smaps. ``peak_process_gib`` is the largest single process's peak RSS as the
+    kernel counted it (``VmHWM``), read at each tick: the peak of a spike shorter than a tick.
     """
 
     def __init__(self) -> None:
         self.procs: dict[int, psutil.Process] = {}
+        self.peak_process_gib: float | None = None
 
     def sample(self, root_pid: int | None) -> tuple[float | None, float | None]:
         if root_pid is None:
@@ -70,6 +85,9 @@ class _HostTree:
             except psutil.Error:
                 continue
             alive[proc.pid] = proc
+            hwm = _peak_rss_bytes(proc.pid)
+            if hwm is not None:
+                self.peak_process_gib = max(self.peak_process_gib or 0.0, hwm / GIB)
         self.procs = alive
         if not alive:
             return None, None
@@ -104,6 +122,7 @@ class GpuSampler:
         self._failed: set[tuple[int, str]] = set()
         self._host = _HostTree()
         self._lock = threading.Lock()
+        self._tick_lock = threading.Lock()   # the thread's ticks and a caller's (sample before a kill)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._csv: Any | None = None
@@ -160,7 +179,8 @@ class GpuSampler:
             self._csv.close()
         close_nvml(self._nvml)
         self._summary = summarize(self.ticks, params=self.params, min_util=self.min_util, step_times=step_times,
-                                  gpu_indices=list(self._handles), nvml=bool(self._handles))
+                                  gpu_indices=list(self._handles), nvml=bool(self._handles),
+                                  peak_process_rss_gib=self._host.peak_process_gib)
         return self._summary
 
     def __enter__(self) -> "GpuSampler":
@@ -208,7 +228,14 @@ class GpuSampler:
             log.warning("NVML %s query failed on GPU %s (%s); leaving it empty", what, index, exc)
 
     def tick(self) -> Tick | None:
-        """Take one sample now, append it to gpu.csv and keep it; None when nothing is measurable."""
+        """Take one sample now, append it to gpu.csv and keep it; None when nothing is measurable.
+
+        Safe to call from another thread while sampling runs: the controller takes a last sample
+        just before it stops a measured trial, whose peak may have come after the last tick."""
+        with self._tick_lock:
+            return self._tick()
+
+    def _tick(self) -> Tick | None:
         with self._lock:
             phase = self.phase
         tick = Tick(round(time.monotonic() - self._t0, 3), phase,

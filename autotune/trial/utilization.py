@@ -103,11 +103,19 @@ class MonitorSummary:
     mean_gpu_util_per_gpu: list[float | None] = field(default_factory=list)
     mean_host_cpu_pct: float | None = None
     nvml: bool = False
+    peak_process_rss_gib: float | None = None   # the largest one process's peak RSS (kernel's VmHWM)
 
     @property
     def peak_memory_gib(self) -> float | None:
         """The largest device memory use over the trial's GPUs (DESIGN.md's peak_memory_gib)."""
         return max(self.peak_memory_gib_per_gpu) if self.peak_memory_gib_per_gpu else None
+
+    @property
+    def peak_host_gib(self) -> float | None:
+        """The trial process tree's peak RSS: the largest sampled sum over the tree, or one
+        process's own peak when a spike between two samples went higher."""
+        known = [v for v in (self.peak_host_rss_gib, self.peak_process_rss_gib) if v is not None]
+        return max(known) if known else None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict (rounded, so outcome.json stays readable)."""
@@ -122,7 +130,7 @@ class MonitorSummary:
 
 def summarize(ticks: Sequence[Tick], *, params: Mapping[str, Any] | None = None, min_util: float = 0.5,
               step_times: Mapping[str, float] | None = None, gpu_indices: Sequence[int] | None = None,
-              nvml: bool | None = None) -> MonitorSummary:
+              nvml: bool | None = None, peak_process_rss_gib: float | None = None) -> MonitorSummary:
     """Reduce samples to a :class:`MonitorSummary` (the same code for live and recorded samples).
 
     ``gpu_indices`` fixes the order of the per-GPU lists (by default the order GPUs first appear).
@@ -166,6 +174,7 @@ def summarize(ticks: Sequence[Tick], *, params: Mapping[str, Any] | None = None,
         mean_gpu_util_per_gpu=[(sum(utils[i]) / len(utils[i])) if utils.get(i) else None for i in watched],
         mean_host_cpu_pct=mean_cpu,
         nvml=bool(watched) if nvml is None else nvml,
+        peak_process_rss_gib=peak_process_rss_gib,
     )
 
 

@@ -54,6 +54,7 @@ def run_trial(spec: dict[str, Any]) -> None:
         peft_config=peft_config(spec),
     )
     timer.wrap(trainer)
+    trainer.add_callback(_engine_report(trainer))
     say(f"trial {spec.get('number', '?')}: trl {trl.__version__}, {world} process(es), "
         f"{per_step} completions/step, prompt {spec['max_prompt_length']} + completion "
         f"{spec['max_completion_length']} tokens, {spec['max_steps']} steps")
@@ -66,6 +67,36 @@ def run_trial(spec: dict[str, Any]) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def _engine_report(trainer: Any) -> Any:
+    """A callback that says once, at the first step, what really trains: DeepSpeed's engine (ZeRO
+    stage, optimizer class, what is offloaded, the collective backend) or plain torch, so a trial's
+    log shows that a ZeRO label was honoured."""
+    from transformers import TrainerCallback
+
+    class EngineReport(TrainerCallback):
+        said = False
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self.said or not state.is_world_process_zero:
+                return
+            self.said = True
+            engine = getattr(trainer, "model_wrapped", None)
+            if not getattr(trainer, "is_deepspeed_enabled", False) or not hasattr(engine, "zero_optimization_stage"):
+                say("engine: torch (no DeepSpeed)")
+                return
+            import deepspeed
+            import torch.distributed as dist
+
+            optimizer = getattr(engine, "optimizer", None)
+            inner = getattr(optimizer, "optimizer", optimizer)
+            say(f"engine: deepspeed {deepspeed.__version__}, ZeRO stage {engine.zero_optimization_stage()}, "
+                f"optimizer {type(inner).__name__}, offload optimizer={bool(engine.zero_offload_optimizer())} "
+                f"params={bool(engine.zero_offload_param())}, backend {dist.get_backend()}, "
+                f"world {dist.get_world_size()}")
+
+    return EngineReport()
 
 
 def load_spec(path: Path) -> dict[str, Any]:

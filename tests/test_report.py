@@ -1,0 +1,62 @@
+"""report.html from a real sim search, rendered in a real headless Chromium: the charts are drawn
+and no script fails. CI installs Debian's chromium and sets AUTOTUNE_REQUIRE_BROWSER=1, so there the
+browser test runs instead of skipping."""
+
+import os
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from conftest import run_cli
+
+FIGURES = ("best-so-far", "throughput-memory", "oom-boundary", "oom-boundary-vllm", "utilization", "memory-model")
+
+
+@pytest.fixture(scope="module")
+def study(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("report")
+    res = run_cli("search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--gpu-type", "A100-80GB",
+                  "--runner", "sim", "--trials", "8", "--sim-time-scale", "0.0005", "--name", "r", cwd=cwd)
+    assert res.returncode == 0, res.stdout + res.stderr
+    return cwd
+
+
+def test_the_search_writes_a_self_contained_report(study):
+    html = (study / "runs" / "r" / "report.html").read_text()
+    for name in FIGURES:
+        assert f"id=\"plot-{name}\"" in html or f"id='plot-{name}'" in html or f'"plot-{name}"' in html, name
+    assert "<h2>Winner: trial" in html and "per_device_train_batch_size" in html
+    assert "stopped after" in html
+    assert not re.search(r"<script[^>]+src=[\"']https?:", html), "the report must not need the network"
+
+
+def test_report_command_writes_where_asked_and_refuses_a_folder(study):
+    out = study / "elsewhere.html"
+    res = run_cli("report", "r", "--out", out, cwd=study)
+    assert res.returncode == 0 and res.stdout.strip() == str(out)
+    assert out.stat().st_size > 1_000_000                     # plotly.js is inside
+    bad = run_cli("report", "r", "--out", study, cwd=study)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--out" in bad.stderr
+
+
+def test_the_report_renders_in_headless_chromium(study):
+    browser = shutil.which("chromium") or shutil.which("chromium-browser")
+    if browser is None:
+        if os.environ.get("AUTOTUNE_REQUIRE_BROWSER"):
+            pytest.fail("chromium is not installed, but this run requires the browser test")
+        pytest.skip("chromium is not installed (CI installs it)")
+    report = study / "runs" / "r" / "report.html"
+    res = subprocess.run([browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
+                          "--v=0", "--virtual-time-budget=15000", "--dump-dom", report.as_uri()],
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr[-2000:]
+    errors = [line for line in res.stderr.splitlines() if "CONSOLE" in line and "Uncaught" in line]
+    assert not errors, errors
+    dom = res.stdout
+    for name in FIGURES:
+        block = dom.split(f'id="plot-{name}"', 1)
+        assert len(block) == 2, f"{name} is missing from the rendered page"
+        # plotly draws each chart into its own SVG layers once its script has run
+        assert 'class="main-svg"' in block[1].split("<section", 1)[0], f"{name} was not drawn"
