@@ -382,6 +382,17 @@ def test_write_best_zero3(tmp_path):
         kwargs = yaml.safe_load(f)
     config = grpo(kwargs, output_dir=str(tmp_path / "o"))
     assert config.per_device_train_batch_size == 4 and config.vllm_max_model_length == 1536
+    # production loads the model as the trials ran it: TRL's own loader, given the export's kwargs
+    import torch
+    import transformers
+    from trl.trainer.utils import create_model_from_path
+
+    from autotune.models import resolve_model
+
+    tiny = transformers.AutoConfig.for_model(**resolve_model("tiny-qwen").config)
+    transformers.AutoModelForCausalLM.from_config(tiny).save_pretrained(tmp_path / "tiny")
+    loaded = create_model_from_path(str(tmp_path / "tiny"), **config.model_init_kwargs)
+    assert loaded.dtype == torch.bfloat16
 
     ds = json.loads((out / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3

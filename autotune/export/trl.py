@@ -23,6 +23,10 @@ def gpu_list(ids: list[int]) -> str:
 
 def grpo_yaml(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
     kwargs = configs.grpo_config_kwargs(params, recipe)
+    if recipe.device != "cpu":
+        # the trials ran the policy in bf16; TRL 1.16 loads a model path in float32 unless told,
+        # which doubles plain training's model states (8 -> 16 bytes per parameter) in production
+        kwargs["model_init_kwargs"] = {"dtype": "bfloat16"}
     header = (
         f"# trl.GRPOConfig fields tuned by autotune (trial {best.number}).\n"
         "# Read by TrlParser (`--config grpo_config.yaml`); your script adds output_dir, dataset,\n"
