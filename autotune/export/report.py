@@ -65,6 +65,7 @@ def _figures(paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: 
     import plotly.graph_objects as go
 
     launched = sorted((r for r in all_rows if r.launched), key=lambda r: r.number)
+    predicted = {r.number: _predicted(paths, r) for r in all_rows if r.launched or r.status in ("skipped", "invalid")}
     cap = recipe.memory_limit_gib if recipe.device == "cpu" and recipe.memory_limit_gib else recipe.gpu_memory_gib
     limit = headroom_limit(recipe)
     figures: list[tuple[str, Any]] = []
@@ -94,7 +95,7 @@ def _figures(paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: 
         group = [r for r in all_rows if r.status == status and (r.launched or status in ("skipped", "invalid"))]
         if not group:
             continue
-        xs = [r.peak_memory_gib if r.peak_memory_gib is not None else _predicted(paths, r) for r in group]
+        xs = [r.peak_memory_gib if r.peak_memory_gib is not None else predicted.get(r.number) for r in group]
         fig.add_trace(go.Scatter(
             x=xs, y=[r.throughput or 0.0 for r in group], mode="markers", name=status,
             marker=dict(symbol=symbol, color=color, size=10),
@@ -153,7 +154,7 @@ def _figures(paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: 
 
     # 5. the memory model: prediction against measurement
     pairs = [(p, r.peak_memory_gib, r) for r in launched if r.peak_memory_gib is not None
-             and (p := _predicted(paths, r)) is not None]
+             and (p := predicted.get(r.number)) is not None]
     fig = go.Figure()
     if pairs:
         top = max(max(p, m) for p, m, _ in pairs) * 1.05
