@@ -28,7 +28,7 @@ from autotune.search.loop import Search
 from autotune.search.space import load_space
 from autotune.study import (StudyPaths, check_database, held_trials, load_existing, plain_failures, prepare_root,
                             rank, rows)
-from autotune.study.ranking import headroom_limit
+from autotune.study.ranking import choose_best, confirmations, eligible, headroom_limit
 from autotune.trial.control import StopRule, TrialControl
 
 if TYPE_CHECKING:
@@ -188,9 +188,24 @@ def show_study(name: str, runs_dir: Path, as_json: bool) -> None:
 
 def _show(name: str, recipe: Recipe, study: "optuna.Study", as_json: bool) -> None:
     """The table (or JSON) of trials, best first; may read pages of the database no open touched."""
-    ranked = rank(rows(study))
+    all_rows = rows(study)
+    ranked = rank(all_rows)
+    done = confirmations(study)
+    best, _ = choose_best(all_rows, recipe, done)
+    passed: dict[int, str] = {}
+    eligible(all_rows, recipe, done, passed_over=passed)
+
+    def verdict(r) -> str:
+        """What the export made of this trial: chosen, passed over (why), confirmed, or nothing."""
+        if best is not None and r.number == best.number:
+            return "exported"
+        if r.number in passed:
+            return "passed over: " + passed[r.number]
+        c = done.get(r.number)
+        return f"confirmed {c['throughput']:.4g}/s" if c and c.get("throughput") else ""
+
     if as_json:
-        print(json.dumps([r.__dict__ for r in ranked], indent=2, default=str))
+        print(json.dumps([{**r.__dict__, "verdict": verdict(r)} for r in ranked], indent=2, default=str))
         return
     from rich.console import Console
     from rich.table import Table
@@ -198,7 +213,7 @@ def _show(name: str, recipe: Recipe, study: "optuna.Study", as_json: bool) -> No
     launched = sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("launched"))
     table = Table(title=f"{name}: {launched} launched of {recipe.trials} "
                         f"({recipe.model}, {recipe.gpus}x{recipe.gpu_type})")
-    for col in ("trial", "status", "completions/s", "peak GiB", "predicted", "params / reason"):
+    for col in ("trial", "status", "completions/s", "peak GiB", "predicted", "verdict", "params / reason"):
         table.add_column(col)
     predicted = {t.number: t.user_attrs.get("predicted_gib") for t in study.get_trials(deepcopy=False)}
     for r in ranked:
@@ -206,10 +221,12 @@ def _show(name: str, recipe: Recipe, study: "optuna.Study", as_json: bool) -> No
         if not r.launched and r.status not in ("invalid", "skipped"):
             status += " (repeat)"
         tail = short_params(r.params) if r.status in ("ok", "oom") else (r.error_line or r.reason or short_params(r.params))
+        if r.status == "ok" and r.reason:            # the low-utilization diagnosis, where people look
+            tail += f"; {r.reason}"
         pred = predicted.get(r.number)
         table.add_row(str(r.number), status, f"{r.throughput:.4g}" if r.throughput else "-",
                       f"{r.peak_memory_gib:.1f}" if r.peak_memory_gib else "-",
-                      f"{pred:.1f}" if pred else "-", tail[:160])
+                      f"{pred:.1f}" if pred else "-", verdict(r)[:70], tail[:200])
     console = Console(width=200)
     console.print(table)
     errors = [abs(predicted[r.number] - r.peak_memory_gib) / r.peak_memory_gib for r in ranked

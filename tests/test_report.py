@@ -60,3 +60,22 @@ def test_the_report_renders_in_headless_chromium(study):
         assert len(block) == 2, f"{name} is missing from the rendered page"
         # plotly draws each chart into its own SVG layers once its script has run
         assert 'class="main-svg"' in block[1].split("<section", 1)[0], f"{name} was not drawn"
+
+
+def test_show_marks_the_exported_trial_and_why_others_were_passed_over(study):
+    import json
+
+    res = run_cli("show", "r", "--json", cwd=study)
+    assert res.returncode == 0, res.stderr
+    shown = json.loads(res.stdout)
+    exported = [t for t in shown if t["verdict"] == "exported"]
+    assert len(exported) == 1
+    best = json.loads((study / "runs" / "r" / "best" / "params.json").read_text())
+    assert exported[0]["params"] == best
+    # every trial measured faster than the exported one says why it was not exported
+    faster = [t for t in shown if t["status"] == "ok" and not t["pruned"]
+              and (t["throughput"] or 0) > exported[0]["throughput"]]
+    for t in faster:
+        assert t["verdict"].startswith(("passed over: ", "confirmed ")), t
+    table = run_cli("show", "r", cwd=study)
+    assert "verdict" in table.stdout and "exported" in table.stdout

@@ -42,10 +42,11 @@ def rank(rows_: list[TrialRow]) -> list[TrialRow]:
     return ok + rest
 
 
-def eligible(rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[str, Any]] | None = None
-             ) -> tuple[list[TrialRow], list[str]]:
+def eligible(rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[str, Any]] | None = None,
+             passed_over: dict[int, str] | None = None) -> tuple[list[TrialRow], list[str]]:
     """Launched ok trials, fastest first, that left ``headroom`` of GPU memory free and, when a
-    longer confirmation run was made, survived it with headroom too; plus why others were not."""
+    longer confirmation run was made, survived it with headroom too; plus why others were not.
+    ``passed_over``, when given, receives each passed-over trial's reason by number (for ``show``)."""
     confirmed = confirmed or {}
     notes: list[str] = []
     out: list[TrialRow] = []
@@ -74,6 +75,10 @@ def eligible(rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[st
                              f"{recipe.headroom:.0%} of the {capacity:.1f} GiB {what_cap}")
                 continue
         out.append(row)
+    if passed_over is not None:
+        for note in notes:
+            number = int(note.split(" ", 2)[1])
+            passed_over[number] = note.split(" passed over: ", 1)[1]
     return out, notes
 
 
