@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterable
 
 from autotune.search import constraints
 from autotune.hardware import GpuType
-from autotune.search.memory import Estimate, estimate
+from autotune.search.memory import Estimate, estimate, generation_sequences
 from autotune.search.moves import neighbors
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
@@ -33,26 +33,12 @@ log = logging.getLogger(__name__)
 OFFLOAD_RANK = {"none": 2, "optimizer": 1, "optimizer+params": 0}   # higher = more GPU memory
 
 
-def generation_sequences(params: dict[str, Any]) -> float:
-    """Sequences one ``generate()`` call decodes per GPU when TRL generates without vLLM.
-
-    TRL then generates a whole generation batch at once, per device batch x steps_per_generation
-    (accumulation unless the space sets steps_per_generation or generation_batch_size), so
-    accumulation raises the peak there although it does not with vLLM."""
-    if params.get("use_vllm"):
-        return 0.0
-    pdbs = float(params.get("per_device_train_batch_size", 8))
-    if params.get("generation_batch_size") is not None:
-        return float(params["generation_batch_size"])      # an upper bound: divided over the GPUs
-    steps = params.get("steps_per_generation")
-    return pdbs * float(params.get("gradient_accumulation_steps", 1) if steps is None else steps)
-
-
 def memory_vector(params: dict[str, Any], dp: int = 1) -> tuple[float, ...]:
     """Each knob oriented so that larger means more GPU memory per GPU.
 
     num_generations does not change the peak (TRL's micro-batch counts completions); accumulation
-    does only without vLLM (:func:`generation_sequences`). ``dp`` is the data-parallel size: ZeRO
+    does only without vLLM, where one ``generate()`` call decodes batch x steps_per_generation
+    sequences (:func:`autotune.search.memory.generation_sequences`). ``dp`` is the data-parallel size: ZeRO
     shards states over it, so fewer training GPUs (vLLM server mode) means more memory on each.
     """
     colocated = bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"
@@ -65,7 +51,7 @@ def memory_vector(params: dict[str, Any], dp: int = 1) -> tuple[float, ...]:
         float(params.get("vllm_gpu_memory_utilization", 0.0)) if colocated else 0.0,
         0.0 if (colocated and params.get("vllm_enable_sleep_mode")) else 1.0,
         -float(params.get("vllm_tensor_parallel_size", 1)) if colocated else 0.0,
-        generation_sequences(params),
+        float(generation_sequences(params, dp)),
         -float(dp),
     )
 

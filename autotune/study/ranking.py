@@ -57,28 +57,23 @@ def eligible(rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[st
     for row in rank(rows_):
         if row.status != "ok" or not row.throughput or not row.launched or row.pruned:
             break
-        what = f"trial {row.number} ({row.throughput:.3g} completions/s)"
-        if check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
-            notes.append(f"{what} passed over: peak {row.peak_memory_gib:.1f} GiB is within "
-                         f"{recipe.headroom:.0%} of the {capacity:.1f} GiB {what_cap}")
-            continue
+        why = None
         c = confirmed.get(row.number)
-        if c is not None:
-            if c.get("status") != "ok":
-                kind = f"{c['status']}/{c.get('oom_kind')}" if c.get("oom_kind") else c.get("status")
-                notes.append(f"{what} passed over: it died in its longer confirmation run ({kind} "
-                             f"after {c.get('steps', 0)} steps)")
-                continue
-            peak = c.get("peak_memory_gib")
-            if check_peak and peak is not None and peak > limit:
-                notes.append(f"{what} passed over: its confirmation run peaked at {peak:.1f} GiB, within "
-                             f"{recipe.headroom:.0%} of the {capacity:.1f} GiB {what_cap}")
-                continue
-        out.append(row)
-    if passed_over is not None:
-        for note in notes:
-            number = int(note.split(" ", 2)[1])
-            passed_over[number] = note.split(" passed over: ", 1)[1]
+        if check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
+            why = (f"peak {row.peak_memory_gib:.1f} GiB is within {recipe.headroom:.0%} of the "
+                   f"{capacity:.1f} GiB {what_cap}")
+        elif c is not None and c.get("status") != "ok":
+            kind = f"{c['status']}/{c.get('oom_kind')}" if c.get("oom_kind") else c.get("status")
+            why = f"it died in its longer confirmation run ({kind} after {c.get('steps', 0)} steps)"
+        elif c is not None and check_peak and c.get("peak_memory_gib") is not None and c["peak_memory_gib"] > limit:
+            why = (f"its confirmation run peaked at {c['peak_memory_gib']:.1f} GiB, within "
+                   f"{recipe.headroom:.0%} of the {capacity:.1f} GiB {what_cap}")
+        if why is None:
+            out.append(row)
+            continue
+        notes.append(f"trial {row.number} ({row.throughput:.3g} completions/s) passed over: {why}")
+        if passed_over is not None:
+            passed_over[row.number] = why
     return out, notes
 
 
