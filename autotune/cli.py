@@ -26,7 +26,7 @@ from autotune.recipe import Recipe, default_study_name, format_duration, parse_d
 from autotune.runners import RUNNERS
 
 FIELDS = {f.name: f for f in dataclasses.fields(Recipe)}
-CHOICES = {"runner": RUNNERS, "device": ("cuda", "cpu")}
+CHOICES = {"runner": RUNNERS, "device": ("cuda", "cpu"), "quantization": ("4bit", "8bit")}
 TYPES = {"int": int, "float": float, "str": str}
 
 

@@ -23,7 +23,8 @@ from autotune.units import duration_seconds
 IDENTITY_FIELDS = (
     "model", "gpus", "gpu_type", "gpu_memory_gib", "max_prompt_length", "max_completion_length",
     "global_batch", "pins", "space_digest", "runner", "command", "device", "memory_limit_gib",
-    "beta", "lora_rank", "dataset", "storage",
+    "beta", "lora_rank", "dataset", "storage", "quantization", "image_tokens", "images_per_prompt",
+    "swift_args",
 )
 
 
@@ -59,9 +60,13 @@ class Recipe:
     space: str = field(default="", metadata=_opt(
         "Search-space YAML (default: search_spaces/grpo.yaml).", commands="recipe", resolved=True))
     space_digest: str = ""           # hash of the space file's contents, so an edited space is noticed
-    runner: str = field(default="trl", metadata=_opt("What runs a trial: trl, sim or command."))
+    runner: str = field(default="trl", metadata=_opt("What runs a trial: trl, swift, sim or command."))
     command: str | None = field(default=None, metadata=_opt(
         "Trainer command template with {placeholders} (implies --runner command)."))
+    swift_bin: str | None = field(default=None, metadata=_opt(
+        "The swift program for --runner swift (default: swift on PATH)."))
+    swift_args: str = field(default="", metadata=_opt(
+        "Extra flags passed to every swift rlhf trial, e.g. \"--attn_impl sdpa\"."))
     device: str = field(default="cuda", metadata=_opt("cuda, or cpu for real trials on the CPU."))
     memory_limit_gib: float | None = field(default=None, metadata=_opt(
         "Cap each trial's address space at GIB (RLIMIT_AS).", flag="--memory-limit"))
@@ -69,6 +74,12 @@ class Recipe:
         "KL coefficient; > 0 loads a reference model.", commands="recipe"))
     lora_rank: int | None = field(default=None, metadata=_opt(
         "Train LoRA adapters of this rank instead of all weights.", commands="recipe"))
+    quantization: str | None = field(default=None, metadata=_opt(
+        "Load the base quantized with bitsandbytes: 4bit (NF4, QLoRA) or 8bit.", commands="recipe"))
+    image_tokens: int = field(default=0, metadata=_opt(
+        "Vision-language: prompt tokens that come from each image.", commands="recipe"))
+    images_per_prompt: int = field(default=1, metadata=_opt(
+        "Vision-language: images in each prompt.", commands="recipe"))
     dataset: str | None = None       # prompts file for real trials (default: synthetic worst-case prompts)
     train_script: str | None = None  # the user's training script, named in the exported launch.sh
     trials: int = field(default=30, metadata=_opt("Trials to launch (refused and repeated candidates are free)."))
@@ -88,7 +99,11 @@ class Recipe:
     sim_time_scale: float = field(default=0.002, metadata=_opt("Simulator: wall seconds per simulated second."))
     name: str = field(default="", metadata=_opt("Study name (default: from model, GPUs and GPU type)."))
     storage: str | None = field(default=None, metadata=_opt(
-        "Optuna storage URL (default: SQLite in the study folder)."))
+        "Optuna storage URL (default: SQLite in the study folder), e.g. postgresql://host/db."))
+    parallel: int | None = field(default=None, metadata=_opt(
+        "Trials run at once on disjoint GPU sets (default: node GPUs // --gpus)."))
+    node_gpus: int | None = field(default=None, metadata=_opt(
+        "GPUs on this node, when rehearsing with --runner sim or --gpu-type (default: NVML's count)."))
     workdir: str | None = None       # where relative paths in --command resolve
 
     def to_dict(self) -> dict[str, Any]:
