@@ -247,6 +247,22 @@ def report(study: str, runs_dir: Path, out: Path | None) -> None:
 @main.command()
 @click.argument("study")
 @runs_dir_option
+@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="Port to listen on.")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0: reachable from other machines).")
+def dashboard(study: str, runs_dir: Path, port: int, host: str) -> None:
+    """Browse the study in optuna-dashboard (optional extra); its best trial is the exported one."""
+    from autotune.commands import open_named
+    from autotune.study.dashboard import require_dashboard, serve
+
+    require_dashboard()
+    paths, recipe, _ = open_named(study, runs_dir)
+    serve(paths, recipe, host=host, port=port)
+
+
+@main.command()
+@click.argument("study")
+@runs_dir_option
 @click.option("--steps", type=int, default=20, show_default=True, help="Measured steps after warm-up.")
 def verify(study: str, runs_dir: Path, steps: int) -> None:
     """Run best/params.json as one longer trial: does it hold?"""

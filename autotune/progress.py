@@ -14,6 +14,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from autotune.study.record import low_util_diagnosis
 from autotune.trial.metrics import StepRecord
 from autotune.trial.outcome import Outcome
 
@@ -40,7 +41,9 @@ def short_params(params: dict[str, Any]) -> str:
 def describe(outcome: Outcome) -> str:
     if outcome.status == "ok":
         peak = f", peak {outcome.peak_memory_gib:.1f} GiB" if outcome.peak_memory_gib else ""
-        return f"ok {outcome.throughput:.3g} completions/s{peak}"
+        # a fast-looking trial whose GPUs idled is worth seeing while the search runs
+        low = low_util_diagnosis(outcome)
+        return f"ok {outcome.throughput:.3g} completions/s{peak}" + (f"; low GPU use: {low}" if low else "")
     if outcome.status == "oom":
         return f"oom/{outcome.oom_kind}"
     line = outcome.error_line or outcome.detail or ""

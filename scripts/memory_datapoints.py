@@ -18,6 +18,10 @@ Conventions:
   SKIPPED.
 - ms-swift's ``--beta`` defaults to 0.04 (a reference model for full fine-tunes); TRL's defaulted
   to 0.04 until 0.18 and is 0.0 since.
+- A quantized checkpoint carries its ``quantization_config`` (as config.json ships it) on top of
+  its base model's card; ``quantization`` is ``--quantization`` (bitsandbytes in-flight).
+  Vision-language rows give ``image_tokens`` per image and ``images_per_prompt``; ``prompt`` is then
+  the text part only (ms-swift's ``--max_length`` counts both, so the text part is what is left).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from autotune.hardware import find_gpu_type  # noqa: E402
-from autotune.models import load_card  # noqa: E402
+from autotune.models import ModelSpec, load_card  # noqa: E402
 from autotune.search.memory import estimate  # noqa: E402
 
 DOC = ROOT / "docs" / "memory-model.md"
@@ -142,12 +146,15 @@ DATAPOINTS: list[dict[str, Any]] = [
     {"id": "swift-4311", "what": "OOM (the source of seed 003), 4 x 90G",
      "source": f"{SWIFT}/issues/4311",
      "model": "Qwen2.5-VL-3B-Instruct", "gpus": 4, "gpu": "90G (as reported)", "capacity_gib": 90.0,
-     "prompt": 2048, "completion": 1024, "per_device_batch": 8, "grad_accum": 4,
+     "prompt": 2048 - 768, "image_tokens": 768, "images_per_prompt": 1,
+     "completion": 1024, "per_device_batch": 8, "grad_accum": 4,
      "num_generations": 8, "zero_stage": 3, "offload": "none", "grad_ckpt": True, "vllm": False,
      "beta": 0.04, "lora_rank": None, "framework": "ms-swift 3.x", "measured": "OOM",
      "reported": "oom",
      "assumed": ["gradient checkpointing on (swift default)", "beta 0.04 (swift default)",
-                 "image tokens inside --max_length 2048 (MAX_PIXELS=602112)"]},
+                 "no vLLM (--use_vllm not given)", "one image per prompt at the MAX_PIXELS=602112 cap: "
+                 "602112 / 28^2 = 768 image tokens, inside --max_length 2048 (1280 text tokens left)",
+                 "--freeze_vit False: the vision tower trains (full fine-tune)"]},
 
     # --- verl: docs/perf/device_tuning.rst, "MIN" rows (fits, FSDP ~ ZeRO-3) --------------------
     *[{"id": f"verl-min-{size}", "what": "device_tuning.rst MIN row (ran; FSDP mapped to ZeRO-3)",
@@ -166,6 +173,23 @@ DATAPOINTS: list[dict[str, Any]] = [
                                        ("3b", "Qwen2.5-3B-Instruct", 62, 0.1),
                                        ("7b", "Qwen2.5-7B-Instruct", 16, 0.2)]],
 
+    # --- shared/seeds/001: QLoRA on a GPTQ-int4 base ---------------------------------------------
+    {"id": "seed-001", "what": "the configuration that trained after the OOM fixes",
+     "source": "shared/seeds/001 (TRL GRPO write-up, QLoRA + vLLM on a GPTQ-int4 Qwen2.5-7B)",
+     "model": "Qwen2.5-7B-Instruct", "quantization_config": {
+         "bits": 4, "group_size": 128, "damp_percent": 0.01, "desc_act": False, "quant_method": "gptq",
+         "static_groups": False, "sym": True, "true_sequential": True},
+     "gpus": 2, "gpu": "A100-40GB", "capacity_gib": None,
+     "prompt": 500, "completion": 2000, "per_device_batch": 2, "grad_accum": 1,
+     "num_generations": 2, "zero_stage": 0, "offload": "none", "grad_ckpt": True, "vllm": True,
+     "vllm_mode": "colocate", "vllm_frac": 0.2, "beta": 0.0, "lora_rank": 16, "framework": "TRL (2025)",
+     "measured": "trained (vLLM at 7.88 GB of its 0.2 share)", "reported": "fit",
+     "assumed": ["max_model_len 2500 split as 500 prompt + 2000 completion (the split is not stated; any split "
+                 "fits)", "LoRA rank 16 (not stated; adapters are 0.3 GiB at r16)",
+                 "quantization_config of Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4 (bits 4, group 128)",
+                 "gradient checkpointing on, no DeepSpeed, beta 0 (TRL 1.x default)",
+                 "vLLM loads the GPTQ weights (TRL's path; the write-up's unsloth trick shared them instead)"]},
+
     # --- OpenRLHF issues -----------------------------------------------------------------------
     {"id": "openrlhf-901", "what": "OOM, actor on 2 x RTX 6000 Ada 48G (ref on 2 others)",
      "source": "https://github.com/OpenRLHF/OpenRLHF/issues/901",
@@ -183,9 +207,9 @@ SKIPPED: list[dict[str, str]] = [
     {"source": "shared/seeds/000 (ms-swift 3.1.1, Qwen2.5-7B-Instruct, 4 x A100-80GB)",
      "reason": "no max_completion_length and no tuner type (full or LoRA both read from the text); "
                "original issue not found"},
-    {"source": "shared/seeds/001 (TRL, Qwen2.5-7B-GPTQ-int4 QLoRA, 2 x A100-40GB)",
-     "reason": "prompt/completion lengths, LoRA rank and the OOM config are not stated; a GPTQ base "
-               "also needs a quantization input the model does not take yet (issue 11 item 1)"},
+    {"source": "shared/seeds/001's OOM config (TRL, Qwen2.5-7B-GPTQ-int4 QLoRA, 2 x A100-40GB)",
+     "reason": "the batch, generations and lengths of the run that ran out of memory (38.05 GB allocated by "
+               "PyTorch) are not stated; its fixed config is row seed-001"},
     {"source": "shared/seeds/002 (Open-Reasoner-Zero PPO, Qwen2.5-1.5B)",
      "reason": "PPO with critic and reward models, not GRPO; vLLM fraction of the OOM run not stated"},
     {"source": "shared/seeds/003 fix config (Qwen2.5-VL-3B, vLLM TP4 0.5, sleep 1)",
@@ -201,7 +225,7 @@ SKIPPED: list[dict[str, str]] = [
     {"source": f"{SWIFT}/issues/3848 (Qwen2.5-3B LoRA, maintainer measured ~12GB fwd/bwd peak)",
      "reason": "the command as stored is cut before its DeepSpeed flags"},
     {"source": f"{SWIFT}/issues/3426 (Qwen2.5-VL-7B LoRA, ~70G per card on 2 x A800)",
-     "reason": "no --max_length; no card for Qwen2.5-VL-7B"},
+     "reason": "no --max_length and no image size: the prompt length decides the figure"},
     {"source": f"{SWIFT}/issues/3871 (QwQ-32B fine-tune, 8 x 96G, OOM)",
      "reason": "the command as stored is cut before its tensor-parallel / DeepSpeed flags"},
     {"source": f"{SWIFT} examples/train/grpo/full_vllm_qwenvl.sh @ a441ac7d0 ('8 * 60GiB')",
@@ -243,10 +267,15 @@ def predict(dp: dict[str, Any]) -> Any:
     model = load_card(dp["model"])
     if model is None:
         return None
+    if dp.get("quantization_config"):   # a quantized checkpoint of the card's architecture
+        model = ModelSpec(name=dp["model"], config={**model.config, "quantization_config": dp["quantization_config"]},
+                          source="path", path=None, has_weights=False)
     kwargs: dict[str, Any] = dict(gpus=dp["gpus"], capacity_gib=_capacity(dp),
                                   max_prompt_length=dp["prompt"],
                                   max_completion_length=dp["completion"], beta=dp.get("beta", 0.0),
-                                  lora_rank=dp.get("lora_rank"), dp_gpus=dp["gpus"])
+                                  lora_rank=dp.get("lora_rank"), dp_gpus=dp["gpus"],
+                                  quantization=dp.get("quantization"), image_tokens=dp.get("image_tokens", 0),
+                                  images_per_prompt=dp.get("images_per_prompt", 1))
     accepted = inspect.signature(estimate).parameters
     return estimate(model, _params(dp), **{k: v for k, v in kwargs.items() if k in accepted})
 
@@ -289,8 +318,15 @@ def _config(dp: dict[str, Any]) -> str:
             f"bs={dp['per_device_batch']} ga={dp['grad_accum']} G={dp['num_generations']}",
             f"zero={dp['zero_stage']}" + (f" off={dp['offload']}" if dp["offload"] != "none" else ""),
             "gc" if dp["grad_ckpt"] else "no-gc"]
+    if dp.get("image_tokens"):
+        bits.append(f"{dp.get('images_per_prompt', 1)} x {dp['image_tokens']} image tokens")
     if dp.get("lora_rank"):
         bits.append(f"LoRA r{dp['lora_rank']}")
+    if dp.get("quantization_config"):
+        qc = dp["quantization_config"]
+        bits.append(f"{qc['quant_method'].upper()} int{qc['bits']}")
+    if dp.get("quantization"):
+        bits.append(f"bnb {dp['quantization']}")
     if dp.get("vllm"):
         mode = dp.get("vllm_mode", "colocate")
         v = f"vLLM {mode}"
@@ -409,6 +445,21 @@ def render(result: dict[str, Any]) -> str:
     w("- **Overhead.** CUDA context, NCCL buffers and allocator slack are a constant; nvidia-smi "
       "readings (trl-3456) include them, torch-allocator readings (ms-swift's `memory(GiB)`) do "
       "not, and NVML sees the allocator's cached but free blocks too.")
+    w("- **Vision tower (swift-4311).** Its parameters are counted exactly (tests/test_models.py) and "
+      "its activations per patch were counted on transformers' own Qwen2.5-VL block (31 x hidden + 8 x "
+      "intermediate bytes, tests/test_vl.py), but attention is counted as FlashAttention would keep it: "
+      "under eager or math-SDPA attention the tower's four full-attention blocks also keep heads x "
+      "patches^2 per image (16 x 3072^2 x 2 bytes = 0.28 GiB per 768-token image per block). The "
+      "logits are counted over the completion only; a trainer that materialises them over the whole "
+      "2048 + 1024-token sequence triples that part (10.7 -> 32 GiB here, derived). The images per "
+      "prompt and their size are assumed (MAX_PIXELS caps them). Which of these made swift-4311 "
+      "run out of 90 GB is not known; the model calls it a fit at 39 GiB.")
+    w("- **Quantized bases (seed-001).** The weight bytes are what bitsandbytes really allocates for "
+      "NF4 and int8 (tests/test_quantization.py) and the GPTQ/AWQ storage arithmetic (4-bit codes, an "
+      "fp16 scale and a packed zero per 128 inputs, GPTQ's g_idx); the dequantization workspace "
+      "(twice the largest matrix in bf16) and vLLM's copy of a quantized base (GPTQ as stored, "
+      "bitsandbytes 4-bit in-flight) are not measured. The seed's fitting config is a verdict only: "
+      "its OOM run's config is not stated.")
     w("- **Reported verdicts.** An OOM report is a single run: a bug or a long outlier sample can "
       "cause it (swift-4486 was run with a server-mode rollout and a small batch), and an example "
       "script's \"GPU memory\" header may state the GPU rather than the peak. These rows are "

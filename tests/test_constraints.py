@@ -91,3 +91,16 @@ def test_generation_batch_rule_agrees_with_the_real_grpo_config(recipe_factory, 
     assert named and "2 per device x 1 GPUs x 1 steps_per_generation" in named[0]
     assert constraints.violations({**OK, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 1,
                                    "steps_per_generation": 4, "num_generations": 8}, recipe) == []
+
+
+def test_rules_given_the_space_explicitly_agree_with_the_recipes_own(recipe_factory):
+    """Callers holding the Space pass it; the others get the recipe's space, loaded once: same verdicts."""
+    space = load_space()
+    recipe = recipe_factory(global_batch=64)
+    for pdbs in (1, 2, 3, 4, 8, 16):
+        cand = {**OK, "per_device_train_batch_size": pdbs}
+        assert constraints.derive(cand, recipe, space) == constraints.derive(cand, recipe)
+        derived = constraints.derive(cand, recipe)
+        assert constraints.violations(derived, recipe, space=space) == constraints.violations(derived, recipe)
+    assert constraints.violations({**OK, "per_device_train_batch_size": 3, "gradient_accumulation_steps": 0},
+                                  recipe)[0] == "global batch 64 is not divisible by per-device batch 3 x 4 data-parallel GPUs"

@@ -202,3 +202,28 @@ def test_generation_without_vllm_counts_the_kv_cache_of_one_generate_call():
     assert h100(dict(steps_per_generation=4)).generation_sequences == 64
     assert h100(dict(generation_batch_size=48)).generation_sequences == 48
     assert h100(dict(use_vllm=True, vllm_gpu_memory_utilization=0.3)).generation_sequences == 0
+
+
+def test_lora_params_by_hand_and_the_vision_tower_adds_its_linears():
+    from autotune.search.memory import lora_params
+    m = resolve_model("Qwen2.5-7B")
+    h, i, q, kv = 3584, 18944, 28 * 128, 4 * 128
+    per_layer = (h + q) + 2 * (h + kv) + (q + h) + 2 * (h + i) + (i + h)
+    assert lora_params(m, 16) == 16 * 28 * per_layer
+    vl = resolve_model("Qwen2.5-VL-7B")
+    assert lora_params(vl, 16) > lora_params(m, 16)
+
+
+def test_quantized_base_states_and_vllm_weights():
+    """A 4-bit base shrinks the states by its weight bytes and the colocated vLLM loads it 4-bit,
+    so the KV-cache check that failed for write-up 001 in bf16 passes."""
+    base = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, num_generations=2, zero_stage=0,
+                offload="none", gradient_checkpointing=True, use_vllm=True, vllm_mode="colocate",
+                vllm_gpu_memory_utilization=0.2)
+    m = resolve_model("Qwen2.5-7B")
+    bf16 = estimate(m, base, gpus=2, capacity_gib=39.4, max_prompt_length=500, max_completion_length=2000,
+                    lora_rank=16)
+    nf4 = estimate(m, base, gpus=2, capacity_gib=39.4, max_prompt_length=500, max_completion_length=2000,
+                   lora_rank=16, quantization="4bit")
+    assert bf16.vllm_problem == "vllm_kv" and nf4.vllm_problem is None and nf4.fits
+    assert 8.5 < bf16.model_states_gib - nf4.model_states_gib < 10

@@ -45,6 +45,8 @@ EXPECTED_CARDS = {
     "Llama-3.2-1B",
     "Llama-3.2-3B",
     "tiny-qwen",
+    "Qwen2.5-VL-3B",
+    "Qwen2.5-VL-7B",
 }
 
 
@@ -61,16 +63,21 @@ def _empty_hf_cache(
     monkeypatch.setenv("HOME", str(empty / "home"))
 
 
+def _build_meta(spec: ModelSpec):
+    """The model transformers builds from the config, on the meta device (vision-language models
+    through AutoModelForImageTextToText, as TRL loads them)."""
+    auto = transformers.AutoModelForImageTextToText if spec.vision else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(spec.transformers_config())
+
+
 def _real_param_count(spec: ModelSpec) -> int:
     """What transformers builds from the config, tied weights counted once (parameters() dedups)."""
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(spec.transformers_config())
-    return sum(p.numel() for p in model.parameters())
+    return sum(p.numel() for p in _build_meta(spec).parameters())
 
 
 def _largest_module_params(spec: ModelSpec) -> int:
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(spec.transformers_config())
+    model = _build_meta(spec)
     return max(
         sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()
     )
@@ -93,12 +100,14 @@ def test_card_is_a_valid_transformers_config(name: str) -> None:
     assert "_card" not in spec.config
     cfg = spec.transformers_config()
     assert type(cfg) is type(transformers.AutoConfig.for_model(spec.model_type))
+    tied = cfg.tie_word_embeddings
+    cfg = cfg.get_text_config()   # the decoder's part (the config itself for text-only models)
     assert cfg.hidden_size == spec.hidden_size
     assert cfg.num_hidden_layers == spec.num_layers
     assert cfg.vocab_size == spec.vocab_size
     assert cfg.num_key_value_heads == spec.num_kv_heads
     assert getattr(cfg, "head_dim", None) in (None, spec.head_dim)
-    assert bool(cfg.tie_word_embeddings) == spec.tied_embeddings
+    assert bool(tied) == spec.tied_embeddings
 
 
 @pytest.mark.parametrize("name", ALL_CARDS)
@@ -330,3 +339,43 @@ def test_tiny_qwen_builds_and_runs_on_cpu(tmp_path: Path) -> None:
     logits = model(input_ids=ids).logits
     assert tuple(logits.shape) == (2, 5, 151936)
     assert sum(p.numel() for p in model.parameters()) == spec.num_params
+
+
+# -- vision-language models ---------------------------------------------------------------------
+@pytest.mark.parametrize(("name", "out_hidden"), [("Qwen2.5-VL-3B", 2048), ("Qwen2.5-VL-7B", 3584)])
+def test_vision_tower_shapes_and_params_equal_transformers(name: str, out_hidden: int) -> None:
+    """The tower's shapes from the published config.json, and its parameter count exactly what
+    transformers builds (0.67B, reference.md)."""
+    spec = resolve_model(name)
+    tower = spec.vision
+    assert (tower.depth, tower.hidden, tower.intermediate, tower.heads) == (32, 1280, 3420, 16)
+    assert (tower.patch_size, tower.spatial_merge_size, tower.temporal_patch_size, tower.out_hidden) == (
+        14, 2, 2, out_hidden)
+    visual = _build_meta(spec).model.visual
+    assert tower.num_params == sum(p.numel() for p in visual.parameters())
+    assert 0.66e9 < tower.num_params < 0.68e9
+    assert spec.num_params == spec.text_params + tower.num_params
+    linears = [m for m in visual.modules() if isinstance(m, torch.nn.Linear)]
+    assert tower.linear_params == sum(m.in_features * m.out_features for m in linears)
+    assert tower.patches(256) == 1024
+
+
+def test_text_only_models_have_no_vision_tower() -> None:
+    assert resolve_model("Qwen2.5-3B").vision is None
+    assert resolve_model("Qwen2.5-3B").text_params == resolve_model("Qwen2.5-VL-3B").text_params
+
+
+def test_local_vl_config_keeps_its_vision_tower(tmp_path: Path) -> None:
+    spec = resolve_model("Qwen2.5-VL-3B")
+    out = write_config_dir(spec, tmp_path / "vl")
+    again = resolve_model(str(out))
+    assert again.vision == spec.vision and again.num_params == spec.num_params
+
+
+def test_unknown_vision_tower_is_refused_not_ignored(tmp_path: Path) -> None:
+    config = dict(resolve_model("Qwen2.5-3B").config, model_type="llava_next", vision_config={"hidden_size": 1024})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError) as info:
+        resolve_model(str(tmp_path))
+    message = str(info.value)
+    assert "vision tower is not modelled" in message and "\n" not in message

@@ -79,3 +79,37 @@ def test_show_marks_the_exported_trial_and_why_others_were_passed_over(study):
         assert t["verdict"].startswith(("passed over: ", "confirmed ")), t
     table = run_cli("show", "r", cwd=study)
     assert "verdict" in table.stdout and "exported" in table.stdout
+
+
+def test_the_report_shows_the_low_utilization_trials_and_their_timelines(tmp_path, recipe_factory):
+    """A study told as the controller tells it (real SQLite, trial folders with gpu.csv): the busy
+    winner and a swinging offload trial; the report names the diagnosis and plots both timelines."""
+    import optuna
+
+    from autotune.export.report import report_html
+    from autotune.study import StudyPaths, candidate_key, record
+    from autotune.trial.execute import add_monitor_summary
+    from autotune.trial.outcome import Outcome
+    from autotune.trial.utilization import summarize_file
+    from test_utilization_swings import BUSY_CSV, SWING_CSV
+
+    paths = StudyPaths(tmp_path / "runs", "u")
+    paths.root.mkdir(parents=True)
+    study = optuna.create_study(study_name="u", storage=f"sqlite:///{paths.db}", direction="maximize")
+    recipe = recipe_factory(min_util=0.5)
+    for number, (csv_text, params, throughput) in enumerate([
+            (BUSY_CSV, {"zero_stage": 2, "offload": "none", "per_device_train_batch_size": 4}, 4.0),
+            (SWING_CSV, {"zero_stage": 3, "offload": "optimizer+params", "per_device_train_batch_size": 4}, 2.0)]):
+        folder = paths.trial_dir(number)
+        folder.mkdir(parents=True)
+        (folder / "gpu.csv").write_text(csv_text)
+        outcome = Outcome(status="ok", throughput=throughput, peak_memory_gib=60.0, steps=6)
+        add_monitor_summary(outcome, summarize_file(folder / "gpu.csv", params=params), "cuda")
+        record(study, study.ask(), params, outcome, launched=True, key=candidate_key(params), trial_dir=folder)
+    html = report_html(study, recipe, paths)
+    assert "<h2>Winner: trial 0" in html and "The winner left its GPUs idle" not in html
+    low = html.split("<ul class='low-util'>", 1)[1].split("</ul>", 1)[0]
+    assert "trial 1 (2 completions/s): GPU utilization below 50% for 35% of the time (mean 53%)" in low
+    assert "trial 0" not in low
+    plot = html.split('id="plot-utilization"', 1)[1].split("</section>", 1)[0]
+    assert "trial 0 (exported) GPU 0" in plot and "trial 1 (low utilization) GPU 1" in plot

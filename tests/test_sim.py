@@ -222,6 +222,7 @@ def test_bad_specs_raise():
 
 
 def run_sim(tmp_path: Path, spec: dict, timeout: float = 20) -> subprocess.CompletedProcess:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     spec_file = tmp_path / "sim_spec.json"
     spec_file.write_text(json.dumps(spec))
     env = {**os.environ, "AUTOTUNE_TRIAL_DIR": str(tmp_path), "CUDA_VISIBLE_DEVICES": "0,1,2,3",
@@ -338,3 +339,95 @@ def test_process_stops_on_sigterm(tmp_path):
     time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=5) == -signal.SIGTERM
+
+
+# gpu.csv: what NVML would have shown, following the landscape
+# ---------------------------------------------------------------------------------------------
+
+
+def gpu_csv(tmp_path: Path) -> list[dict[str, str]]:
+    import csv
+
+    with open(tmp_path / "gpu.csv", newline="") as fh:
+        return list(csv.DictReader(fh))
+
+
+def sim_summary(tmp_path: Path, spec: dict):
+    from autotune.trial.utilization import phase_times, summarize_file
+
+    return summarize_file(tmp_path / "gpu.csv", params=spec["params"],
+                          step_times=phase_times(tmp_path / "metrics.jsonl", after_step=2))
+
+
+def test_process_writes_gpu_csv_in_the_telemetry_format(tmp_path):
+    from autotune.trial.telemetry import CSV_COLUMNS
+
+    spec = make_spec(max_steps=6)
+    truth = evaluate(spec)
+    proc = run_sim(tmp_path, spec)
+    assert proc.returncode == 0, proc.stderr
+    assert tuple((tmp_path / "gpu.csv").read_text().splitlines()[0].split(",")) == CSV_COLUMNS
+    rows = gpu_csv(tmp_path)
+    assert {r["gpu"] for r in rows} == {"0", "1", "2", "3"} and len(rows) % 4 == 0
+    phases = [r["phase"] for r in rows[::4]]
+    assert phases == sorted(phases, key=["start", "warmup", "measure"].index) and set(phases) == {"start", "warmup", "measure"}
+    # simulated seconds, up to the end of the last step (no sample of what did not happen)
+    end = truth.startup_s + sum(truth.step_times)
+    assert end - 5.0 <= float(rows[-1]["time_s"]) <= end
+    measured_from = truth.startup_s + sum(truth.step_times[:2])
+    assert all(float(r["time_s"]) >= measured_from - 1e-3 for r in rows if r["phase"] == "measure")
+    # never more memory than the trial reported
+    peak = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])["peak_memory_gib"]
+    assert max(float(r["mem_used_gib"]) for r in rows) <= peak + 1e-3
+    assert {r["mem_total_gib"] for r in rows} == {"79.250"}
+    summary = sim_summary(tmp_path, spec)
+    assert summary.mean_gpu_util > 0.6 and not summary.low_util, summary
+
+
+def test_offload_swings_and_is_diagnosed_while_the_same_run_without_it_is_not(tmp_path):
+    spec = make_spec(max_steps=8, offload="optimizer")
+    proc = run_sim(tmp_path / "off", spec)
+    assert proc.returncode == 0, proc.stderr
+    gpu0 = [float(r["util_pct"]) for r in gpu_csv(tmp_path / "off") if r["phase"] == "measure" and r["gpu"] == "0"]
+    assert max(gpu0) >= 85 and min(gpu0) <= 10       # generation waves and CPU Adam: a swing
+    off = sim_summary(tmp_path / "off", spec)
+    assert off.low_util and off.idle_share >= 0.3
+    assert "offload=optimizer moves gradients and optimizer state over PCIe" in off.diagnosis
+    # DeepSpeed's CPU Adam keeps the host's cores busy while the GPUs wait
+    cpu = [float(r["host_cpu_pct"]) for r in gpu_csv(tmp_path / "off") if r["gpu"] == "0" and r["phase"] == "measure"]
+    assert max(cpu) > 800
+
+    plain = make_spec(max_steps=8)
+    assert run_sim(tmp_path / "plain", plain).returncode == 0
+    busy = sim_summary(tmp_path / "plain", plain)
+    assert not busy.low_util and busy.mean_gpu_util > off.mean_gpu_util + 0.1
+
+
+def test_sleep_mode_wake_ups_and_transformers_generate_show(tmp_path):
+    base = make_spec(max_steps=6, vllm_gpu_memory_utilization=0.5, zero_stage=3)
+    asleep = make_spec(max_steps=6, vllm_gpu_memory_utilization=0.5, zero_stage=3, vllm_enable_sleep_mode=True)
+    shares = {}
+    for name, spec in (("awake", base), ("asleep", asleep)):
+        assert run_sim(tmp_path / name, spec).returncode == 0
+        utils = [float(r["util_pct"]) for r in gpu_csv(tmp_path / name) if r["phase"] == "measure"]
+        shares[name] = sum(u < 15 for u in utils) / len(utils)
+    assert shares["asleep"] > shares["awake"]        # the GPUs wait through every wake-up
+    hf = make_spec(max_steps=6, use_vllm=False)
+    assert run_sim(tmp_path / "hf", hf).returncode == 0
+    summary = sim_summary(tmp_path / "hf", hf)
+    assert summary.low_util and "transformers' generate: enable use_vllm" in summary.diagnosis
+
+
+def test_failed_trials_leave_what_nvml_would_have_seen(tmp_path):
+    params, truth = find_late_oom()
+    spec = make_spec(max_steps=10, **params)
+    assert run_sim(tmp_path / "late", spec).returncode == 1
+    rows = gpu_csv(tmp_path / "late")
+    assert float(rows[-4]["mem_used_gib"]) >= 0.98 * truth.capacity_gib      # the GPU filled up
+    assert run_sim(tmp_path / "early", make_spec(per_device_train_batch_size=32)).returncode == 1
+    assert (tmp_path / "early" / "gpu.csv").exists()
+    # a config TRL rejects never touches a GPU; a spec may turn the file off
+    assert run_sim(tmp_path / "invalid", make_spec(num_generations=7)).returncode == 1
+    assert not (tmp_path / "invalid" / "gpu.csv").exists()
+    assert run_sim(tmp_path / "off", {**make_spec(max_steps=2), "gpu_csv": False}).returncode == 0
+    assert not (tmp_path / "off" / "gpu.csv").exists()

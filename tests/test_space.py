@@ -109,3 +109,33 @@ def test_outside_warns_for_the_right_type_and_refuses_the_wrong_one():
         "--set use_vllm=false is outside the space (use_vllm is one of true); estimated anyway"]
     with pytest.raises(UsageError, match="takes int values"):
         space.outside({"num_generations": "many"})
+
+
+MAPPED = ("parameters:\n  mb:\n    type: int\n    choices: [1, 2]\n    default: 1\n"
+          "  ga:\n    type: int\n    choices: [1, 2]\n    default: 1\n"
+          "  lr:\n    type: float\n    choices: [0.1]\n    default: 0.1\n")
+
+
+def test_global_batch_block_names_the_batch_parameters(tmp_path):
+    space = load_space(write(tmp_path, "global_batch: {micro_batch: mb, accumulation: ga, per: all}\n" + MAPPED))
+    batch = space.batch
+    assert (batch.micro_batch, batch.accumulation, batch.per, batch.generations, batch.declared) == \
+        ("mb", "ga", "all", None, True)
+    assert batch.completions({"mb": 2, "ga": 2}, dp=4) == 4            # per: all counts every GPU already
+    assert load_space(write(tmp_path, MAPPED)).batch is None            # own names, nothing declared
+    assert load_space().batch.micro_batch == "per_device_train_batch_size"   # TRL's names need no block
+
+
+@pytest.mark.parametrize("block,expect", [
+    ("global_batch: {micro_batch: lr}\n", ":1: global_batch.micro_batch is 'lr', not an int parameter"),
+    ("global_batch:\n  micro_batch: mb\n  accumulation: nope\n", ":3: global_batch.accumulation is 'nope'"),
+    ("global_batch:\n  micro_batch: mb\n  per: node\n", ":3: global_batch.per is 'node'; allowed: gpu"),
+    ("global_batch:\n  micro_batch: mb\n  colour: red\n", ":3: global_batch: unknown key 'colour'"),
+    ("global_batch: [mb, ga]\n", ":1: global_batch needs 'micro_batch'"),
+    ("global_batch: {micro_batch: mb, generations: mb}\n", ":1: global_batch: micro_batch, accumulation and"),
+])
+def test_global_batch_block_errors_name_file_and_line(tmp_path, block, expect):
+    path = write(tmp_path, block + MAPPED)
+    with pytest.raises(UsageError) as err:
+        load_space(path)
+    assert str(path) in str(err.value) and expect in str(err.value) and "\n" not in str(err.value)

@@ -83,6 +83,44 @@ def test_check_missing_dataset_file(runner, tmp_path):
         runner(dataset=str(tmp_path / "nope.jsonl")).check()
 
 
+def test_check_quantization_needs_lora_and_bitsandbytes(runner, monkeypatch):
+    with pytest.raises(UsageError, match="add --lora-rank") as err:
+        runner(quantization="4bit").check()
+    assert "\n" not in str(err.value)
+    monkeypatch.setattr(trl_runner, "installed", lambda name: name != "bitsandbytes")
+    with pytest.raises(UsageError, match="pip install bitsandbytes"):
+        runner(quantization="4bit", lora_rank=4).check()
+
+
+def test_check_gptq_checkpoint_without_weights_is_refused(runner, tmp_path):
+    config = dict(resolve_model("tiny-qwen").config,
+                  quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UsageError, match="GPTQ int4.*pass the checkpoint's directory"):
+        runner(model=str(tmp_path), lora_rank=4).check()
+
+
+def test_quantized_trial_spec_carries_the_bitsandbytes_config(runner, tmp_path):
+    spec = json.loads((runner(quantization="4bit", lora_rank=4).prepare(PLAIN, tmp_path / "t", 0).trial_dir
+                       / trl_runner.SPEC_FILE).read_text())
+    assert spec["quantization_config"] == {"quant_method": "bitsandbytes", "load_in_4bit": True,
+                                           "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+                                           "bnb_4bit_compute_dtype": "float32",   # the CPU trial's dtype
+                                           "bnb_4bit_quant_storage": "float32"}
+    plain = json.loads((runner().prepare(PLAIN, tmp_path / "p", 0).trial_dir / trl_runner.SPEC_FILE).read_text())
+    assert plain["quantization_config"] is None
+
+
+def test_rule_8bit_with_colocated_vllm_is_invalid_like_trl(runner, monkeypatch):
+    monkeypatch.setattr(trl_runner, "installed", lambda name: True)
+    gpu = runner(device="cuda", gpus=2, quantization="8bit", lora_rank=4)
+    (why,) = reasons(gpu, {**PLAIN, "use_vllm": True, "vllm_mode": "colocate"})
+    assert "vLLM does not support in-flight 8-bit quantization" in why
+    assert reasons(gpu, {**PLAIN, "use_vllm": True, "vllm_mode": "server"}) == []
+    assert reasons(runner(device="cuda", gpus=2, quantization="4bit", lora_rank=4),
+                   {**PLAIN, "use_vllm": True, "vllm_mode": "colocate"}) == []
+
+
 # -- rules ----------------------------------------------------------------------------------------
 
 def test_rules_missing_vllm_and_deepspeed_make_candidates_invalid(runner, monkeypatch):

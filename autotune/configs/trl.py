@@ -78,8 +78,43 @@ def is_vllm_server(params: dict[str, Any]) -> bool:
 
 
 def vllm_max_model_length(recipe: Recipe) -> int:
-    """Prompt + completion: without it vLLM sizes its KV cache for the model's full context."""
-    return int(recipe.max_prompt_length) + int(recipe.max_completion_length)
+    """Prompt (with its image tokens) + completion: without it vLLM sizes its KV cache for the
+    model's full context, and a vision-language prompt longer than it is refused."""
+    images = int(recipe.image_tokens or 0) * int(recipe.images_per_prompt or 0)
+    return int(recipe.max_prompt_length) + images + int(recipe.max_completion_length)
+
+
+def quantization_config(recipe: Recipe) -> dict[str, Any] | None:
+    """``--quantization`` as transformers' ``BitsAndBytesConfig`` fields (a plain dict, which
+    ``from_pretrained`` and TRL's ``model_init_kwargs`` accept as they are).
+
+    4bit is the QLoRA recipe: NF4 codes, double quantization, bf16 compute (float32 on CPU, where
+    the trial runs in float32), and the packed codes stored in that dtype, which DeepSpeed ZeRO-3
+    needs to shard them with the rest (peft's docs/source/accelerate/deepspeed.md, "Use PEFT QLoRA
+    and DeepSpeed with ZeRO3"; the bytes are the same). A GPTQ/AWQ checkpoint needs nothing here:
+    transformers reads its own ``quantization_config`` from config.json.
+    """
+    compute = "float32" if recipe.device == "cpu" else "bfloat16"
+    if recipe.quantization == "4bit":
+        return {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
+                "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": compute,
+                "bnb_4bit_quant_storage": compute}
+    if recipe.quantization == "8bit":
+        return {"quant_method": "bitsandbytes", "load_in_8bit": True}
+    return None
+
+
+def model_init_kwargs(recipe: Recipe) -> dict[str, Any]:
+    """``GRPOConfig.model_init_kwargs`` for a production run that loads the model by path.
+
+    The trials ran the policy in bf16 on GPUs; TRL 1.16 loads a path in float32 unless told, which
+    doubles plain training's model states. ``--quantization`` adds its BitsAndBytesConfig.
+    """
+    kwargs: dict[str, Any] = {} if recipe.device == "cpu" else {"dtype": "bfloat16"}
+    quant = quantization_config(recipe)
+    if quant:
+        kwargs["quantization_config"] = quant
+    return kwargs
 
 
 def grpo_config_kwargs(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]:

@@ -8,7 +8,6 @@ confirmations, and each trial's gpu.csv. Plotly draws; nothing here hand-draws S
 
 from __future__ import annotations
 
-import csv
 import html
 import json
 from pathlib import Path
@@ -21,6 +20,7 @@ from autotune.recipe import Recipe
 from autotune.study import StudyPaths, choose_best, confirmations, rows
 from autotune.study.ranking import headroom_limit
 from autotune.study.record import TrialRow
+from autotune.trial.utilization import read_ticks
 
 REPORT_HTML = "report.html"
 MARKERS = {"ok": ("circle", "#2a9d8f"), "oom": ("x", "#e63946"), "skipped": ("triangle-down", "#f4a261"),
@@ -46,18 +46,12 @@ def _predicted(paths: StudyPaths, row: TrialRow) -> float | None:
 def _util_series(trial_dir: Path) -> dict[int, tuple[list[float], list[float]]]:
     """Per GPU: (seconds, utilization %) from the trial's gpu.csv; empty when there is none."""
     series: dict[int, tuple[list[float], list[float]]] = {}
-    try:
-        with open(trial_dir / "gpu.csv", newline="", encoding="utf-8", errors="replace") as f:
-            for line in csv.DictReader(f):
-                try:
-                    gpu, t, util = int(line["gpu"]), float(line["time_s"]), float(line["util_pct"])
-                except (KeyError, TypeError, ValueError):
-                    continue
-                xs, ys = series.setdefault(gpu, ([], []))
-                xs.append(t)
-                ys.append(util)
-    except OSError:
-        return {}
+    for tick in read_ticks(trial_dir / "gpu.csv"):
+        for reading in tick.gpus:
+            if reading.util_pct is not None:
+                xs, ys = series.setdefault(reading.gpu, ([], []))
+                xs.append(tick.time_s)
+                ys.append(reading.util_pct)
     return series
 
 
@@ -140,7 +134,7 @@ def _figures(paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: 
         figures.append(("oom-boundary-vllm", fig))
 
     # 4. GPU utilization over time: the winner and every low-utilization trial
-    watch = ([best] if best is not None else []) + [r for r in launched if r.reason and "GPU utilization" in r.reason
+    watch = ([best] if best is not None else []) + [r for r in launched if r.diagnosis
                                                      and (best is None or r.number != best.number)][:4]
     fig = go.Figure()
     for r in watch:
@@ -164,8 +158,10 @@ def _figures(paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: 
             group = [(p, m, r) for p, m, r in pairs if r.status == status]
             if group:
                 symbol, color = MARKERS[status]
+                # an OOM's measured peak is where the GPU filled up: a lower bound of what it needed
                 fig.add_trace(go.Scatter(x=[p for p, _, _ in group], y=[m for _, m, _ in group], mode="markers",
-                                         name=status, marker=dict(symbol=symbol, color=color, size=10),
+                                         name="oom (measured until it failed)" if status == "oom" else status,
+                                         marker=dict(symbol=symbol, color=color, size=10),
                                          text=[f"trial {r.number}" for _, _, r in group]))
     fig.update_layout(title="Memory model: predicted against measured peak (each predicted before its trial ran)",
                       xaxis_title="predicted GiB per GPU", yaxis_title="measured GiB per GPU")
@@ -190,9 +186,14 @@ def report_html(study: optuna.Study, recipe: Recipe, paths: StudyPaths) -> str:
         parts.append("<table><tr><th>parameter</th><th>value</th></tr>"
                      + "".join(f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in best.params.items())
                      + "</table>")
-        if best.reason:
-            parts.append(f"<p class='diagnosis'>{esc(best.reason)}</p>")
+        if best.diagnosis:
+            parts.append(f"<p class='diagnosis'>The winner left its GPUs idle: {esc(best.diagnosis)}</p>")
         parts.append("<h3>Why it won</h3><ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
+    low = sorted((r for r in all_rows if r.diagnosis and r.status == "ok"), key=lambda r: -(r.throughput or 0))
+    if low:
+        parts.append(f"<h3>Low GPU utilization (--min-util {recipe.min_util:.0%})</h3><ul class='low-util'>"
+                     + "".join(f"<li>trial {r.number} ({r.throughput or 0:.4g} completions/s): "
+                               f"{esc(r.diagnosis or '')}</li>" for r in low) + "</ul>")
     else:
         parts.append("<h2>No configuration has run successfully yet.</h2>")
     for name, fig in _figures(paths, recipe, all_rows, best):

@@ -10,6 +10,7 @@ from typing import Any
 from autotune import configs
 from autotune.export.trl import fmt
 from autotune.recipe import Recipe
+from autotune.search.constraints import space_of
 from autotune.study.record import TrialRow
 
 STATUS_ORDER = ("ok", "oom", "invalid", "crash", "timeout", "hang", "interrupted", "skipped")
@@ -21,6 +22,7 @@ DS_JSON = "ds_config.json"
 ACCELERATE_YAML = "accelerate_config.yaml"
 LAUNCH_SH = "launch.sh"
 SWIFT_SH = "swift.sh"
+COMMAND_SH = "command.sh"
 SUMMARY_MD = "summary.md"
 
 
@@ -34,6 +36,39 @@ def _differs(params: dict[str, Any], best: dict[str, Any]) -> str:
     keys = sorted(set(params) | set(best))
     changed = [f"{k}={params.get(k, '-')}" for k in keys if params.get(k) != best.get(k)]
     return ", ".join(changed) if changed else "(same parameters)"
+
+
+LOW_UTIL_LISTED = 5
+
+
+def utilization_section(best: TrialRow, rows: list[TrialRow], recipe: Recipe) -> list[str]:
+    """The low-GPU-utilization diagnosis where people read the result.
+
+    Most important when the exported configuration itself idled: it is the fastest that fits, yet
+    the diagnosis says how it may go faster (write-up 004: ZeRO-3 offload swinging 0%..90%, fixed
+    by hand). Other ok trials with a diagnosis follow, since their fix may beat the choice.
+    """
+    lines = ["", "## GPU utilization", ""]
+    threshold = f"--min-util {recipe.min_util:.0%}"
+    mean = f"mean {best.mean_gpu_util:.0%} over the measured steps" if best.mean_gpu_util is not None else ""
+    if best.diagnosis:
+        lines.append(f"**The chosen trial {best.number} left its GPUs idle** ({threshold}): {best.diagnosis}.")
+        lines.append("It is still the fastest configuration that fits; the change suggested may make it faster "
+                     "(try it with `--set NAME=VALUE` in a new search, or `autotune verify` after editing "
+                     "params.json).")
+    elif best.mean_gpu_util is not None:
+        lines.append(f"The chosen trial {best.number} kept its GPUs busy: {mean} ({threshold}).")
+    else:
+        lines.append(f"The chosen trial {best.number} has no GPU utilization samples (no gpu.csv was recorded).")
+    others = [r for r in rows if r.diagnosis and r.number != best.number and r.status == "ok"]
+    others.sort(key=lambda r: -(r.throughput or 0))
+    if others:
+        lines += ["", "Other trials diagnosed with low GPU utilization:", ""]
+        lines += [f"- trial {r.number} ({fmt(r.throughput)} completions/s): {r.diagnosis}"
+                  for r in others[:LOW_UTIL_LISTED]]
+        if len(others) > LOW_UTIL_LISTED:
+            lines.append(f"- and {len(others) - LOW_UTIL_LISTED} more (autotune show lists them)")
+    return lines
 
 
 def summary_md(final: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow], notes: list[str],
@@ -55,7 +90,11 @@ def summary_md(final: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow]
     else:
         lines.append(f"Peak memory not measured (capacity {capacity:g} GiB, headroom {recipe.headroom:.0%}).")
     try:
-        per_step = recipe.completions_per_step(configs.effective(params, recipe))
+        space = space_of(recipe)
+        per_step = recipe.completions_per_step(configs.effective(params, recipe),
+                                                space.batch if space is not None else None)
+        if per_step is None:
+            raise ValueError("the space does not say which parameters make the batch")
         lines.append(f"{per_step} completions per optimizer step on {recipe.dp_gpus(params)} "
                      "data-parallel GPU(s).")
     except (KeyError, TypeError, ValueError):
@@ -78,6 +117,8 @@ def summary_md(final: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow]
                          f"{_differs(r.params, params)} |")
     else:
         lines.append("No other trial finished ok.")
+
+    lines += utilization_section(best, rows, recipe)
 
     by_status, oom_kinds = _status_counts([r for r in rows if r.launched or r.status in ("invalid", "skipped")])
     launched = sum(1 for r in rows if r.launched and r.status not in ("invalid", "skipped"))
@@ -118,6 +159,7 @@ def summary_md(final: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow]
         ACCELERATE_YAML: "`accelerate launch --config_file`",
         LAUNCH_SH: "TRL + accelerate launcher",
         SWIFT_SH: "the same run with ms-swift",
+        COMMAND_SH: "the winner's filled --command template (trial-only values marked at the top)",
         SUMMARY_MD: "this file",
     }
     lines += [f"- `{n}`: {what[n]}" for n in names if n in what]

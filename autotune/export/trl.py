@@ -8,6 +8,7 @@ from typing import Any
 import yaml
 
 from autotune import configs
+from autotune.configs.trl import model_init_kwargs
 from autotune.recipe import Recipe
 from autotune.study.record import TrialRow
 
@@ -23,16 +24,21 @@ def gpu_list(ids: list[int]) -> str:
 
 def grpo_yaml(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
     kwargs = configs.grpo_config_kwargs(params, recipe)
-    if recipe.device != "cpu":
-        # the trials ran the policy in bf16; TRL 1.16 loads a model path in float32 unless told,
-        # which doubles plain training's model states (8 -> 16 bytes per parameter) in production
-        kwargs["model_init_kwargs"] = {"dtype": "bfloat16"}
+    init = model_init_kwargs(recipe)   # bf16 as the trials ran, and --quantization's BitsAndBytesConfig
+    if init:
+        kwargs["model_init_kwargs"] = init
     header = (
         f"# trl.GRPOConfig fields tuned by autotune (trial {best.number}).\n"
         "# Read by TrlParser (`--config grpo_config.yaml`); your script adds output_dir, dataset,\n"
         "# rewards and learning rate. TRL 1.x has no max_prompt_length: the search assumed prompts\n"
         f"# of at most {recipe.max_prompt_length} tokens, so keep them that short in your dataset.\n"
     )
+    if recipe.quantization:
+        header += (f"# The base loads {recipe.quantization} with bitsandbytes (model_init_kwargs.quantization_config; "
+                   "pip install bitsandbytes): QLoRA, so the LoRA below is required.\n")
+    if recipe.image_tokens:
+        header += (f"# Prompts carry {recipe.images_per_prompt} image(s) of {recipe.image_tokens} tokens each on top of "
+                   "the text: larger images raise memory (vllm_max_model_length counts them).\n")
     if recipe.lora_rank:
         header += (f"# LoRA rank {recipe.lora_rank} was tuned: give the trainer a peft LoraConfig(r="
                    f"{recipe.lora_rank}) (ModelConfig: use_peft, lora_r); it is not a GRPOConfig field.\n")

@@ -21,13 +21,14 @@ from autotune import configs
 from autotune.export.accelerate import accelerate_yaml, ds_config_json
 from autotune.export.summary import (ACCELERATE_YAML, DS_JSON, GRPO_YAML, LAUNCH_SH, PARAMS_JSON, SUMMARY_MD,
                                      SWIFT_SH, summary_md)
-
-OWN_FILES = frozenset({PARAMS_JSON, GRPO_YAML, DS_JSON, ACCELERATE_YAML, LAUNCH_SH, SWIFT_SH, SUMMARY_MD})
+from autotune.export.command import COMMAND_SH, command_files
 from autotune.export.swift import swift_sh
 from autotune.export.trl import grpo_yaml, launch_sh
 from autotune.recipe import Recipe
 from autotune.study import choose_best, confirmations, rows
 from autotune.study.record import TrialRow
+
+OWN_FILES = frozenset({PARAMS_JSON, GRPO_YAML, DS_JSON, ACCELERATE_YAML, LAUNCH_SH, SWIFT_SH, COMMAND_SH, SUMMARY_MD})
 
 
 def export_study(study: optuna.Study, recipe: Recipe, out_dir: Path) -> list[Path]:
@@ -41,7 +42,8 @@ def export_study(study: optuna.Study, recipe: Recipe, out_dir: Path) -> list[Pat
 
 def write_best(out_dir: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow], *,
                notes: Iterable[str] = (), stopped: str | None = None) -> list[Path]:
-    """Write params, TRL / accelerate / DeepSpeed configs, launch scripts and a summary.
+    """Write params, TRL / accelerate / DeepSpeed configs, launch scripts (command.sh, the filled
+    template, when a template ran the trials) and a summary.
 
     Returns the final paths of the files written. ``ds_config.json`` exists only when the run
     uses DeepSpeed (ZeRO >= 1 on GPUs); otherwise the accelerate config is plain DDP / single.
@@ -64,6 +66,7 @@ def write_best(out_dir: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRo
     files[ACCELERATE_YAML] = (accelerate_yaml(params, recipe, ds_path), False)
     files[LAUNCH_SH] = (launch_sh(params, recipe, best, ds_path is not None), True)
     files[SWIFT_SH] = (swift_sh(params, recipe, best), True)
+    files.update(command_files(params, recipe, best, files))     # command.sh for --runner command
     files[SUMMARY_MD] = (summary_md(final, best, recipe, rows, notes, sorted(files) + [SUMMARY_MD],
                                     stopped), False)
 

@@ -18,18 +18,26 @@ from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
-from autotune.trial.launch import LaunchSpec
+from autotune.recipe import Recipe
 from autotune.runners.base import Runner
+from autotune.search.space import GlobalBatch
+from autotune.trial.launch import LaunchSpec
 
 # placeholders that are not search parameters
 EXTRA_FIELDS = (
     "model", "gpus", "num_processes", "trial_dir", "metrics_file", "deepspeed_config",
     "max_prompt_length", "max_completion_length", "max_length", "global_batch", "beta", "lora_rank",
+    "max_steps",
 )
 
 
 def template_fields(template: str) -> tuple[list[str], list[set[str]]]:
-    """Split a template into argv tokens and the placeholder names of each token."""
+    """Split a template into argv tokens and the placeholder names of each token.
+
+    ``{name}`` and ``{name:SPEC}`` (a Python format spec, applied to the value itself: ``{lr:.1e}``,
+    ``{seed:03d}``) are placeholders; a conversion (``{name!r}``), an attribute or index
+    (``{name.x}``) or a placeholder inside a spec is refused, since none is needed to write a value.
+    """
     try:
         tokens = shlex.split(template)
     except ValueError as exc:
@@ -38,19 +46,28 @@ def template_fields(template: str) -> tuple[list[str], list[set[str]]]:
         raise UsageError("--command is empty: give the trainer's command line")
     names: list[set[str]] = []
     for token in tokens:
-        try:
-            parsed = list(string.Formatter().parse(token))
-        except ValueError as exc:
-            raise UsageError(f"--command token {token!r}: {exc} (write a literal brace as {{{{ or }}}})")
         found = set()
-        for _, field_name, spec, conv in parsed:
-            if field_name is None:
-                continue
+        for field_name, spec, conv in placeholders(token):
             if not field_name.isidentifier():
                 raise UsageError(f"--command placeholder {{{field_name}}} is not a plain name")
+            if conv:
+                raise UsageError(f"--command placeholder {{{field_name}!{conv}}}: conversions are not supported; "
+                                 f"write {{{field_name}}} or {{{field_name}:SPEC}}")
+            if "{" in spec or "}" in spec:
+                raise UsageError(f"--command placeholder {{{field_name}:{spec}}}: a format spec cannot hold "
+                                 "another placeholder")
             found.add(field_name)
         names.append(found)
     return tokens, names
+
+
+def placeholders(token: str) -> list[tuple[str, str, str | None]]:
+    """(name, spec, conversion) of each placeholder of one argv token, in order."""
+    try:
+        parsed = list(string.Formatter().parse(token))
+    except ValueError as exc:
+        raise UsageError(f"--command token {token!r}: {exc} (write a literal brace as {{{{ or }}}})")
+    return [(name, spec or "", conv) for _, name, spec, conv in parsed if name is not None]
 
 
 def format_value(value: Any) -> str:
@@ -60,6 +77,62 @@ def format_value(value: Any) -> str:
     if isinstance(value, float):
         return repr(round(value, 6))
     return str(value)
+
+
+class Verbatim(str):
+    """Text put in place of a placeholder as it is, whatever its format spec (the export's shell
+    variables)."""
+
+
+class Filler(string.Formatter):
+    """``str.format`` with autotune's value text: ``{name}`` as :func:`format_value` writes it,
+    ``{name:SPEC}`` as Python's ``format(value, SPEC)`` does."""
+
+    def format_field(self, value: Any, format_spec: str) -> str:
+        if isinstance(value, Verbatim):
+            return str(value)
+        return format(value, format_spec) if format_spec else format_value(value)
+
+
+def fill(tokens: list[str], values: dict[str, Any]) -> list[str]:
+    """The argv: every token with its placeholders replaced by the candidate's values."""
+    filler = Filler()
+    return [filler.format(token, **values) for token in tokens]
+
+
+def check_specs(tokens: list[str], samples: dict[str, list[Any]]) -> None:
+    """Refuse, before any trial, a format spec that cannot write one of a placeholder's values
+    (``{offload:03d}`` on 'none'), rather than crash in the middle of the search."""
+    for token in tokens:
+        for name, spec, _ in placeholders(token):
+            for value in samples.get(name, []) if spec else []:
+                try:
+                    format(value, spec)
+                except (ValueError, TypeError) as exc:
+                    raise UsageError(f"--command placeholder {{{name}:{spec}}} cannot write "
+                                     f"{name}={format_value(value)} ({exc}): fix the format spec or write {{{name}}}")
+
+
+def placeholder_values(recipe: Recipe, params: dict[str, Any], trial_dir: Path, *, model: str,
+                       batch: GlobalBatch | None, max_steps: int) -> dict[str, Any]:
+    """Every placeholder's value for one candidate: its parameters and the recipe's fields. The
+    export fills the same table, so best/command.sh is what the trials ran."""
+    return {
+        **params,
+        "model": model,
+        "gpus": recipe.gpus,
+        "num_processes": recipe.dp_gpus(params),
+        "trial_dir": trial_dir,
+        "metrics_file": trial_dir / "metrics.jsonl",
+        "max_prompt_length": recipe.max_prompt_length,
+        "max_completion_length": recipe.max_completion_length,
+        "max_length": recipe.max_prompt_length,
+        "global_batch": recipe.global_batch or recipe.completions_per_step(params, batch) or 0,
+        "beta": recipe.beta,
+        "lora_rank": recipe.lora_rank or 0,
+        "max_steps": max_steps,     # the trial's length: warm-up and measured steps (confirmations: more)
+        "deepspeed_config": trial_dir / "ds_config.json",
+    }
 
 
 class CommandRunner(Runner):
@@ -79,46 +152,54 @@ class CommandRunner(Runner):
             raise UsageError("--command must start with a program name, not a placeholder")
         if not (shutil.which(program) or (os.sep in program and os.access(program, os.X_OK))):
             raise UsageError(f"--command program '{program}' was not found on PATH: install it or give its full path")
-        known = set(self.context.space.params) | set(EXTRA_FIELDS)
+        space = self.context.space
+        known = set(space.params) | set(EXTRA_FIELDS)
         for name in sorted(self.used):
             if name not in known:
                 raise UsageError(
-                    f"--command placeholder {{{name}}} names nothing: use a parameter "
-                    f"({', '.join(self.context.space.params)}) or one of {', '.join(EXTRA_FIELDS)}"
+                    f"--command placeholder {{{name}}} names nothing: use a parameter of the space {space.path} "
+                    f"({', '.join(space.params)}) or one of {', '.join(EXTRA_FIELDS)}"
                 )
+        batch = space.batch
+        if self.recipe.global_batch and batch is not None and batch.micro_batch in self.used \
+                and not {"global_batch", batch.accumulation} & self.used:
+            raise UsageError(
+                f"--global-batch {self.recipe.global_batch}: the template passes neither {{global_batch}} nor "
+                f"{{{batch.accumulation or 'an accumulation parameter'}}}, so the trainer would never see it: add one")
+        samples: dict[str, list[Any]] = {name: [*p.grid_values(), p.default] for name, p in space.params.items()}
+        samples.update({name: [value] for name, value in self.values(space.defaults(), Path("trial")).items()
+                        if name not in space.params})
+        check_specs(self.tokens, samples)
 
     def searched(self) -> set[str]:
-        names = {n for n in self.used if n in self.context.space.params}
+        space = self.context.space
+        names = {n for n in self.used if n in space.params}
         if "deepspeed_config" in self.used:
-            names |= {"zero_stage", "offload"} & set(self.context.space.params)
-        if self.recipe.global_batch and "per_device_train_batch_size" in names:
-            names.add("gradient_accumulation_steps")
+            names |= {"zero_stage", "offload"} & set(space.params)
+        batch = space.batch
+        if self.recipe.global_batch and batch is not None and batch.accumulation:
+            if batch.declared:
+                names.discard(batch.accumulation)     # derived from --global-batch, never sampled
+            elif batch.micro_batch in names:
+                names.add(batch.accumulation)
         return names
+
+    def values(self, params: dict[str, Any], trial_dir: Path) -> dict[str, Any]:
+        """Every placeholder's value; ``{max_steps}`` is what run() says the trial needs."""
+        recipe = self.recipe
+        return placeholder_values(recipe, params, trial_dir, model=str(self.context.model.path or recipe.model),
+                                  batch=self.context.space.batch,
+                                  max_steps=self.steps_needed or recipe.warmup_steps + recipe.measure_steps)
 
     def prepare(self, params: dict[str, Any], trial_dir: Path, number: int) -> LaunchSpec:
         recipe = self.recipe
         trial_dir.mkdir(parents=True, exist_ok=True)
-        values: dict[str, Any] = {
-            **params,
-            "model": self.context.model.path or recipe.model,
-            "gpus": recipe.gpus,
-            "num_processes": recipe.dp_gpus(params),
-            "trial_dir": trial_dir,
-            "metrics_file": trial_dir / "metrics.jsonl",
-            "max_prompt_length": recipe.max_prompt_length,
-            "max_completion_length": recipe.max_completion_length,
-            "max_length": recipe.max_prompt_length,
-            "global_batch": recipe.global_batch or recipe.completions_per_step(params),
-            "beta": recipe.beta,
-            "lora_rank": recipe.lora_rank or 0,
-        }
+        values = self.values(params, trial_dir)
         if "deepspeed_config" in self.used:
             from autotune.configs import deepspeed_config
 
-            path = trial_dir / "ds_config.json"
-            path.write_text(json.dumps(deepspeed_config(params, recipe), indent=2))
-            values["deepspeed_config"] = path
-        argv = [token.format(**{k: format_value(v) for k, v in values.items()}) for token in self.tokens]
+            values["deepspeed_config"].write_text(json.dumps(deepspeed_config(params, recipe), indent=2))
+        argv = fill(self.tokens, values)
         env = self.base_env(trial_dir)
         env["NPROC_PER_NODE"] = str(recipe.dp_gpus(params))
         return LaunchSpec(argv=argv, env=env, trial_dir=trial_dir, cwd=Path(recipe.workdir or Path.cwd()),

@@ -12,7 +12,8 @@ monitor reads its metrics file and the classifier reads its traceback. Files in 
                "config": {...config.json...}},
      "device": "cuda" | "cpu", "max_prompt_length": 512, "max_completion_length": 1024,
      "max_steps": 7, "lora_rank": null, "dataset": null | "/abs/prompts.jsonl", "seed": 0,
-     "processes": 4, "recipe": {...Recipe.to_dict()...}}
+     "processes": 4, "quantization_config": null | {...BitsAndBytesConfig fields...},
+     "recipe": {...Recipe.to_dict()...}}
 
 ``accelerate_config.yaml`` (+ ``ds_config.json`` with ZeRO >= 1, GPUs or CPU): for multi-process or
 DeepSpeed trials, from :mod:`autotune.configs`, the same generator the export uses.
@@ -49,10 +50,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
 import zlib
 from pathlib import Path
 from typing import Any
@@ -60,10 +57,14 @@ from typing import Any
 import yaml
 
 from autotune import configs as lc
+from autotune.configs.trl import quantization_config
 from autotune.errors import UsageError
 from autotune.runners.base import Rule, Runner
+from autotune.runners.sidecar import (listens, port_in_use, start_sidecar, stop_sidecar,  # noqa: F401 (re-exported)
+                                      vllm_health_url, wait_health)
+from autotune.search.memory import base_quantization
 from autotune.trial.launch import LaunchSpec, ServiceFailed
-from autotune.trial.processes import PID_FILE, TRIAL_ENV, kill_group, kill_marked, process_tree
+from autotune.trial.processes import TRIAL_ENV
 
 #: Packages a real trial imports; ``check`` names the missing ones in one line.
 REQUIRED = ("torch", "transformers", "trl", "accelerate", "datasets")
@@ -89,20 +90,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
-    """Whether something already listens on ``port`` (it answers, or the port cannot be bound)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        if probe.connect_ex((host, port)) == 0:
-            return True
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("", port))
-        except OSError:
-            return True
-    return False
 
 
 def _uses_zero(params: dict[str, Any]) -> bool:
@@ -136,9 +123,25 @@ class TrlRunner(Runner):
             if not torch.cuda.is_available():
                 raise UsageError("no CUDA GPU is visible to torch: use --device cpu for a CPU rehearsal "
                                  "with real TRL trials, or --runner sim to simulate GPUs")
+        self.check_model()
         if self.recipe.dataset and not Path(self.recipe.dataset).expanduser().is_file():
             raise UsageError(f"--dataset {self.recipe.dataset}: no such file (a JSON-lines file with a "
                              "'prompt' field)")
+
+    def check_model(self) -> None:
+        """What of the model the worker cannot build: a vision-language model (the worker feeds
+        text prompts only), a GPTQ/AWQ checkpoint without its weights (transformers loads those
+        only from the quantized files), bitsandbytes missing for --quantization."""
+        model, recipe = self.context.model, self.recipe
+        if model.vision is not None:
+            raise UsageError(f"model {model.name!r} is a vision-language model: the trl runner runs text-only trials "
+                             "(no processor or images are fed): plan it with autotune estimate --image-tokens N")
+        quant = base_quantization(model, recipe.quantization, recipe.lora_rank)
+        if quant is not None and quant.origin == "checkpoint" and not (model.has_weights and model.path):
+            raise UsageError(f"model {model.name!r} is a {quant.label} checkpoint: the trl runner loads it only from "
+                             "its quantized weights, so pass the checkpoint's directory")
+        if recipe.quantization and not installed("bitsandbytes"):
+            raise UsageError(f"--quantization {recipe.quantization} needs bitsandbytes: pip install bitsandbytes")
 
     def rules(self) -> list[Rule]:
         """Candidates this machine cannot run, each with a one-line reason (marked invalid)."""
@@ -161,7 +164,15 @@ class TrlRunner(Runner):
             what = f"zero_stage={params.get('zero_stage', 0)}, offload={params.get('offload', 'none')}"
             return f"{what} needs the deepspeed package (DS_BUILD_OPS=0 pip install -e '.[deepspeed]')"
 
-        return [vllm_rule, deepspeed_rule]
+        def int8_vllm_rule(params: dict[str, Any]) -> str | None:
+            if self.recipe.quantization != "8bit" or not params.get("use_vllm"):
+                return None
+            if params.get("vllm_mode", "colocate") != "colocate":
+                return None
+            return ("--quantization 8bit with colocated vLLM: TRL 1.16 refuses it ('vLLM does not support "
+                    "in-flight 8-bit quantization.'); use 4bit or vllm_mode=server")
+
+        return [vllm_rule, deepspeed_rule, int8_vllm_rule]
 
     def forced(self) -> dict[str, Any]:
         """CPU trials run without vLLM (DeepSpeed ZeRO runs on CPU, gloo + CPU Adam); a machine
@@ -207,6 +218,7 @@ class TrlRunner(Runner):
             # a different seed per trial, the same on resume
             "seed": zlib.crc32(f"{recipe.seed}:{number}".encode()) % 2**31,
             "processes": recipe.dp_gpus(params),
+            "quantization_config": quantization_config(recipe),
             "recipe": recipe.to_dict(),
         }
 
@@ -321,89 +333,3 @@ class TrlRunner(Runner):
         env = self.base_env(trial_dir)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         return LaunchSpec(argv=argv, env=env, trial_dir=trial_dir / SIDECAR_DIR, memory_limit_gib=None, port=port)
-
-
-# -- vLLM server sidecar ------------------------------------------------------------------------
-
-
-def vllm_health_url(port: int = lc.DEFAULT_VLLM_SERVER_PORT, host: str = "127.0.0.1") -> str:
-    """Where ``trl vllm-serve`` answers when ready (TRL's client polls the same path)."""
-    return f"http://{host}:{port}/health/"
-
-
-def start_sidecar(spec: LaunchSpec) -> subprocess.Popen:
-    """Start a sidecar in its own session, output to its folder's stdout.log / stderr.log.
-
-    Its own process group lets :func:`stop_sidecar` end it and the engine processes it starts; its
-    pid file (``<folder>/pid``) and the ``AUTOTUNE_TRIAL_DIR`` marker let a resume find it after a
-    crash. Raises RuntimeError when its port is already taken (a stale or foreign server would
-    answer for it).
-    """
-    if spec.port is not None and port_in_use(spec.port):
-        raise RuntimeError(f"port {spec.port} for the vLLM server is already in use by another process")
-    spec.trial_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **spec.env}
-    env.setdefault(TRIAL_ENV, str(spec.trial_dir))
-    with open(spec.trial_dir / "stdout.log", "ab") as out, open(spec.trial_dir / "stderr.log", "ab") as err:
-        proc = subprocess.Popen(spec.argv, env=env, cwd=spec.cwd or spec.trial_dir, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=err, start_new_session=True)
-    try:
-        (spec.trial_dir / PID_FILE).write_text(f"{proc.pid}\n")
-    except OSError as exc:
-        log.warning("cannot write the sidecar's pid file: %s", exc)
-    return proc
-
-
-def listens(proc: subprocess.Popen, port: int) -> bool:
-    """Whether ``proc`` or one of its descendants listens on TCP ``port``."""
-    for member in process_tree(proc.pid):
-        try:
-            conns = member.net_connections(kind="tcp")
-        except Exception:   # psutil.Error (gone, AccessDenied)
-            continue
-        if any(c.status == "LISTEN" and c.laddr and c.laddr.port == port for c in conns):
-            return True
-    return False
-
-
-def wait_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                interval_s: float = 1.0) -> float:
-    """Poll ``GET url`` until it answers 200; return the seconds it took.
-
-    With ``proc``, an answer counts only while ``proc`` runs and listens on the URL's port itself:
-    another server on that port (a stale one, someone else's) is not ours. Raises RuntimeError when
-    ``proc`` exits first (a vLLM startup failure: read its stderr.log) and TimeoutError after
-    ``timeout_s``.
-    """
-    start = time.monotonic()
-    port = urllib.parse.urlsplit(url).port or 80
-    foreign_noted = False
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the vLLM server exited with status {proc.returncode} before {url} answered")
-        try:
-            with urllib.request.urlopen(url, timeout=min(5.0, interval_s * 5)) as response:
-                answered = response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-            answered = False
-        if answered and (proc is None or (proc.poll() is None and listens(proc, port))):
-            return time.monotonic() - start
-        if answered and not foreign_noted:
-            log.warning("%s answered, but not from our vLLM server: ignored", url)
-            foreign_noted = True
-        if time.monotonic() - start > timeout_s:
-            raise TimeoutError(f"the vLLM server did not answer {url} within {timeout_s:.0f} s")
-        time.sleep(interval_s)
-
-
-def stop_sidecar(proc: subprocess.Popen, grace_s: float = 10.0, *, pid_dir: Path | None = None,
-                 marker: Path | None = None) -> None:
-    """End a sidecar and its process group (SIGTERM, then SIGKILL), then what carries ``marker``
-    (``AUTOTUNE_TRIAL_DIR``) outside it; remove ``pid_dir``'s pid file."""
-    if proc.poll() is None:
-        kill_group(proc.pid, grace_s=grace_s, leader=proc)
-    proc.wait()
-    if marker is not None:
-        kill_marked(marker, grace_s=min(grace_s, 2.0))
-    if pid_dir is not None:
-        (pid_dir / PID_FILE).unlink(missing_ok=True)

@@ -8,12 +8,13 @@ sampler to stay away. Runners may add rules of their own (e.g. a package that is
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from typing import Any, Callable, Iterable
 
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
-from autotune.search.space import Space
+from autotune.search.space import TRL_BATCH, GlobalBatch, Space, load_space
 
 # Parameters the rules look at; exhaustive checks enumerate only these.
 RULE_PARAMS = [
@@ -23,48 +24,130 @@ RULE_PARAMS = [
 ]
 
 
-def derive(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
-    """Fill derived values: accumulation from ``--global-batch`` when one is given.
+def space_of(recipe: Recipe) -> Space | None:
+    """The space the recipe names (``recipe.space``, filled by ``search``), loaded once.
+
+    The rules are called from many places with only a candidate and the recipe; the recipe names
+    its space, so the global-batch mapping comes from there. Callers that hold the Space pass it.
+    None when the file cannot be read any more: the candidate's own names decide then.
+    """
+    try:
+        return _load(recipe.space or "", recipe.space_digest)
+    except UsageError:
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _load(path: str, digest: str) -> Space:
+    return load_space(path or None)
+
+
+def batch_of(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -> GlobalBatch | None:
+    """How this candidate's parameters make the global batch: the space's mapping, else TRL's
+    names when the candidate has them, else None (nothing is known about the batch)."""
+    space = space if space is not None else space_of(recipe)
+    if space is not None and space.batch is not None:
+        return space.batch
+    return TRL_BATCH if "per_device_train_batch_size" in params else None
+
+
+def derive(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -> dict[str, Any]:
+    """Fill derived values: the accumulation from ``--global-batch`` when one is given.
 
     Returns a new dict; when the global batch does not divide, accumulation is left as 0 so that
-    ``violations`` reports it.
+    ``violations`` reports it. A space with its own names declares which parameter accumulates
+    (``global_batch:`` in the space); TRL's batch names, which the search puts beside candidates
+    (``gradient_accumulation_steps`` under ``--global-batch``, None in seeds), are dropped from a
+    space that has its own names or leaves them empty.
     """
     out = dict(params)
-    if recipe.global_batch:
-        per_step = int(out["per_device_train_batch_size"]) * max(recipe.dp_gpus(out), 1)
-        out["gradient_accumulation_steps"] = (
-            recipe.global_batch // per_step if recipe.global_batch % per_step == 0 else 0)
+    space = space if space is not None else space_of(recipe)
+    batch = batch_of(out, recipe, space)
+    if space is not None:
+        for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+            if name not in space.params and ((batch is not None and batch.declared) or out.get(name, 0) is None):
+                out.pop(name, None)
+    if recipe.global_batch and batch is not None and batch.accumulation is not None \
+            and out.get(batch.micro_batch) is not None:
+        per_micro = int(out[batch.micro_batch]) * batch.gpus_factor(recipe.dp_gpus(out))
+        out[batch.accumulation] = (
+            recipe.global_batch // per_micro if recipe.global_batch % per_micro == 0 else 0)
     return out
 
 
+def as_trl(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -> dict[str, Any]:
+    """The candidate with TRL's batch names filled from the space's own (per-GPU micro-batch,
+    accumulation, group size), for code that reads TRL's names: the memory model, the speed prior."""
+    out = dict(params)
+    batch = batch_of(out, recipe, space)
+    if batch is None or not batch.declared or out.get(batch.micro_batch) is None:
+        return out
+    dp = recipe.dp_gpus(out)
+    micro = int(out[batch.micro_batch])
+    out["per_device_train_batch_size"] = micro if batch.per == "gpu" else max(micro // max(dp, 1), 1)
+    out["gradient_accumulation_steps"] = batch.accumulation_of(out, dp, recipe.global_batch) or 1
+    if batch.generations is not None and out.get(batch.generations) is not None:
+        out["num_generations"] = int(out[batch.generations])
+    return out
+
+
+def check_batch(space: Space, recipe: Recipe) -> None:
+    """``--global-batch`` needs to know which parameters make the batch: refuse, in one line, a
+    space that neither uses TRL's names nor declares its own."""
+    if recipe.global_batch and space.batch is None:
+        ints = [n for n, p in space.params.items() if p.type == "int"]
+        raise UsageError(
+            f"--global-batch {recipe.global_batch}: the space {space.path} does not say which parameters make "
+            "the batch; declare them at its top level, e.g. 'global_batch: {micro_batch: NAME, accumulation: "
+            f"NAME, per: gpu}}' (its int parameters: {', '.join(ints) or 'none'}), or drop --global-batch")
+
+
 def violations(params: dict[str, Any], recipe: Recipe,
-               extra_rules: Iterable[Callable[[dict[str, Any]], str | None]] = ()) -> list[str]:
-    """Every broken rule as a short sentence; empty when the candidate may be launched."""
+               extra_rules: Iterable[Callable[[dict[str, Any]], str | None]] = (),
+               space: Space | None = None) -> list[str]:
+    """Every broken rule as a short sentence; empty when the candidate may be launched.
+
+    The batch rules look at the parameters that make the batch: TRL's names, or the ones the space
+    declares. A space that names neither gets no batch rule (nothing is known to check).
+    """
     out: list[str] = []
-    pdbs = int(params.get("per_device_train_batch_size", 8))
-    gas = int(params.get("gradient_accumulation_steps", 1))
-    gens = int(params.get("num_generations", 8))
+    batch = batch_of(params, recipe, space)
+    gens = _int(params, batch.generations if batch and batch.generations else "num_generations", None)
     dp = recipe.dp_gpus(params)
     use_vllm = bool(params.get("use_vllm", False))
     mode = params.get("vllm_mode", "colocate")
-    tp = int(params.get("vllm_tensor_parallel_size", 1))
-    stage = int(params.get("zero_stage", 0))
+    tp = _int(params, "vllm_tensor_parallel_size", 1)
+    stage = _int(params, "zero_stage", 0)
     offload = params.get("offload", "none")
 
     if dp < 1:
         out.append(f"vLLM server mode with tensor parallel {tp} leaves no GPU of {recipe.gpus} to train on")
         return out
-    if recipe.global_batch and gas == 0:
-        out.append(f"global batch {recipe.global_batch} is not divisible by per-device batch {pdbs} "
-                   f"x {dp} data-parallel GPUs")
-        return out
-    if gens < 2:
+    if batch is not None:
+        trl = not batch.declared
+        micro = _int(params, batch.micro_batch, 8 if trl else None)
+        per_micro = micro * batch.gpus_factor(dp) if micro else None
+        derived = params.get(batch.accumulation) if batch.accumulation else None
+        if recipe.global_batch and per_micro and (recipe.global_batch % per_micro or derived == 0):
+            what = "per-device batch" if trl else batch.micro_batch
+            gpus = f"{dp} data-parallel GPUs" if batch.per == "gpu" else "all GPUs together"
+            out.append(f"global batch {recipe.global_batch} is not divisible by {what} {micro} x {gpus}")
+            return out
+        if trl:
+            gens = 8 if gens is None else gens
+            generation_batch, how = generation_batch_of(params, dp)
+        else:
+            generation_batch = batch.completions(params, dp, recipe.global_batch)
+            steps = batch.accumulation_of(params, dp, recipe.global_batch)
+            how = (f"{batch.micro_batch} {micro} x {batch.gpus_factor(dp)} GPU(s) x "
+                   f"{batch.accumulation or 'accumulation'} {steps}")
+        if generation_batch is None:
+            out.append(how)
+        elif gens is not None and gens >= 2 and generation_batch % gens:
+            name = "num_generations" if trl else batch.generations
+            out.append(f"generation batch {generation_batch} (= {how}) is not divisible by {name} {gens}")
+    if gens is not None and gens < 2:
         out.append("num_generations must be at least 2 (GRPO needs 2 completions per prompt)")
-    generation_batch, how = generation_batch_of(params, dp)
-    if generation_batch is None:
-        out.append(how)
-    elif gens >= 2 and generation_batch % gens:
-        out.append(f"generation batch {generation_batch} (= {how}) is not divisible by num_generations {gens}")
     if offload not in ("none", "optimizer", "optimizer+params"):
         out.append(f"offload '{offload}' is not none, optimizer or optimizer+params")
     if offload == "optimizer" and stage < 2:
@@ -87,6 +170,12 @@ def violations(params: dict[str, Any], recipe: Recipe,
     return out
 
 
+def _int(params: dict[str, Any], name: str, default: int | None) -> int | None:
+    """A count from the candidate; a missing or None value (a knob the space lacks) is the default."""
+    value = params.get(name)
+    return default if value is None else int(value)
+
+
 def generation_batch_of(params: dict[str, Any], dp: int) -> tuple[int | None, str]:
     """Completions generated per generation round, as TRL's GRPOConfig derives it, and how.
 
@@ -94,7 +183,7 @@ def generation_batch_of(params: dict[str, Any], dp: int) -> tuple[int | None, st
     TRL generates once per optimizer step (steps_per_generation = accumulation). Returns (None,
     the reason) for what GRPOConfig itself refuses.
     """
-    pdbs = int(params.get("per_device_train_batch_size", 8))
+    pdbs = _int(params, "per_device_train_batch_size", 8) or 8
     spg, gbs = params.get("steps_per_generation"), params.get("generation_batch_size")
     if spg is not None and gbs is not None:
         return None, "generation_batch_size and steps_per_generation cannot both be set (TRL refuses it)"
@@ -103,7 +192,7 @@ def generation_batch_of(params: dict[str, Any], dp: int) -> tuple[int | None, st
             return None, (f"generation_batch_size {gbs} is not divisible by the global micro-batch "
                           f"{pdbs * dp} (= {pdbs} per device x {dp} GPUs)")
         return int(gbs), f"generation_batch_size {gbs}"
-    steps = int(params.get("gradient_accumulation_steps", 1)) if spg is None else int(spg)
+    steps = (_int(params, "gradient_accumulation_steps", 1) or 0) if spg is None else int(spg)
     what = "accumulation" if spg is None else "steps_per_generation"
     return pdbs * dp * steps, f"{pdbs} per device x {dp} GPUs x {steps} {what}"
 
@@ -116,10 +205,13 @@ def valid_combinations(space: Space, recipe: Recipe, fixed: dict[str, Any],
     extra_rules = list(extra_rules)
     blocking: Counter[str] = Counter()
     valid: list[dict[str, Any]] = []
-    names = [n for n in RULE_PARAMS if n in space.params and n not in fixed]
-    for cand in space.grid(fixed, names=RULE_PARAMS):
-        cand = derive(cand, recipe)
-        broken = violations(cand, recipe, extra_rules)
+    batch = space.batch
+    looked_at = RULE_PARAMS + ([n for n in (batch.micro_batch, batch.accumulation, batch.generations)
+                                if n and n not in RULE_PARAMS] if batch is not None else [])
+    names = [n for n in looked_at if n in space.params and n not in fixed]
+    for cand in space.grid(fixed, names=looked_at):
+        cand = derive(cand, recipe, space)
+        broken = violations(cand, recipe, extra_rules, space)
         if broken:
             blocking[_rule_kind(broken[0])] += 1
         else:
@@ -143,11 +235,15 @@ def forced_values(space: Space, valid: list[dict[str, Any]]) -> dict[str, Any]:
 def check_pins_leave_candidates(space: Space, recipe: Recipe, fixed: dict[str, Any],
                                 extra_rules: Iterable[Callable[[dict[str, Any]], str | None]] = ()
                                 ) -> int:
-    """Count valid discrete candidates; raise a one-line error naming the rule when none is left."""
+    """Count valid discrete candidates; raise a one-line error naming the rule when none is left
+    (or, first, when ``--global-batch`` is given to a space that does not say what makes the batch)."""
+    check_batch(space, recipe)
     combos, blocking = valid_combinations(space, recipe, fixed, extra_rules)
     valid = len(combos)
     if valid == 0:
-        shown = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "the space as it is"
+        derived = space.batch.accumulation if recipe.global_batch and space.batch is not None else None
+        shown = ", ".join(f"{k}={v}" for k, v in fixed.items()
+                          if k in space.params and k != derived) or "the space as it is"
         reason = blocking.most_common(1)[0][0] if blocking else "no candidates"
         raise UsageError(f"no valid candidate is left with {shown}: {reason}; change the pins "
                          "(--set / --global-batch) or widen the space")
@@ -157,8 +253,8 @@ def check_pins_leave_candidates(space: Space, recipe: Recipe, fixed: dict[str, A
 def _rule_kind(message: str) -> str:
     """Collapse a violation to its rule so that counts group by rule, not by number."""
     for key, kind in (
-        ("global batch", "--global-batch must be divisible by per-device batch x data-parallel GPUs"),
-        ("generation batch", "the generation batch (per-device batch x GPUs x accumulation or "
+        ("global batch", "--global-batch must be divisible by the micro-batch x data-parallel GPUs"),
+        ("generation batch", "the generation batch (micro-batch x GPUs x accumulation or "
                              "steps_per_generation) must be divisible by num_generations"),
         ("generation_batch_size", "generation_batch_size must be divisible by the global micro-batch, "
                                   "and not set together with steps_per_generation"),

@@ -34,6 +34,20 @@ The parts (GiB per GPU):
   working set (one layer's MLP, ~(3*intermediate + 4h) x 2 bytes per prompt token) and the
   sampler's fp32 last-token logits. The peak is the larger of the two phases.
 - overhead: CUDA context, NCCL buffers, allocator slack.
+- quantized bases (``--quantization`` or a GPTQ/AWQ checkpoint, LoRA only): the frozen base's
+  linear weights in their stored format (:meth:`autotune.models.Quantization.matrix_bytes`, scales
+  included), everything else bf16, plus a dequantization workspace (the largest quantized matrix
+  dequantized to bf16 in forward and again in backward) and the bf16 LoRA adapters with their
+  AdamW states (TRL 1.16 casts a quantized model's trainable parameters to bf16). vLLM loads a
+  GPTQ/AWQ checkpoint quantized (its ``quantization_config``); for a bitsandbytes 4-bit policy TRL
+  1.16 starts the colocated engine with ``quantization="bitsandbytes"`` (in-flight 4-bit, no double
+  quantization counted) and refuses 8-bit (``vLLM does not support in-flight 8-bit quantization.``,
+  trl/generation/vllm_generation.py).
+- vision tower (Qwen2.5-VL): its parameters join the model states; ``image_tokens x images`` join
+  the LLM's prompt; the encoder runs ``image_tokens x spatial_merge_size**2`` patches per image for
+  every completion of the micro-batch (TRL repeats the prompt's images per completion) and keeps
+  the same per-layer activations as a decoder layer of its width (2 x patches x hidden per block
+  with checkpointing). ``all-linear`` LoRA reaches its linears, so it trains under LoRA too.
 
 It also states vLLM's start-up conditions: the fraction must fit in what the trainer leaves free,
 and the KV cache left after vLLM's own weights must hold one prompt+completion sequence.
@@ -44,7 +58,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from autotune.models import ModelSpec
+from autotune.errors import UsageError
+from autotune.models import ModelSpec, Quantization, flag_quantization
 from autotune.units import GIB
 
 # Peak memory of the logits per bf16 logits tensor (micro_batch x completion x vocab x 2 bytes).
@@ -83,6 +98,8 @@ class Estimate:
     generation_sequences: int = 0         # sequences in that one generate() call per GPU
     phase: str = "training"               # which phase sets the peak: training | generation
     vllm_problem: str | None = None       # 'vllm_kv' | 'vllm_startup' when vLLM cannot start
+    vision_gib: float = 0.0               # vision encoder activations (vision-language models)
+    quantization: str | None = None       # how the base's weights are stored, when quantized
     notes: list[str] = field(default_factory=list)
     # the parts that add up to the peak (training or generation phase, whichever is larger):
     # what calibration regresses measured peaks on
@@ -98,9 +115,13 @@ class Estimate:
 
     @property
     def parts(self) -> dict[str, float]:
-        return {"model_states": self.model_states_gib, "activations": self.activations_gib,
-                "logits": self.logits_gib, "reference": self.reference_gib, "vllm": self.vllm_gib,
-                "overhead": self.overhead_gib}
+        """The parts that add up to the training peak (``vision`` only for vision-language models)."""
+        parts = {"model_states": self.model_states_gib, "activations": self.activations_gib,
+                 "logits": self.logits_gib, "reference": self.reference_gib, "vllm": self.vllm_gib,
+                 "overhead": self.overhead_gib}
+        if self.vision_gib:
+            parts["vision"] = self.vision_gib
+        return parts
 
 
 def zero_model_states_bytes(params: int, largest_layer: int, stage: int, offload: str,
@@ -127,27 +148,83 @@ def zero_model_states_bytes(params: int, largest_layer: int, stage: int, offload
 
 
 def lora_params(model: ModelSpec, rank: int) -> int:
-    """Adapter parameters for rank-r LoRA on every linear layer of every block."""
-    h, inter = model.hidden_size, model.intermediate_size
-    q_out = model.num_heads * model.head_dim
-    kv_out = model.num_kv_heads * model.head_dim
-    shapes = [(h, q_out), (h, kv_out), (h, kv_out), (q_out, h), (h, inter), (h, inter), (inter, h)]
-    return model.num_layers * sum(rank * (i + o) for i, o in shapes)
+    """Adapter parameters for rank-r LoRA on every linear layer (peft's ``all-linear``: every
+    decoder block, and the vision tower of a vision-language model)."""
+    return sum(rank * (fan_in + fan_out) * n for fan_in, fan_out, n in model.linear_shapes())
 
 
-def model_states(model: ModelSpec, params: dict[str, Any], n_gpus: int, lora_rank: int | None
-                 ) -> tuple[float, float]:
+def base_quantization(model: ModelSpec, flag: str | None, lora_rank: int | None) -> Quantization | None:
+    """How the frozen base is stored: ``--quantization`` or the checkpoint's own format.
+
+    Refused (one line, exit 2): both at once, and either without LoRA, because quantized weights
+    take no gradient (full fine-tuning of a 4/8-bit base is not something TRL or peft can do).
+    """
+    own = model.quantization
+    asked = flag_quantization(flag)
+    if own and asked:
+        raise UsageError(f"model {model.name!r} is already quantized ({own.label}): drop --quantization")
+    quant = own or asked
+    if quant and not lora_rank:
+        what = f"--quantization {flag}" if asked else f"model {model.name!r} ({quant.label})"
+        raise UsageError(f"{what} trains adapters on a frozen quantized base: add --lora-rank R (e.g. 16); "
+                         "quantized weights cannot be fully fine-tuned")
+    return quant
+
+
+def weight_bytes(model: ModelSpec, quant: Quantization | None) -> float:
+    """Bytes of the base's weights: bf16, or its quantized linears in their format + the rest bf16."""
+    if quant is None:
+        return 2.0 * model.num_params
+    shapes = model.quantized_shapes(quant)
+    quantized = sum(fan_in * fan_out * n for fan_in, fan_out, n in shapes)
+    packed = sum(quant.matrix_bytes(fan_in, fan_out) * n for fan_in, fan_out, n in shapes)
+    return packed + 2.0 * (model.num_params - quantized)
+
+
+def dequant_workspace_bytes(model: ModelSpec, quant: Quantization | None) -> float:
+    """The largest quantized matrix dequantized to bf16, once in forward and once in backward."""
+    if quant is None:
+        return 0.0
+    return 2 * 2.0 * max(fan_in * fan_out for fan_in, fan_out, _ in model.quantized_shapes(quant))
+
+
+def vllm_weight_bytes(model: ModelSpec, quant: Quantization | None, tp: int) -> float:
+    """What the colocated engine loads per GPU: a GPTQ/AWQ checkpoint as stored, a bitsandbytes
+    4-bit policy in-flight 4-bit (TRL passes ``quantization="bitsandbytes"``), else bf16."""
+    if quant is None or quant.method == "int8":
+        return weight_bytes(model, None) / tp
+    if quant.bitsandbytes:
+        return weight_bytes(model, Quantization("nf4", 4, quant.group_size, double_quant=False)) / tp
+    return weight_bytes(model, quant) / tp
+
+
+def model_states(model: ModelSpec, params: dict[str, Any], n_gpus: int, lora_rank: int | None,
+                 quant: Quantization | None = None) -> tuple[float, float]:
     stage = int(params.get("zero_stage", 0))
     offload = str(params.get("offload", "none"))
     P, LL = model.num_params, model.largest_layer_params
     if lora_rank:
         A = lora_params(model, lora_rank)
-        base = 2 * P / max(n_gpus, 1) + 4 * LL if stage == 3 else 2 * P
+        W = weight_bytes(model, quant)
+        base = W / max(n_gpus, 1) + 4 * LL if stage == 3 else W
         if offload == "optimizer+params" and stage == 3:
             base = 4 * LL
         states_gpu, states_cpu = zero_model_states_bytes(A, 0, stage, offload, n_gpus)
-        return base + states_gpu, states_cpu
+        return base + states_gpu + dequant_workspace_bytes(model, quant), states_cpu
     return zero_model_states_bytes(P, LL, stage, offload, n_gpus)
+
+
+def vision_activation_bytes(model: ModelSpec, micro_batch: int, image_tokens: int, images: int,
+                            checkpointing: bool) -> float:
+    """What the vision encoder keeps for backward over one micro-batch's images (0 without)."""
+    tower = model.vision
+    if tower is None or image_tokens <= 0 or images <= 0:
+        return 0.0
+    patches = micro_batch * images * tower.patches(image_tokens)
+    per_block = patches * tower.activation_bytes_per_patch()
+    if checkpointing:
+        return 2.0 * patches * tower.hidden * tower.depth + per_block
+    return per_block * tower.depth
 
 
 def layer_activation_bytes_per_token(model: ModelSpec) -> float:
@@ -197,14 +274,27 @@ def kv_bytes_per_token(model: ModelSpec) -> float:
 
 def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gib: float,
              max_prompt_length: int, max_completion_length: int, beta: float = 0.0,
-             lora_rank: int | None = None, dp_gpus: int | None = None) -> Estimate:
+             lora_rank: int | None = None, dp_gpus: int | None = None, quantization: str | None = None,
+             image_tokens: int = 0, images_per_prompt: int = 1) -> Estimate:
     """Predict the peak memory per GPU of one GRPO candidate, part by part (the planner calibrates
-    the parts to measured peaks through :attr:`Estimate.features`)."""
+    the parts to measured peaks through :attr:`Estimate.features`).
+
+    ``quantization`` is the recipe's ``--quantization`` (a checkpoint's own quantization_config is
+    read from ``model``); ``image_tokens`` x ``images_per_prompt`` tokens join every prompt.
+    Raises :class:`UsageError` for a quantized base without LoRA, and for image tokens on a
+    text-only model.
+    """
     n = dp_gpus or gpus
     b = int(params.get("per_device_train_batch_size", 8))
+    if image_tokens and model.vision is None:
+        raise UsageError(f"--image-tokens {image_tokens}: model {model.name!r} has no vision tower (a text-only "
+                         "config); drop --image-tokens or use a vision-language model such as Qwen2.5-VL-3B")
+    images = int(images_per_prompt) if image_tokens else 0
+    max_prompt_length = int(max_prompt_length) + int(image_tokens) * images
     seq = max_prompt_length + max_completion_length
     stage = int(params.get("zero_stage", 0))
-    gpu_states, host_states = model_states(model, params, n, lora_rank)
+    quant = base_quantization(model, quantization, lora_rank)
+    gpu_states, host_states = model_states(model, params, n, lora_rank, quant)
     if stage == 3 and not lora_rank:   # parameters ZeRO-3 keeps gathered between uses
         gpu_states += 2 * min(model.num_params, ZERO3_MAX_LIVE_PARAMS)
     kept, recompute = activation_bytes(model, b, seq, bool(params.get("gradient_checkpointing", True)))
@@ -215,6 +305,8 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
     if beta and not lora_rank:   # with LoRA the reference is the base model with adapters off
         ref = 2 * model.num_params / (n if stage == 3 else 1)
     overhead = (CUDA_CONTEXT_GIB + (NCCL_GIB if n > 1 else 0.0)) * GIB
+    vision = vision_activation_bytes(model, b, image_tokens, images,
+                                     bool(params.get("gradient_checkpointing", True)))
 
     parts = {
         "model_states": gpu_states / GIB,
@@ -223,8 +315,10 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
         "reference": ref / GIB,
         "overhead": overhead / GIB,
     }
+    if vision:
+        parts["vision"] = vision / GIB
     static = parts["model_states"] + parts["reference"] + parts["overhead"]
-    notes: list[str] = []
+    notes = _base_notes(model, quant, lora_rank, b, image_tokens, images, vision)
     vllm = 0.0
     problem = None
     gen_peak, gen_features = 0.0, {}
@@ -247,7 +341,11 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
         frac = float(params.get("vllm_gpu_memory_utilization", 0.3))
         tp = int(params.get("vllm_tensor_parallel_size", 1))
         budget = frac * capacity_gib
-        weights = 2 * model.num_params / tp / GIB
+        weights = vllm_weight_bytes(model, quant, tp) / GIB
+        if quant is not None and quant.method == "int8":
+            problem = "invalid"
+            notes.append("TRL 1.16 refuses a bitsandbytes 8-bit policy with colocated vLLM ('vLLM does not "
+                         "support in-flight 8-bit quantization.'): use --quantization 4bit or vllm_mode=server")
         kv_left = budget - weights - VLLM_RUNTIME_GIB
         if kv_left * GIB < kv_bytes_per_token(model) / tp * seq:
             problem = "vllm_kv"
@@ -271,8 +369,8 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
         features, phase = gen_features, "generation"
     else:
         features = {"model_states": parts["model_states"] + parts["reference"],
-                    "activations": parts["activations"], "logits": parts["logits"], "vllm": parts["vllm"],
-                    "overhead": parts["overhead"]}
+                    "activations": parts["activations"] + parts.get("vision", 0.0), "logits": parts["logits"],
+                    "vllm": parts["vllm"], "overhead": parts["overhead"]}
         phase = "training"
     total = max(train_peak, gen_peak)
     fits = total <= capacity_gib and problem is None
@@ -282,5 +380,29 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
         reference_gib=parts["reference"], vllm_gib=parts["vllm"], overhead_gib=parts["overhead"],
         total_gib=total, capacity_gib=capacity_gib, fits=fits, host_gib=host_states / GIB,
         generation_gib=generation, generation_sequences=sequences, phase=phase,
-        vllm_problem=problem, notes=notes, features=features,
+        vllm_problem=problem, notes=notes, features=features, vision_gib=parts.get("vision", 0.0),
+        quantization=quant.label if quant else None,
     )
+
+
+def _base_notes(model: ModelSpec, quant: Quantization | None, lora_rank: int | None, micro_batch: int,
+                image_tokens: int, images: int, vision: float) -> list[str]:
+    """What ``estimate`` says about a quantized base and a vision tower, beside the parts."""
+    notes = []
+    if quant is not None:
+        adapters = lora_params(model, lora_rank or 0)
+        notes.append(f"base weights {quant.label}: {weight_bytes(model, quant) / GIB:.1f} GiB for "
+                     f"{model.num_params / 1e9:.2f}B parameters (bf16 would be {2 * model.num_params / GIB:.1f}), "
+                     f"dequantization workspace {dequant_workspace_bytes(model, quant) / GIB:.2f} GiB, LoRA r{lora_rank} "
+                     f"adapters + AdamW {8 * adapters / GIB:.2f} GiB")
+    if model.vision is not None:
+        tower = model.vision
+        if images:
+            patches = micro_batch * images * tower.patches(image_tokens)
+            notes.append(f"vision tower: {tower.num_params / 1e9:.2f}B parameters in the model states; {images} "
+                         f"image(s) x {image_tokens} tokens per prompt ({patches} patches per micro-batch), "
+                         f"{vision / GIB:.2f} GiB of encoder activations")
+        else:
+            notes.append(f"vision tower: {tower.num_params / 1e9:.2f}B parameters counted; no images (pass "
+                         "--image-tokens N, e.g. 1024 for a 1024x1024 image at 28x28 pixels per token)")
+    return notes

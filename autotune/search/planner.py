@@ -105,7 +105,8 @@ class Planner:
         return estimate(self.model, params, gpus=r.gpus, capacity_gib=r.gpu_memory_gib,
                         max_prompt_length=r.max_prompt_length,
                         max_completion_length=r.max_completion_length, beta=r.beta,
-                        lora_rank=r.lora_rank, dp_gpus=r.dp_gpus(params))
+                        lora_rank=r.lora_rank, dp_gpus=r.dp_gpus(params), quantization=r.quantization,
+                        image_tokens=r.image_tokens, images_per_prompt=r.images_per_prompt)
 
     def predict(self, params: dict[str, Any]) -> float:
         """Calibrated peak GiB per GPU: each part times its learned correction."""

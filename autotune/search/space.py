@@ -21,6 +21,8 @@ from autotune.errors import UsageError
 
 TYPES = ("int", "float", "bool", "categorical")
 PARAM_KEYS = {"type", "choices", "low", "high", "step", "log", "default", "requires", "help"}
+BATCH_KEYS = ("micro_batch", "accumulation", "per", "generations")
+BATCH_PER = ("gpu", "all")
 
 
 def default_space_path() -> Path:
@@ -119,13 +121,68 @@ def _parse_scalar(text: str) -> Any:
         return text
 
 
+@dataclass(frozen=True)
+class GlobalBatch:
+    """Which parameters make the global batch (completions per optimizer step), by name.
+
+    TRL's names need no declaration; a trainer with its own names (OpenRLHF's
+    ``micro_train_batch_size``) declares them in the space's ``global_batch:`` block, so that
+    ``--global-batch`` can derive the accumulation and the rules look at the right knobs:
+    completions per step = micro_batch x accumulation (1 when not named) x data-parallel GPUs (x 1
+    with ``per: all``). ``generations`` is the group size: a step must hold whole groups.
+    """
+
+    micro_batch: str
+    accumulation: str | None = None
+    per: str = "gpu"
+    generations: str | None = None
+    declared: bool = False           # written in the space, not TRL's names taken as they are
+
+    def gpus_factor(self, dp: int) -> int:
+        """GPUs the micro-batch is multiplied by: the data-parallel ones, or 1 with ``per: all``."""
+        return max(dp, 1) if self.per == "gpu" else 1
+
+    def accumulation_of(self, params: dict[str, Any], dp: int, global_batch: int | None) -> int | None:
+        """Micro-steps per optimizer step: the parameter's value, the one ``--global-batch`` implies
+        when the trainer derives it itself (no accumulation parameter), or 1; None when the global
+        batch does not divide."""
+        if self.accumulation is not None and params.get(self.accumulation) is not None:
+            return int(params[self.accumulation])
+        if global_batch:
+            per_micro = int(params[self.micro_batch]) * self.gpus_factor(dp)
+            return global_batch // per_micro if global_batch % per_micro == 0 else None
+        return 1
+
+    def completions(self, params: dict[str, Any], dp: int, global_batch: int | None = None) -> int | None:
+        """Completions per optimizer step, or None when the candidate does not say (no micro-batch)."""
+        if params.get(self.micro_batch) is None:
+            return None
+        accumulation = self.accumulation_of(params, dp, global_batch)
+        if accumulation is None:
+            return None
+        return int(params[self.micro_batch]) * accumulation * self.gpus_factor(dp)
+
+
+TRL_BATCH = GlobalBatch(micro_batch="per_device_train_batch_size", accumulation="gradient_accumulation_steps",
+                        per="gpu", generations="num_generations")
+
+
 @dataclass
 class Space:
-    """The parameters of a search, in file order."""
+    """The parameters of a search, in file order, and how they make the global batch."""
 
     params: dict[str, Param]
     path: Path
     digest: str
+    declared_batch: GlobalBatch | None = None     # the file's ``global_batch:`` block, if any
+
+    @property
+    def batch(self) -> GlobalBatch | None:
+        """How the global batch is made: the declared block, TRL's names when the space has
+        ``per_device_train_batch_size``, else None (the space says nothing about the batch)."""
+        if self.declared_batch is not None:
+            return self.declared_batch
+        return TRL_BATCH if "per_device_train_batch_size" in self.params else None
 
     def __contains__(self, name: str) -> bool:
         return name in self.params
@@ -304,8 +361,42 @@ def load_space(path: str | Path | None = None) -> Space:
                 raise fail(knode, f"{param.name}.requires names unknown parameter '{dep}'")
             if not params[dep].contains(value):
                 raise fail(knode, f"{param.name}.requires {dep}={value!r} but {dep} is {params[dep].allowed()}")
+    batch = None
+    if "global_batch" in data:
+        bnode = {k.value: (k, v) for k, v in _mapping(root).items()}.get("global_batch", (None, None))
+        batch = _load_batch(data["global_batch"], bnode, params, fail)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return Space(params=params, path=path, digest=digest)
+    return Space(params=params, path=path, digest=digest, declared_batch=batch)
+
+
+def _load_batch(spec: Any, nodes: tuple[Any, Any], params: dict[str, Param], fail: Any) -> GlobalBatch:
+    """Read and check the ``global_batch:`` block: each key names an int parameter of the space."""
+    knode, vnode = nodes
+    keys = {k.value: k for k in _mapping(vnode)}
+    if not isinstance(spec, dict) or "micro_batch" not in spec:
+        raise fail(knode, "global_batch needs 'micro_batch' (the parameter with completions per GPU per "
+                          "micro-step), e.g. {micro_batch: PARAM, accumulation: PARAM, per: gpu}")
+    unknown = sorted(set(map(str, spec)) - set(BATCH_KEYS))
+    if unknown:
+        raise fail(keys.get(unknown[0]), f"global_batch: unknown key '{unknown[0]}'; allowed: {', '.join(BATCH_KEYS)}")
+    named = [spec[k] for k in ("micro_batch", "accumulation", "generations") if k in spec]
+    for key in ("micro_batch", "accumulation", "generations"):
+        name = spec.get(key)
+        if key in spec and (not isinstance(name, str) or name not in params or params[name].type != "int"):
+            raise fail(keys.get(key), f"global_batch.{key} is {name!r}, not an int parameter of this space; "
+                                      f"the parameters are {', '.join(params)}")
+    if len(set(named)) != len(named):
+        raise fail(knode, "global_batch: micro_batch, accumulation and generations must name different parameters")
+    per = spec.get("per", "gpu")
+    if per not in BATCH_PER:
+        raise fail(keys.get("per"), f"global_batch.per is {per!r}; allowed: gpu (the micro-batch is per GPU) "
+                                    "or all (it counts every GPU's completions)")
+    generations = spec.get("generations")
+    trl_group = getattr(params.get("num_generations"), "type", "") == "int" and "num_generations" not in named
+    if generations is None and trl_group:
+        generations = "num_generations"      # TRL's name for the group size applies as it is
+    return GlobalBatch(micro_batch=spec["micro_batch"], accumulation=spec.get("accumulation"), per=per,
+                       generations=generations, declared=True)
 
 
 def _mapping(node: yaml.Node | None) -> dict:

@@ -291,20 +291,28 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
     mfu = (0.50 if g.tflops < 700 else 0.42) * (T / (T + 1100.0)) * (h / (h + 500.0))
     compute = fwd * passes / (tfl * mfu) * (1.04 if k.liger else 1.0)
     mb = compute + 0.02
+    # where a micro-batch's time goes, for the trainer's utilization timeline (gpu.csv): kernels,
+    # per-module hooks (host-side), exposed communication, PCIe transfers of offload
+    parts = {"compute": compute, "hooks": 0.02, "comm": 0.0, "pcie": 0.0}
     # ZeRO-3 gathers every layer's weights in forward, recompute and backward (and for the
     # reference model), then reduce-scatters the gradients; hooks cost per module and pass
     hook_passes = 2 + (1 if k.gc else 0) + (1 if ref else 0)
     if z3:
+        parts["hooks"] += hook_passes * m.n_modules * 0.00022 * (1.3 if k.offload_params else 1.0)
         mb += hook_passes * m.n_modules * 0.00022 * (1.3 if k.offload_params else 1.0)
         if n > 1:
             comm = (hook_passes * 2.0 * P + 2.0 * A) * (1 - 1 / n) / link
+            parts["comm"] += max(comm - 0.7 * compute, 0.12 * comm)
             mb += max(comm - 0.7 * compute, 0.12 * comm)
     elif k.zero == 2 and n > 1:
         comm = 2.0 * A * (1 - 1 / n) / link
+        parts["comm"] += max(comm - 0.6 * compute, 0.1 * comm)
         mb += max(comm - 0.6 * compute, 0.1 * comm)
     if k.offload_opt:
+        parts["pcie"] += 4.0 * A / n / pcie + 0.04
         mb += 4.0 * A / n / pcie + 0.04           # fp32 gradient partitions to pinned host memory
     if k.offload_params:
+        parts["pcie"] += hook_passes * (2.0 * P / n / pcie + m.n_modules * 0.0004)
         mb += hook_passes * (2.0 * P / n / pcie + m.n_modules * 0.0004)
     # optimizer step
     if k.offload_opt:
@@ -317,7 +325,8 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
         opt += 2.0 * A * (1 - 1 / n) / link * 0.8
     misc = 0.12 + 0.0015 * k.pdbs * k.ga + (0.05 if k.empty_cache else 0.0)
     train_s = k.ga * mb + opt
-    info.update(gen_s=gen_s, sync_s=sync_s, micro_batch_s=mb, optimizer_s=opt)
+    info.update(gen_s=gen_s, sync_s=sync_s, micro_batch_s=mb, optimizer_s=opt, misc_s=misc,
+                micro_batch_parts=parts, wake_s=(1.6 + 0.02 * k.util * cap) if k.sleep else 0.0)
 
     run_factor = math.exp(rng.gauss(0.0, 0.03))
     times: list[float] = []

@@ -11,7 +11,9 @@ Printing (not logging) is deliberate here: this process *is* the trainer's stdou
 Spec keys used here besides what the landscape reads: ``time_scale`` (wall seconds per simulated
 second, default 0.002), ``metrics_file`` (false: stdout only), ``log_style`` ("float" prints log
 dicts as transformers 4.x does; "str" as transformers 5.x does, floats formatted '.4g' strings),
-``model`` (name shown in log lines). Environment: ``AUTOTUNE_METRICS_FILE`` (JSON lines appended).
+``model`` (name shown in log lines), ``gpu_csv`` (false: no gpu.csv), ``warmup_steps`` (phases in
+gpu.csv, default 2). Environment: ``AUTOTUNE_METRICS_FILE`` (JSON lines appended),
+``AUTOTUNE_TRIAL_DIR`` (where gpu.csv goes: the utilization NVML would have shown, see ``gpu_trace``).
 
 The failure texts (tracebacks; CUDA, vLLM and TRL error messages) and the log timestamps are
 rendered in ``error_text``; this module plays the trial and exits the way the failure demands.
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from autotune.sim.error_text import ds_ts, failure_text, vllm_ts
+from autotune.sim.gpu_trace import GpuTrace
 from autotune.sim.landscape import SpecError, TrialTruth, Scenario, evaluate, parse_spec
 
 DATASET_ROWS = 7473          # prompts in the (simulated) training set, for the `epoch` field
@@ -77,6 +80,8 @@ class SimTrainer:
         self.log_style = str(self.spec.get("log_style", "float"))
         # log values (loss, rewards) only need to look plausible; keep them reproducible per seed
         self.rng = random.Random(f"{self.sc.seed}-logs")
+        trial_dir = os.environ.get("AUTOTUNE_TRIAL_DIR")
+        self.gpu_dir = Path(trial_dir) if trial_dir and self.spec.get("gpu_csv", True) is not False else None
 
     # -- plumbing ----------------------------------------------------------------------------
     def say(self, line: str) -> None:
@@ -243,7 +248,14 @@ class SimTrainer:
         t = self.truth
         self.startup()
         f = t.failure
+        # a config TRL rejects dies before it touches a GPU: nothing to sample
+        invalid = f is not None and f.kind == "invalid"
+        trace = GpuTrace(self.gpu_dir, t, self.sc, self.spec) if self.gpu_dir is not None and not invalid else None
+        if trace is not None:
+            trace.startup()
         if f is not None and f.at_step == 0:
+            if trace is not None:
+                trace.close()
             return self.die()
         peak_so_far = t.startup_peak_gib
         tokens_so_far = 0
@@ -252,6 +264,8 @@ class SimTrainer:
                                                          t.training_times, t.peak_memory_gib), start=1):
             self.wait(st)
             peak_so_far = max(peak_so_far, peak)
+            if trace is not None:
+                trace.step(i, gen, train, peak)
             tokens_so_far += t.tokens_per_step
             loss = self.rng.gauss(0.0, 0.015)
             losses.append(round(loss, 4))
@@ -261,7 +275,13 @@ class SimTrainer:
                                 "generation_time": round(gen, 4), "training_time": round(train, 4)})
         if f is not None:
             self.wait(t.fail_after_s)
+            if trace is not None:
+                last_gen = t.generation_times[-1] if t.generation_times else 0.0
+                trace.failing_step(f.at_step, t.fail_after_s, last_gen, peak_so_far, f.kind == "cuda")
+                trace.close()
             return self.die()
+        if trace is not None:
+            trace.close()
         runtime = sum(t.step_times)
         steps = len(t.step_times)
         prompts_per_step = t.samples_per_step / max(self.sc.k.num_gen, 1)

@@ -4,6 +4,12 @@ Every candidate the sampler proposes becomes an Optuna trial, including the ones
 (invalid, skipped, a repeat), so the sampler learns from all of them. OOM and invalid candidates
 are completed trials that violate a constraint, never FAIL: Optuna's samplers skip failed trials
 and would keep proposing the same region.
+
+The constraint is stored twice on purpose. Optuna 5's ``Trial.set_constraint("fits", v)`` keeps it
+under the system attribute ``constraints:fits``; optuna-dashboard 0.21 reads only the older
+``constraints`` list, so without it the dashboard shows no constraint on any trial. Optuna 5 reads
+both forms into ``FrozenTrial.constraints`` (as ``"fits"`` and ``"0"``, the same value), so its own
+``best_trial`` and feasibility are unchanged.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from autotune.trial.outcome import Outcome
 
 FEASIBLE, INFEASIBLE = 0.0, 1.0
 CONSTRAINT = "fits"   # Optuna 5 constraint key: > 0 means the trial violated it
+DASHBOARD_CONSTRAINTS = "constraints"   # the system attribute (a list) optuna-dashboard 0.21 shows
 # outcome status -> (constraint, Optuna state). Crashes say nothing about the config's memory or
 # speed, so they are FAIL (ignored by the sampler); a hang or timeout is a config to avoid.
 TELL = {
@@ -50,6 +57,8 @@ class TrialRow:
     reason: str | None = None            # why invalid / skipped / passed over
     launched: bool = True                # False: decided without a run (invalid, skipped, a repeat)
     pruned: bool = False                 # stopped early for being clearly slower than the best
+    mean_gpu_util: float | None = None   # over the measured steps, a fraction
+    diagnosis: str | None = None         # the low-utilization diagnosis of a trial that ran ok, or None
 
 
 def candidate_key(params: dict[str, Any]) -> str:
@@ -83,11 +92,14 @@ def record(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any], out
         "candidate": params, "reason": outcome.detail, "mean_gpu_util": outcome.mean_gpu_util,
         "predicted_gib": outcome.extra.get("predicted_gib"),
         "pruned": bool(outcome.extra.get("pruned")),
+        "diagnosis": low_util_diagnosis(outcome),
     }
     for name, value in attrs.items():
         trial.set_user_attr(name, value)
     if constraint is not None:
         trial.set_constraint(CONSTRAINT, constraint)
+        # Optuna 5 has no public setter for a trial system attribute (set_system_attr is gone)
+        trial.storage.set_trial_system_attr(trial._trial_id, DASHBOARD_CONSTRAINTS, [float(constraint)])
     if trial_dir is not None:
         trial_dir.mkdir(parents=True, exist_ok=True)
         outcome.extra["launched"] = launched
@@ -111,7 +123,18 @@ def row_of(trial: FrozenTrial) -> TrialRow:
         peak_memory_gib=a.get("peak_memory_gib"), error_line=a.get("error_line"),
         wall_time_s=a.get("wall_time_s"), reason=a.get("reason"),
         launched=bool(a.get("launched")), pruned=trial.state == TrialState.PRUNED,
+        mean_gpu_util=a.get("mean_gpu_util"), diagnosis=a.get("diagnosis"),
     )
+
+
+def low_util_diagnosis(outcome: Outcome) -> str | None:
+    """The low-utilization diagnosis of a trial that ran ok (the controller drops it for any other
+    status: a dying run idles because it dies), else None."""
+    if outcome.status != "ok" or not outcome.extra.get("low_util"):
+        return None
+    monitor = outcome.extra.get("monitor")
+    text = monitor.get("diagnosis") if isinstance(monitor, dict) else None
+    return text or outcome.detail
 
 
 def launched_rows(study: optuna.Study) -> list[FrozenTrial]:

@@ -5,6 +5,13 @@ speed depend on shapes, not values. Its config goes to ``trial_dir/model`` (:dat
 for vLLM, the trial's tokenizer to ``trial_dir/tokenizer`` (:data:`TOKENIZER_DIR`); TRL's own
 loaders of the reference model and the vLLM engine are redirected there by
 :func:`_shape_only_hooks`. :func:`peft_config` is the LoRA that ``--lora-rank`` asks for.
+
+A quantized base (``--quantization``, the spec's ``quantization_config``) is loaded the way a real
+run loads it, through ``from_pretrained(..., quantization_config=...)``: transformers cannot
+quantize a model built from a config, so a shape-only policy is first saved with its random
+weights (``trial_dir/model``) and then loaded quantized from there. bitsandbytes 0.50 runs NF4 and
+int8 layers forward and backward on the CPU as well (tests/test_quantization.py), so a CPU trial
+exercises the real QLoRA path.
 """
 
 from __future__ import annotations
@@ -16,7 +23,8 @@ from typing import Any
 
 from autotune.worker.console import say
 
-__all__ = ["SHAPE_DIR", "TOKENIZER_DIR", "build_model", "peft_config", "write_shape_dir", "write_tokenizer_dir"]
+__all__ = ["SHAPE_DIR", "TOKENIZER_DIR", "build_model", "peft_config", "write_shape_dir", "write_tokenizer_dir",
+           "write_weights_dir"]
 
 
 def _model_dtype(device: str) -> Any:
@@ -100,7 +108,7 @@ def write_tokenizer_dir(tokenizer: Any, trial_dir: Path) -> Path:
     return _publish_dir(Path(trial_dir) / TOKENIZER_DIR, lambda tmp: tokenizer.save_pretrained(str(tmp)))
 
 
-def _shape_only_hooks(model_dir: Path, build_on: Any, tokenizer_dir: Path | None) -> None:
+def _shape_only_hooks(model_dir: Path, build_on: Any, tokenizer_dir: Path | None, dummy: bool = True) -> None:
     """Make TRL build its extra model copies from the config when the policy has no weights.
 
     TRL 1.16 creates the reference model (beta > 0, no PEFT) with
@@ -110,7 +118,8 @@ def _shape_only_hooks(model_dir: Path, build_on: Any, tokenizer_dir: Path | None
     architecture and dtype (what it costs in memory and time is all a trial needs), and vLLM gets
     ``load_format="dummy"`` (its own random-weight loader; TRL pushes the policy's weights into
     it before generating anyway) and the trial's tokenizer directory. Only calls for
-    ``model_dir`` are redirected.
+    ``model_dir`` are redirected. With ``dummy=False`` (a quantized policy saved with its random
+    weights) vLLM loads those weights and only gets the tokenizer.
     """
     import trl.trainer.grpo_trainer as grpo_trainer
 
@@ -135,35 +144,66 @@ def _shape_only_hooks(model_dir: Path, build_on: Any, tokenizer_dir: Path | None
     except ImportError:
         return
     if hasattr(vllm_generation, "LLM") and tokenizer_dir is not None:
-        vllm_generation.LLM = functools.partial(vllm_generation.LLM, load_format="dummy",
-                                                tokenizer=str(tokenizer_dir))
+        extra = {"load_format": "dummy"} if dummy else {}
+        vllm_generation.LLM = functools.partial(vllm_generation.LLM, tokenizer=str(tokenizer_dir), **extra)
 
 
 def build_model(spec: dict[str, Any], args: Any, tokenizer: Any) -> Any:
-    """The policy: the checkpoint when its weights are here, else random weights (shape-only)."""
-    import torch
-
+    """The policy: the checkpoint when its weights are here, else random weights (shape-only);
+    loaded quantized when the spec carries a ``quantization_config``."""
     device = spec["device"]
     dtype = _model_dtype(device)
     model_info = spec["model"]
     # Where to create tensors: the trial's device, unless ZeRO-3 must partition them at creation
     build_on = args.device if device == "cuda" and not _zero3(spec) else None
+    quantization = spec.get("quantization_config")
     if model_info.get("has_weights") and model_info.get("path"):
-        from transformers import AutoModelForCausalLM
-
-        kwargs: dict[str, Any] = {"dtype": dtype}
-        if build_on is not None:
-            kwargs["device_map"] = {"": torch.device(build_on)}
-        return AutoModelForCausalLM.from_pretrained(model_info["path"], **kwargs)
+        return _load(model_info["path"], dtype, build_on, quantization)
 
     use_vllm = bool(spec["grpo_config"].get("use_vllm"))
-    model_dir = write_shape_dir(model_info, Path(spec["trial_dir"]), device)
     tokenizer_dir = write_tokenizer_dir(tokenizer, Path(spec["trial_dir"])) if use_vllm else None
     say(f"model {model_info['name']}: no weights on disk, using random weights (shape-only: memory and "
         f"speed depend on shapes, not values), {str(dtype).replace('torch.', '')} on {device}")
+    if quantization:
+        model_dir = write_weights_dir(model_info, Path(spec["trial_dir"]), device, dtype)
+        if use_vllm:
+            _shape_only_hooks(model_dir, build_on, tokenizer_dir, dummy=False)
+        return _load(model_dir, dtype, build_on, quantization)
+    model_dir = write_shape_dir(model_info, Path(spec["trial_dir"]), device)
     if spec["grpo_config"].get("beta") or use_vllm:
         _shape_only_hooks(model_dir, build_on, tokenizer_dir)
     return _random_model(model_dir, dtype, build_on)
+
+
+def _load(path: Any, dtype: Any, build_on: Any, quantization: dict[str, Any] | None) -> Any:
+    """``from_pretrained`` as a real run calls it: the trial's dtype, on its device, quantized
+    when the recipe asks (bitsandbytes quantizes the linears as they load)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if build_on is not None:
+        kwargs["device_map"] = {"": torch.device(build_on)}
+    if quantization:
+        kwargs["quantization_config"] = dict(quantization)
+        say(f"base quantized while loading: {', '.join(f'{k}={v}' for k, v in quantization.items())}")
+    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+
+
+def write_weights_dir(model_info: dict[str, Any], trial_dir: Path, device: str, dtype: Any) -> Path:
+    """``trial_dir/model`` with config.json *and* random weights, for a base that must be loaded
+    quantized (transformers quantizes only in ``from_pretrained``). Costs the model's size on disk
+    and is built on the host, so the full-precision copy never shows in the GPU's measured peak."""
+    def fill(tmp: Path) -> None:
+        config_dir = write_shape_dir(model_info, tmp / "config", device)
+        model = _random_model(config_dir, dtype, "cpu")
+        model.save_pretrained(str(tmp))
+        del model
+        import shutil
+
+        shutil.rmtree(tmp / "config", ignore_errors=True)
+
+    return _publish_dir(Path(trial_dir) / SHAPE_DIR, fill)
 
 
 def peft_config(spec: dict[str, Any]) -> Any:

@@ -1,201 +1,21 @@
-"""Model architectures: where a model's shapes come from, and what they add up to.
-
-A tuning search has to run on a model's exact shapes (hidden size, vocabulary, layer count...)
-because those shapes decide memory: the logits tensor is batch x length x vocab, ZeRO-3 needs the
-largest layer gathered at once, and the vLLM KV cache grows with layers x kv_heads x head_dim.
-The weights themselves do not matter for memory or speed, so when they are not on disk a trial
-can build the same architecture with random weights from ``config.json`` alone.
-
-:func:`resolve_model` finds that ``config.json``, in this order:
-
-1. a local directory holding ``config.json`` (a checkpoint the user already has);
-2. the local Hugging Face cache (``models--Org--Name/snapshots/*/config.json``), so a model
-   downloaded once is used offline, with its weights when they are there;
-3. a shipped card (``autotune/cards/*.json``): the exact ``config.json`` of a popular model,
-   so a search can plan and run on a machine that has never downloaded it.
-
-Parameter counts are computed from the shapes rather than read from a model card, because the
-memory model needs the exact count of the architecture that will really be built (model cards
-round, and some count tied embeddings twice).
-"""
+"""Where a model's ``config.json`` comes from: a local directory, the Hugging Face cache, or a
+shipped card (``autotune/cards/*.json``), in that order (see :mod:`autotune.models`)."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
-from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
 from autotune.errors import UsageError
+from autotune.models.spec import ModelSpec
 
-__all__ = [
-    "ModelSpec",
-    "known_models",
-    "resolve_model",
-    "write_config_dir",
-    "load_card",
-]
-
-#: Architectures whose q/k/v projections carry a bias regardless of ``attention_bias``
-#: (Qwen2 hard-codes ``bias=True`` on q_proj, k_proj and v_proj, and ``bias=False`` on o_proj).
-_QKV_BIAS_MODEL_TYPES = frozenset({"qwen2", "qwen2_5_vl", "qwen2_vl"})
-#: Architectures with a per-head RMSNorm on queries and keys (two weights of head_dim per layer).
-_QK_NORM_MODEL_TYPES = frozenset({"qwen3", "qwen3_moe"})
+__all__ = ["known_models", "load_card", "resolve_model", "write_config_dir"]
 
 _WEIGHT_PATTERNS = ("*.safetensors", "*.bin")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """One model's architecture, and where it was found.
-
-    ``config`` is the ``config.json`` dictionary exactly as the model ships it (for cards, without
-    the ``_card`` metadata), so it can be written back out and handed to
-    ``transformers.AutoConfig`` to build the identical architecture with random weights.
-    """
-
-    name: str
-    config: dict[str, Any]
-    source: str  # "card" | "path" | "hf-cache"
-    path: Path | None
-    has_weights: bool
-    #: The card's ``_card`` metadata (aliases, provenance, published size); empty otherwise.
-    card: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
-
-    # -- shapes ---------------------------------------------------------------------------
-    @property
-    def _text(self) -> dict[str, Any]:
-        """The language-model part of the config.
-
-        Multimodal configs (Qwen2.5-VL and friends) may keep the decoder's shapes under
-        ``text_config``; top-level keys win when both exist, as transformers does for these.
-        """
-        text = self.config.get("text_config")
-        if isinstance(text, dict) and "hidden_size" not in self.config:
-            return {**text, **{k: v for k, v in self.config.items() if k != "text_config"}}
-        return self.config
-
-    def _require(self, key: str) -> Any:
-        try:
-            return self._text[key]
-        except KeyError:
-            raise UsageError(
-                f"model {self.name!r}: config.json has no {key!r}; autotune needs a decoder-only "
-                "causal LM config (hidden_size, num_hidden_layers, num_attention_heads, ...)"
-            ) from None
-
-    @property
-    def model_type(self) -> str:
-        """transformers' architecture key (``qwen2``, ``qwen3``, ``llama``...)."""
-        return str(self.config.get("model_type", ""))
-
-    @property
-    def hidden_size(self) -> int:
-        return int(self._require("hidden_size"))
-
-    @property
-    def num_layers(self) -> int:
-        return int(self._require("num_hidden_layers"))
-
-    @property
-    def num_heads(self) -> int:
-        return int(self._require("num_attention_heads"))
-
-    @property
-    def num_kv_heads(self) -> int:
-        """Key/value heads; configs without the key use full multi-head attention."""
-        kv = self._text.get("num_key_value_heads")
-        return int(kv) if kv is not None else self.num_heads
-
-    @property
-    def head_dim(self) -> int:
-        """Per-head width: explicit in Qwen3 and Llama-3.2 (not always hidden / heads)."""
-        explicit = self._text.get("head_dim")
-        if explicit:
-            return int(explicit)
-        return self.hidden_size // self.num_heads
-
-    @property
-    def intermediate_size(self) -> int:
-        return int(self._require("intermediate_size"))
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self._require("vocab_size"))
-
-    @property
-    def tied_embeddings(self) -> bool:
-        """Whether lm_head shares the input embedding (transformers' default is tied)."""
-        return bool(self._text.get("tie_word_embeddings", True))
-
-    # -- sizes ----------------------------------------------------------------------------
-    def _attention_params(self) -> int:
-        h, hd = self.hidden_size, self.head_dim
-        q_out, kv_out = self.num_heads * hd, self.num_kv_heads * hd
-        weights = h * q_out + 2 * h * kv_out + q_out * h
-        if self.model_type in _QKV_BIAS_MODEL_TYPES:
-            biases = q_out + 2 * kv_out
-        elif self._text.get("attention_bias", False):
-            biases = q_out + 2 * kv_out + h  # Llama/Qwen3 put it on o_proj too
-        else:
-            biases = 0
-        norms = 2 * hd if self.model_type in _QK_NORM_MODEL_TYPES else 0
-        return weights + biases + norms
-
-    def _mlp_params(self) -> int:
-        h, inter = self.hidden_size, self.intermediate_size
-        biases = 2 * inter + h if self._text.get("mlp_bias", False) else 0
-        return 3 * h * inter + biases  # gate, up (h -> I) and down (I -> h) for SwiGLU
-
-    @property
-    def num_params(self) -> int:
-        """Parameters of the causal LM built from this config, tied weights counted once.
-
-        Counts embeddings, per-layer attention (with Qwen2's q/k/v biases and Qwen3's q/k
-        norms), the SwiGLU MLP, the two RMSNorms per layer and the final one, and lm_head when
-        it is not tied. Vision towers of multimodal configs are not included.
-        """
-        h = self.hidden_size
-        embed = self.vocab_size * h
-        per_layer = self._attention_params() + self._mlp_params() + 2 * h
-        lm_head = 0 if self.tied_embeddings else self.vocab_size * h
-        return embed + self.num_layers * per_layer + h + lm_head
-
-    @property
-    def largest_layer_params(self) -> int:
-        """Parameters of the largest single module (its own, not its children's).
-
-        DeepSpeed's ZeRO-3 estimator reserves ``4 * largest_layer`` bytes on each GPU for the
-        module being gathered; for these LLMs it is the embedding (or the untied lm_head, the
-        same size), but a very wide MLP projection could win on a small-vocabulary model.
-        """
-        h, hd = self.hidden_size, self.head_dim
-        candidates = (
-            self.vocab_size * h,
-            h * self.intermediate_size,
-            h * self.num_heads * hd,
-        )
-        return max(candidates)
-
-    def transformers_config(self) -> Any:
-        """This architecture as a ``transformers.PretrainedConfig`` (transformers imported lazily).
-
-        For building a random-weight model in-process; the planner and the CLI never need
-        transformers, so it is not imported at module load.
-        """
-        from transformers import AutoConfig
-
-        kwargs = {k: v for k, v in self.config.items() if k not in ("model_type", "_card")}
-        return AutoConfig.for_model(self.model_type, **kwargs)
-
-    @property
-    def published_params_b(self) -> float | None:
-        """The size a model card publishes, in billions (cards only), for sanity checks."""
-        value = self.card.get("params_b")
-        return float(value) if value is not None else None
 
 
 # -- cards ---------------------------------------------------------------------------------
@@ -366,6 +186,13 @@ def _looks_like_path(text: str) -> bool:
     return text.startswith(("/", "./", "../", "~", ".\\")) or text in {".", ".."}
 
 
+def _checked(spec: ModelSpec) -> ModelSpec:
+    """``spec`` once its vision tower and quantization are known to be countable: a config autotune
+    cannot count fully is refused here (one line), never planned on with a part left out."""
+    _ = (spec.vision, spec.quantization)
+    return spec
+
+
 def resolve_model(name_or_path: str) -> ModelSpec:
     """Find a model's config: local directory, then the HF cache, then a shipped card.
 
@@ -378,15 +205,15 @@ def resolve_model(name_or_path: str) -> ModelSpec:
         )
     candidate = Path(given).expanduser()
     if candidate.is_dir():
-        return _from_directory(candidate, given)
+        return _checked(_from_directory(candidate, given))
     if candidate.is_file() and candidate.name == "config.json":
-        return _from_directory(candidate.parent, given)
+        return _checked(_from_directory(candidate.parent, given))
     if _looks_like_path(given):
         raise UsageError(f"no such model directory: {given}")
 
     cached = _from_hf_cache(given)
     if cached is not None:
-        return cached
+        return _checked(cached)
     card = load_card(given)
     if card is not None:
         return card

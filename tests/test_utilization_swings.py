@@ -1,0 +1,200 @@
+"""The low-utilization diagnosis judges time spent below --min-util, not only the mean.
+
+Write-up 004 (ms-swift GRPO, Qwen2.5-VL-3B, 2 GPUs, ``--deepspeed zero3_offload``, ``offload_model``,
+``offload_optimizer``, ``move_model_batches 16``, ``sleep_level 1``): utilization swung between 0% and
+90%, averaging ~50%, and the fix (zero3, offloads off) was found by hand. The timelines below have
+that shape: vLLM generation waves at 85-92%, the weights moved back and the engine woken at 0-10%,
+offloaded ZeRO-3 training at 55-90%, CPU Adam at 0-7% while the host's cores are busy.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from autotune.trial.utilization import (IDLE_SHARE_LIMIT, diagnose_low_util, read_ticks, summarize,
+                                        summarize_file)
+
+# gpu.csv of the write-up 004 run, as GpuSampler writes it (2 GPUs, one sample every 0.5 s)
+SWING_CSV = textwrap.dedent("""\
+    time_s,phase,gpu,util_pct,mem_used_gib,mem_total_gib,host_rss_gib,host_cpu_pct
+    0.000,start,0,0,0.512,79.647,2.100,98.0
+    0.000,start,1,0,0.498,79.647,2.100,98.0
+    5.000,warmup,0,88,40.950,79.647,61.300,240.0
+    5.000,warmup,1,85,40.700,79.647,61.300,240.0
+    10.000,measure,0,87,41.200,79.647,62.400,205.0
+    10.000,measure,1,87,40.900,79.647,62.400,205.0
+    10.500,measure,0,85,41.200,79.647,62.400,205.0
+    10.500,measure,1,87,40.900,79.647,62.400,205.0
+    11.000,measure,0,91,41.200,79.647,62.400,205.0
+    11.000,measure,1,89,40.900,79.647,62.400,205.0
+    11.500,measure,0,85,41.200,79.647,62.400,205.0
+    11.500,measure,1,82,40.900,79.647,62.400,205.0
+    12.000,measure,0,84,41.200,79.647,62.400,205.0
+    12.000,measure,1,86,40.900,79.647,62.400,205.0
+    12.500,measure,0,92,41.200,79.647,62.400,205.0
+    12.500,measure,1,92,40.900,79.647,62.400,205.0
+    13.000,measure,0,6,23.500,79.647,62.400,310.0
+    13.000,measure,1,2,23.100,79.647,62.400,310.0
+    13.500,measure,0,1,23.500,79.647,62.400,310.0
+    13.500,measure,1,5,23.100,79.647,62.400,310.0
+    14.000,measure,0,4,23.500,79.647,62.400,310.0
+    14.000,measure,1,5,23.100,79.647,62.400,310.0
+    14.500,measure,0,72,31.800,79.647,62.400,260.0
+    14.500,measure,1,70,31.200,79.647,62.400,260.0
+    15.000,measure,0,61,31.800,79.647,62.400,260.0
+    15.000,measure,1,61,31.200,79.647,62.400,260.0
+    15.500,measure,0,68,31.800,79.647,62.400,260.0
+    15.500,measure,1,64,31.200,79.647,62.400,260.0
+    16.000,measure,0,71,31.800,79.647,62.400,260.0
+    16.000,measure,1,71,31.200,79.647,62.400,260.0
+    16.500,measure,0,67,31.800,79.647,62.400,260.0
+    16.500,measure,1,65,31.200,79.647,62.400,260.0
+    17.000,measure,0,2,18.400,79.647,63.100,1380.0
+    17.000,measure,1,2,18.100,79.647,63.100,1380.0
+    17.500,measure,0,2,18.400,79.647,63.100,1380.0
+    17.500,measure,1,0,18.100,79.647,63.100,1380.0
+    18.000,measure,0,4,18.400,79.647,63.100,1380.0
+    18.000,measure,1,5,18.100,79.647,63.100,1380.0
+    18.500,measure,0,90,41.200,79.647,62.400,205.0
+    18.500,measure,1,94,40.900,79.647,62.400,205.0
+    19.000,measure,0,87,41.200,79.647,62.400,205.0
+    19.000,measure,1,85,40.900,79.647,62.400,205.0
+    19.500,measure,0,87,41.200,79.647,62.400,205.0
+    19.500,measure,1,90,40.900,79.647,62.400,205.0
+    20.000,measure,0,88,41.200,79.647,62.400,205.0
+    20.000,measure,1,85,40.900,79.647,62.400,205.0
+    20.500,measure,0,92,41.200,79.647,62.400,205.0
+    20.500,measure,1,92,40.900,79.647,62.400,205.0
+    21.000,measure,0,84,41.200,79.647,62.400,205.0
+    21.000,measure,1,84,40.900,79.647,62.400,205.0
+    21.500,measure,0,4,23.500,79.647,62.400,310.0
+    21.500,measure,1,4,23.100,79.647,62.400,310.0
+    22.000,measure,0,6,23.500,79.647,62.400,310.0
+    22.000,measure,1,10,23.100,79.647,62.400,310.0
+    22.500,measure,0,1,23.500,79.647,62.400,310.0
+    22.500,measure,1,3,23.100,79.647,62.400,310.0
+    23.000,measure,0,82,31.800,79.647,62.400,260.0
+    23.000,measure,1,82,31.200,79.647,62.400,260.0
+    23.500,measure,0,82,31.800,79.647,62.400,260.0
+    23.500,measure,1,85,31.200,79.647,62.400,260.0
+    24.000,measure,0,65,31.800,79.647,62.400,260.0
+    24.000,measure,1,64,31.200,79.647,62.400,260.0
+    24.500,measure,0,74,31.800,79.647,62.400,260.0
+    24.500,measure,1,74,31.200,79.647,62.400,260.0
+    25.000,measure,0,57,31.800,79.647,62.400,260.0
+    25.000,measure,1,54,31.200,79.647,62.400,260.0
+    25.500,measure,0,0,18.400,79.647,63.100,1380.0
+    25.500,measure,1,3,18.100,79.647,63.100,1380.0
+    26.000,measure,0,2,18.400,79.647,63.100,1380.0
+    26.000,measure,1,6,18.100,79.647,63.100,1380.0
+    26.500,measure,0,4,18.400,79.647,63.100,1380.0
+    26.500,measure,1,7,18.100,79.647,63.100,1380.0
+""")
+
+# a healthy ZeRO-2 colocated-vLLM step: busy, with a short dip for each weight sync
+BUSY_CSV = textwrap.dedent("""\
+    time_s,phase,gpu,util_pct,mem_used_gib,mem_total_gib,host_rss_gib,host_cpu_pct
+    10.000,measure,0,91,70.100,79.647,12.000,101.0
+    10.500,measure,0,94,70.100,79.647,12.000,101.0
+    11.000,measure,0,95,70.100,79.647,12.000,101.0
+    11.500,measure,0,93,70.100,79.647,12.000,101.0
+    12.000,measure,0,22,70.100,79.647,12.000,101.0
+    12.500,measure,0,18,70.100,79.647,12.000,101.0
+    13.000,measure,0,96,70.100,79.647,12.000,101.0
+    13.500,measure,0,97,70.100,79.647,12.000,101.0
+    14.000,measure,0,95,70.100,79.647,12.000,101.0
+    14.500,measure,0,92,70.100,79.647,12.000,101.0
+    15.000,measure,0,94,70.100,79.647,12.000,101.0
+    15.500,measure,0,90,70.100,79.647,12.000,101.0
+    16.000,measure,0,93,70.100,79.647,12.000,101.0
+    16.500,measure,0,95,70.100,79.647,12.000,101.0
+    17.000,measure,0,96,70.100,79.647,12.000,101.0
+    17.500,measure,0,21,70.100,79.647,12.000,101.0
+    18.000,measure,0,25,70.100,79.647,12.000,101.0
+    18.500,measure,0,94,70.100,79.647,12.000,101.0
+    19.000,measure,0,92,70.100,79.647,12.000,101.0
+    19.500,measure,0,97,70.100,79.647,12.000,101.0
+    20.000,measure,0,95,70.100,79.647,12.000,101.0
+    20.500,measure,0,93,70.100,79.647,12.000,101.0
+    21.000,measure,0,91,70.100,79.647,12.000,101.0
+    21.500,measure,0,96,70.100,79.647,12.000,101.0
+""")
+
+SWIFT_004 = {"zero_stage": 3, "offload": "optimizer+params", "offload_model": True, "offload_optimizer": True,
+             "move_model_batches": 16, "sleep_level": 1, "use_vllm": True, "vllm_gpu_memory_utilization": 0.5,
+             "per_device_train_batch_size": 2}
+
+
+def swing(tmp_path: Path) -> Path:
+    path = tmp_path / "gpu.csv"
+    path.write_text(SWING_CSV)
+    return path
+
+
+def test_a_swing_averaging_above_min_util_is_diagnosed_in_swifts_words(tmp_path: Path) -> None:
+    summary = summarize_file(swing(tmp_path), params=SWIFT_004, min_util=0.5)
+    assert summary is not None and summary.samples == 36 and summary.gpus == [0, 1]
+    assert summary.mean_gpu_util == pytest.approx(0.5268, abs=1e-3)     # the measured steps only
+    assert summary.idle_share == pytest.approx(24 / 68)
+    # the mean alone passes it: what autotune said before (nothing)
+    assert diagnose_low_util(summary.mean_gpu_util, SWIFT_004, 0.5) is None
+    assert summary.low_util
+    text = summary.diagnosis
+    assert text.startswith("GPU utilization below 50% for 35% of the time (mean 53%): "), text
+    for knob in ("--offload_model false", "--offload_optimizer false", "--sleep_level 0", "no --move_model_batches",
+                 "--deepspeed zero3 instead of zero3_offload"):
+        assert knob in text, knob
+    assert "offload_model and offload_optimizer move the weights and optimizer state to the CPU" in text
+    assert "zero_stage 3 without offload" not in text and "\n" not in text
+
+
+def test_the_same_swing_under_trl_names_gets_trls_advice(tmp_path: Path) -> None:
+    trl = {"zero_stage": 3, "offload": "optimizer+params", "use_vllm": True, "vllm_enable_sleep_mode": True}
+    text = summarize_file(swing(tmp_path), params=trl).diagnosis
+    assert "offload=optimizer+params moves the weights over PCIe" in text and "--offload_model" not in text
+    sleep_only = {"zero_stage": 2, "offload": "none", "use_vllm": True, "vllm_enable_sleep_mode": True}
+    assert "vllm_enable_sleep_mode=false" in summarize_file(swing(tmp_path), params=sleep_only).diagnosis
+
+
+def test_swift_knobs_that_are_off_are_not_blamed(tmp_path: Path) -> None:
+    quiet = {"zero_stage": 3, "offload": "none", "offload_model": False, "offload_optimizer": False,
+             "sleep_level": 0, "move_model_batches": None}
+    text = summarize_file(swing(tmp_path), params=quiet).diagnosis
+    # with every offload off, the samples' own evidence speaks: the host's cores were busy
+    assert "the host CPU is busy (224% of a core per GPU)" in text
+    assert "sleep_level" not in text and "offload_model" not in text
+    no_cpu = read_ticks(swing(tmp_path))   # the same samples where psutil saw nothing
+    for t in no_cpu:
+        t.host_cpu_pct = None
+    assert "ZeRO-3 gathers the weights across 2 GPUs" in summarize(no_cpu, params=quiet).diagnosis
+
+
+def test_a_busy_run_with_short_sync_dips_is_not_diagnosed(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.csv"
+    path.write_text(BUSY_CSV)
+    summary = summarize_file(path, params={"zero_stage": 2, "offload": "none"})
+    assert summary.idle_share == pytest.approx(4 / 24) and summary.idle_share < IDLE_SHARE_LIMIT
+    assert not summary.low_util and summary.diagnosis is None
+    # a stricter --min-util sees the same run differently: the threshold is the user's
+    assert summarize_file(path, min_util=0.95).low_util
+
+
+@pytest.mark.parametrize("share, flagged", [(IDLE_SHARE_LIMIT, True), (IDLE_SHARE_LIMIT - 0.01, False)])
+def test_the_idle_share_limit(share: float, flagged: bool) -> None:
+    text = diagnose_low_util(0.7, {}, 0.5, idle_share=share)
+    assert (text is not None) == flagged
+    if flagged:
+        assert text.startswith(f"GPU utilization below 50% for {share:.0%} of the time (mean 70%)")
+
+
+def test_a_torn_or_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.csv"
+    path.write_text(SWING_CSV + "26.500,meas")          # the trial died mid-line
+    assert len(read_ticks(path)) == 36
+    assert summarize(read_ticks(path)).samples == 36
+    assert summarize_file(tmp_path / "missing.csv") is None
+    (tmp_path / "empty.csv").write_text(SWING_CSV.splitlines()[0] + "\n")   # the header only
+    assert summarize_file(tmp_path / "empty.csv") is None
