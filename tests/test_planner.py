@@ -247,3 +247,19 @@ def test_when_nothing_has_fit_the_next_proposal_walks_from_the_nearest_oom():
     # once something fits, the local search around the best takes over
     planner.observe(9, step, "ok", None, 40.0, 1.0)
     assert planner.toward_feasible(space, {}, [], tried, lambda c: repr(sorted(c.items()))) is None
+
+
+def test_a_space_in_the_trainers_own_names_is_judged_by_its_batch():
+    """A space in OpenRLHF's names (tests/data/templates/space.yaml declares which parameters make
+    the batch): the planner must see a bigger micro-batch as more memory, and an OOM at micro-batch 8
+    must veto 8 but not 2. Read with TRL's names only, every candidate looked the same."""
+    space = Path(__file__).parent / "data" / "templates" / "space.yaml"
+    recipe, model, gpu = setup(space=str(space), global_batch=64)
+    planner = Planner(model, recipe, gpu)
+    small = {"micro_train_batch_size": 2, "grad_accum": 8, "n_samples_per_prompt": 4}
+    big = {"micro_train_batch_size": 8, "grad_accum": 2, "n_samples_per_prompt": 4}
+    assert planner.vector(small) != planner.vector(big)
+    assert planner.raw(big).total_gib > planner.raw(small).total_gib
+    planner.observe(1, big, "oom", "cuda", None)
+    assert planner.verdict(big).skip
+    assert not planner.verdict(small).skip

@@ -102,6 +102,7 @@ class Planner:
     # -- predictions ------------------------------------------------------------------------
     def raw(self, params: dict[str, Any]) -> Estimate:
         r = self.recipe
+        params = constraints.as_trl(params, r)   # a space in the trainer's own names
         return estimate(self.model, params, gpus=r.gpus, capacity_gib=r.gpu_memory_gib,
                         max_prompt_length=r.max_prompt_length,
                         max_completion_length=r.max_completion_length, beta=r.beta,
@@ -122,6 +123,7 @@ class Planner:
         self.calibrate()
 
     def vector(self, params: dict[str, Any]) -> tuple[float, ...]:
+        params = constraints.as_trl(params, self.recipe)
         return memory_vector(params, self.recipe.dp_gpus(params))
 
     def calibrate(self) -> None:
@@ -231,6 +233,7 @@ class Planner:
 
     def prior(self, params: dict[str, Any]) -> float:
         r = self.recipe
+        params = constraints.as_trl(params, r)
         return throughput_prior(self.model, params, self.gpu, gpus=r.gpus, dp_gpus=r.dp_gpus(params),
                                 prompt=r.max_prompt_length, completion=r.max_completion_length, beta=r.beta)
 
