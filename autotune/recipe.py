@@ -80,7 +80,9 @@ class Recipe:
         "Vision-language: prompt tokens that come from each image.", commands="recipe"))
     images_per_prompt: int = field(default=1, metadata=_opt(
         "Vision-language: images in each prompt.", commands="recipe"))
-    dataset: str | None = None       # prompts file for real trials (default: synthetic worst-case prompts)
+    dataset: str | None = field(default=None, metadata=_opt(
+        "Prompts for real trials, a JSONL file with a 'prompt' field (default: synthetic worst-case "
+        "prompts of exactly --max-prompt-length tokens)."))
     train_script: str | None = None  # the user's training script, named in the exported launch.sh
     trials: int = field(default=30, metadata=_opt("Trials to launch (refused and repeated candidates are free)."))
     time_budget_s: float | None = field(default=None, metadata=_opt(

@@ -263,3 +263,12 @@ def test_a_space_in_the_trainers_own_names_is_judged_by_its_batch():
     planner.observe(1, big, "oom", "cuda", None)
     assert planner.verdict(big).skip
     assert not planner.verdict(small).skip
+
+
+def test_ms_swift_sleep_level_is_read_as_vllm_sleep_mode():
+    """swift.yaml's sleep_level must reach the memory model: sleeping vLLM frees its budget in training."""
+    recipe, model, gpu = setup()
+    planner = Planner(model, recipe, gpu)
+    awake = {**BASE, "vllm_gpu_memory_utilization": 0.6, "sleep_level": 0}
+    asleep = {**awake, "sleep_level": 1}
+    assert planner.raw(asleep).vllm_gib < planner.raw(awake).vllm_gib

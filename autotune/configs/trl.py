@@ -150,12 +150,6 @@ def grpo_config_kwargs(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]
     return kwargs
 
 
-def dropped_params(params: dict[str, Any]) -> list[str]:
-    """Parameters that reach neither TRL, DeepSpeed nor the launcher (worth a note)."""
-    used = set(TRL_DEFAULTS) | TRL_PASSTHROUGH | LAUNCH_ONLY
-    return sorted(k for k in params if k not in used)
-
-
 def vllm_serve_command(params: dict[str, Any], recipe: Recipe, model: str,
                        port: int = DEFAULT_VLLM_SERVER_PORT) -> list[str]:
     """``trl vllm-serve`` for server mode, on the GPUs left after training.

@@ -1,8 +1,9 @@
 """Runners turn one candidate into a command, an environment and files.
 
 A runner knows one kind of trainer: ``sim`` (the simulated GRPO trainer), ``command`` (any
-trainer through a command template) and ``trl`` (TRL's GRPOTrainer). The launcher, monitor and
-study treat them all alike through :class:`Runner`.
+trainer through a command template), ``trl`` (TRL's GRPOTrainer) and ``swift`` (ms-swift's
+``swift rlhf --rlhf_type grpo``). The launcher, monitor and study treat them all alike through
+:class:`Runner`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from autotune.errors import UsageError
 from autotune.runners.base import Runner, TrialContext
 
-RUNNERS = ("trl", "sim", "command")
+RUNNERS = ("trl", "sim", "command", "swift")
 
 
 def make_runner(context: TrialContext) -> Runner:
@@ -22,6 +23,9 @@ def make_runner(context: TrialContext) -> Runner:
     elif name == "command":
         from autotune.runners.command import CommandRunner
         runner = CommandRunner(context)
+    elif name == "swift":
+        from autotune.runners.swift import SwiftRunner
+        runner = SwiftRunner(context)
     elif name == "trl":
         from autotune.runners.trl import TrlRunner
         runner = TrlRunner(context)

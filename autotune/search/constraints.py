@@ -77,8 +77,13 @@ def derive(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -
 
 def as_trl(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -> dict[str, Any]:
     """The candidate with TRL's batch names filled from the space's own (per-GPU micro-batch,
-    accumulation, group size), for code that reads TRL's names: the memory model, the speed prior."""
+    accumulation, group size), for code that reads TRL's names: the memory model, the speed prior.
+    ms-swift's ``sleep_level`` is read as TRL's sleep mode. Its ``offload_model`` /
+    ``offload_optimizer`` (states moved to the CPU while vLLM generates) are not modelled: the
+    generation phase's peak is over-estimated with them, never under-estimated."""
     out = dict(params)
+    if out.get("sleep_level") is not None:   # ms-swift: level 1 or 2 puts vLLM to sleep while training
+        out["vllm_enable_sleep_mode"] = int(out["sleep_level"]) >= 1
     batch = batch_of(out, recipe, space)
     if batch is None or not batch.declared or out.get(batch.micro_batch) is None:
         return out
