@@ -11,7 +11,8 @@ monitor reads its metrics file and the classifier reads its traceback. Files in 
      "model": {"name": "tiny-qwen", "source": "card", "path": null, "has_weights": false,
                "config": {...config.json...}},
      "device": "cuda" | "cpu", "max_prompt_length": 512, "max_completion_length": 1024,
-     "max_steps": 7, "lora_rank": null, "dataset": null | "/abs/prompts.jsonl", "seed": 0,
+     "image_tokens": 0, "images_per_prompt": 1, "max_steps": 7, "lora_rank": null,
+     "dataset": null | "/abs/prompts.jsonl", "seed": 0,
      "processes": 4, "quantization_config": null | {...BitsAndBytesConfig fields...},
      "recipe": {...Recipe.to_dict()...}}
 
@@ -129,13 +130,22 @@ class TrlRunner(Runner):
                              "'prompt' field)")
 
     def check_model(self) -> None:
-        """What of the model the worker cannot build: a vision-language model (the worker feeds
-        text prompts only), a GPTQ/AWQ checkpoint without its weights (transformers loads those
-        only from the quantized files), bitsandbytes missing for --quantization."""
+        """What of the model the worker cannot build: images it cannot make (Pillow missing, a
+        token count no image has, a ``--dataset`` of text beside synthetic images), a GPTQ/AWQ
+        checkpoint without its weights (transformers loads those only from the quantized files),
+        bitsandbytes missing for --quantization. A vision-language model runs with synthetic
+        images of ``--image-tokens`` tokens (:mod:`autotune.worker.vision`)."""
         model, recipe = self.context.model, self.recipe
-        if model.vision is not None:
-            raise UsageError(f"model {model.name!r} is a vision-language model: the trl runner runs text-only trials "
-                             "(no processor or images are fed): plan it with autotune estimate --image-tokens N")
+        if model.vision is not None and recipe.image_tokens and recipe.images_per_prompt:
+            from autotune.worker.vision import image_grid
+
+            image_grid(recipe.image_tokens)
+            if not installed("PIL"):
+                raise UsageError(f"model {model.name!r} with --image-tokens: the trl runner's synthetic images need "
+                                 "Pillow: pip install pillow")
+            if recipe.dataset:
+                raise UsageError("--dataset with --image-tokens: vision-language trials use synthetic prompts and "
+                                 "images of the asked sizes; leave out --dataset")
         quant = base_quantization(model, recipe.quantization, recipe.lora_rank)
         if quant is not None and quant.origin == "checkpoint" and not (model.has_weights and model.path):
             raise UsageError(f"model {model.name!r} is a {quant.label} checkpoint: the trl runner loads it only from "
@@ -156,6 +166,9 @@ class TrlRunner(Runner):
                 return "use_vllm: vLLM needs a GPU (--device cpu); pin --set use_vllm=false"
             if not have_vllm:
                 return "use_vllm needs the vllm package (pip install -e '.[vllm]')"
+            if self._vl_without_processor():
+                return ("use_vllm with a vision-language model needs its checkpoint folder (weights and "
+                        "preprocessor_config.json): vLLM builds its own processor from it; pin --set use_vllm=false")
             return None
 
         def deepspeed_rule(params: dict[str, Any]) -> str | None:
@@ -183,11 +196,24 @@ class TrlRunner(Runner):
             log.warning("vllm is not installed: searching without vLLM generation "
                         "(pip install -e '.[vllm]' to include it)")
             out["use_vllm"] = False
+        if not out and self._vl_without_processor():
+            log.warning("model %s is vision-language without its checkpoint folder: searching with transformers "
+                        "generation (vLLM would need the real processor files)", self.context.model.name)
+            out["use_vllm"] = False
         if not installed("deepspeed"):
             log.warning("deepspeed is not installed: searching ZeRO stage 0 only "
                         "(DS_BUILD_OPS=0 pip install -e '.[deepspeed]' to include ZeRO and offload)")
             out.update(zero_stage=0, offload="none")
         return out
+
+    def _vl_without_processor(self) -> bool:
+        """A vision-language model vLLM cannot serve here: vLLM builds the model's processor from
+        its folder, and a shape-only model (a card, a bare config) has none; the worker's offline
+        processor lives in the trial process only."""
+        model = self.context.model
+        if model.vision is None:
+            return False
+        return not (model.has_weights and model.path and (Path(model.path) / "preprocessor_config.json").is_file())
 
     # -- one trial ------------------------------------------------------------------------------
     def max_steps(self) -> int:
@@ -212,6 +238,8 @@ class TrlRunner(Runner):
             "device": recipe.device,
             "max_prompt_length": int(recipe.max_prompt_length),
             "max_completion_length": int(recipe.max_completion_length),
+            "image_tokens": int(recipe.image_tokens or 0) if model.vision is not None else 0,
+            "images_per_prompt": int(recipe.images_per_prompt or 0),
             "max_steps": self.max_steps(),
             "lora_rank": recipe.lora_rank,
             "dataset": dataset,

@@ -11,8 +11,9 @@ What a trial must do to be worth its GPU time:
   export uses. The worker only adds what a trial needs and a real run would not: a step limit, a
   log line per step, no checkpoints, no reporting integrations, and EOS suppression (below).
 * **Meet the worst case.** Prompts are exactly ``max_prompt_length`` tokens
-  (:mod:`autotune.worker.data`) and EOS is suppressed until ``max_completion_length``
-  (``min_new_tokens`` for transformers generation, ``min_tokens`` for vLLM's SamplingParams, both
+  (:mod:`autotune.worker.data`; a vision-language model's carry ``images_per_prompt`` synthetic
+  images of exactly ``image_tokens`` tokens each on top, :mod:`autotune.worker.vision`) and EOS
+  is suppressed until ``max_completion_length`` (``min_new_tokens`` for transformers generation, ``min_tokens`` for vLLM's SamplingParams, both
   through TRL's ``generation_kwargs``), so every sequence is as long as the real run's longest.
 * **Work without weights.** A model whose weights are not on disk is built from its config with
   random weights ("shape-only"): memory and speed depend on shapes, not values. TRL 1.16 loads the
@@ -34,5 +35,7 @@ Modules, by job (none imports torch, transformers or TRL at import time):
 * :mod:`~autotune.worker.callbacks`: the metrics callback, generation timer, memory figures;
 * :mod:`~autotune.worker.data`, :mod:`~autotune.worker.tokenizer`,
   :mod:`~autotune.worker.rewards`: worst-case prompts, the offline tokenizer, the trial's reward;
+* :mod:`~autotune.worker.vision`: vision-language trials (the offline processor, synthetic images
+  of exactly ``--image-tokens`` tokens, prompts in TRL's VL format);
 * :mod:`~autotune.worker.console`: the worker's own lines on stdout.
 """

@@ -28,6 +28,9 @@ from autotune.worker.tokenizer import SYNTHETIC_PREFIX, token_word
 __all__ = [
     "build_dataset",
     "fit_prompt",
+    "is_synthetic",
+    "one_token_filler",
+    "ordinary_ids",
     "prompt_length",
     "prompts_needed",
     "read_prompts",
@@ -54,17 +57,20 @@ def prompts_needed(completions_per_step: int, num_generations: int, steps: int) 
     return max(per_step * (steps + 1), 1)
 
 
-def _is_synthetic(tokenizer: Any) -> bool:
+def is_synthetic(tokenizer: Any) -> bool:
+    """Whether ``tokenizer`` is autotune's word-level one (one token per ``t{i}`` word)."""
     vocab = getattr(tokenizer, "vocab_size", 0)
     return vocab > 0 and tokenizer.convert_ids_to_tokens(vocab - 1) == token_word(vocab - 1)
 
 
-def _ordinary_ids(tokenizer: Any) -> list[int]:
+def ordinary_ids(tokenizer: Any) -> list[int]:
+    """Ids a worst-case prompt may use: no special token (EOS, pad, an image placeholder) that
+    TRL or the processor would treat differently."""
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     return [i for i in range(min(tokenizer.vocab_size, 4096)) if i not in special]
 
 
-def _filler(tokenizer: Any) -> str:
+def one_token_filler(tokenizer: Any) -> str:
     """A string that adds exactly one token each time it is appended, for this tokenizer."""
     for candidate in _FILLERS:
         base = prompt_length(tokenizer, "")
@@ -100,7 +106,7 @@ def fit_prompt(tokenizer: Any, text: str, length: int, filler: str | None = None
     """
     if length < 1:
         raise UsageError(f"max_prompt_length must be at least 1 (got {length})")
-    filler = filler or _filler(tokenizer)
+    filler = filler or one_token_filler(tokenizer)
     for _ in range(16):
         count = prompt_length(tokenizer, text)
         if count == length:
@@ -115,10 +121,10 @@ def fit_prompt(tokenizer: Any, text: str, length: int, filler: str | None = None
 def worst_case_prompts(tokenizer: Any, length: int, count: int, seed: int = 0) -> list[str]:
     """``count`` prompts of exactly ``length`` tokens (random ordinary tokens when synthetic)."""
     rng = random.Random(seed)
-    if _is_synthetic(tokenizer):
-        ids = _ordinary_ids(tokenizer)
+    if is_synthetic(tokenizer):
+        ids = ordinary_ids(tokenizer)
         return [" ".join(token_word(rng.choice(ids)) for _ in range(length)) for _ in range(count)]
-    filler = _filler(tokenizer)
+    filler = one_token_filler(tokenizer)
     one = fit_prompt(tokenizer, "", length, filler)
     return [one] * count
 
@@ -185,10 +191,10 @@ def build_dataset(tokenizer: Any, length: int, rows: int, dataset: Path | str | 
     else:
         source = read_prompts(dataset)
         chosen = [source[i % len(source)] for i in range(rows)]
-        if _is_synthetic(tokenizer):
+        if is_synthetic(tokenizer):
             prompts = [_synthetic_fit(text, length) for text in chosen]
         else:
-            filler = _filler(tokenizer)
+            filler = one_token_filler(tokenizer)
             cache: dict[str, str] = {}
             prompts = []
             for text in chosen:

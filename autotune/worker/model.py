@@ -38,7 +38,7 @@ def _zero3(spec: dict[str, Any]) -> bool:
 
 
 def _random_model(config_dir: Path, dtype: Any, build_on: Any, attn_implementation: str | None = None) -> Any:
-    """A causal LM with random weights from ``config_dir/config.json``.
+    """A causal LM (or vision-language model) with random weights from ``config_dir/config.json``.
 
     ``build_on`` is a device to create the tensors on directly (initialising a 7B model on the host
     first would take minutes and the host RAM of every rank), or None to let transformers decide
@@ -47,7 +47,7 @@ def _random_model(config_dir: Path, dtype: Any, build_on: Any, attn_implementati
     import contextlib
 
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(str(config_dir))
     kwargs: dict[str, Any] = {"dtype": dtype}
@@ -55,9 +55,19 @@ def _random_model(config_dir: Path, dtype: Any, build_on: Any, attn_implementati
         kwargs["attn_implementation"] = attn_implementation
     place = torch.device(build_on) if build_on is not None else contextlib.nullcontext()
     with place:
-        model = AutoModelForCausalLM.from_config(config, **kwargs)
+        model = _auto_class(config.to_dict()).from_config(config, **kwargs)
     model.config._name_or_path = str(config_dir)
     return model
+
+
+def _auto_class(config: dict[str, Any]) -> Any:
+    """The auto class a real run loads this config with: a VL model (``vision_config``) as an
+    image-text-to-text model, tower included (as TRL loads one), anything else as a causal LM."""
+    import transformers
+
+    if config.get("vision_config"):
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
 
 
 SHAPE_DIR = "model"
@@ -178,8 +188,9 @@ def build_model(spec: dict[str, Any], args: Any, tokenizer: Any) -> Any:
 def _load(path: Any, dtype: Any, build_on: Any, quantization: dict[str, Any] | None) -> Any:
     """``from_pretrained`` as a real run calls it: the trial's dtype, on its device, quantized
     when the recipe asks (bitsandbytes quantizes the linears as they load)."""
+    import json
+
     import torch
-    from transformers import AutoModelForCausalLM
 
     kwargs: dict[str, Any] = {"dtype": dtype}
     if build_on is not None:
@@ -187,7 +198,8 @@ def _load(path: Any, dtype: Any, build_on: Any, quantization: dict[str, Any] | N
     if quantization:
         kwargs["quantization_config"] = dict(quantization)
         say(f"base quantized while loading: {', '.join(f'{k}={v}' for k, v in quantization.items())}")
-    return AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    config = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
+    return _auto_class(config).from_pretrained(str(path), **kwargs)
 
 
 def write_weights_dir(model_info: dict[str, Any], trial_dir: Path, device: str, dtype: Any) -> Path:

@@ -12,7 +12,10 @@ tokenizer is not on disk we build one in-process:
   which is what lets :mod:`autotune.worker.data` make prompts of exactly ``max_prompt_length``
   tokens;
 * the config's ``eos_token_id`` / ``pad_token_id`` / ``bos_token_id`` named as the special tokens,
-  so TRL's EOS handling and padding see the ids the model itself would use.
+  so TRL's EOS handling and padding see the ids the model itself would use;
+* for a vision-language config, its vision ids spelled as Qwen2.5-VL's processor names them
+  (``<|image_pad|>``, ``<|vision_start|>``, ...; :data:`VISION_TOKENS`), as special tokens, so the
+  processor's image-token expansion lands on the ids the model looks for.
 
 Building it is a dict of V strings handed to the Rust ``tokenizers`` library: well under a second
 for Qwen's 151,936 ids.
@@ -23,10 +26,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SYNTHETIC_PREFIX", "has_tokenizer_files", "load_tokenizer", "synthetic_tokenizer", "token_word"]
+__all__ = ["SYNTHETIC_PREFIX", "VISION_TOKENS", "has_tokenizer_files", "load_tokenizer", "synthetic_tokenizer",
+           "token_word"]
 
 #: Synthetic token ``i`` is spelled ``f"{SYNTHETIC_PREFIX}{i}"``.
 SYNTHETIC_PREFIX = "t"
+
+#: Qwen2.5-VL's names for the vision ids its config declares (config key -> token).
+VISION_TOKENS = {
+    "vision_start_token_id": "<|vision_start|>",
+    "vision_end_token_id": "<|vision_end|>",
+    "vision_token_id": "<|vision_pad|>",
+    "image_token_id": "<|image_pad|>",
+    "video_token_id": "<|video_pad|>",
+}
 
 #: Files whose presence means a directory carries its own tokenizer.
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
@@ -60,6 +73,23 @@ def _text_config(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def _named_ids(config: dict[str, Any], vocab_size: int) -> dict[int, str]:
+    """The vision ids a VL config declares, spelled as the model's processor expects them.
+
+    Qwen2.5-VL's processor finds the image placeholder by name (``<|image_pad|>``) and the model
+    finds it by id (``image_token_id``), so the synthetic tokenizer gives those ids those names;
+    every other id stays ``t{i}``. Empty for a text-only config.
+    """
+    if not config.get("vision_config"):
+        return {}
+    named: dict[int, str] = {}
+    for key, name in VISION_TOKENS.items():
+        value = _first_id(config.get(key))
+        if value is not None and 0 <= value < vocab_size:
+            named[value] = name
+    return named
+
+
 def synthetic_tokenizer(config: dict[str, Any]) -> Any:
     """A fast tokenizer with one word per id of ``config``'s vocabulary (see the module docstring).
 
@@ -83,17 +113,21 @@ def synthetic_tokenizer(config: dict[str, Any]) -> Any:
     if bos_id is not None and not 0 <= bos_id < vocab_size:
         bos_id = None
 
-    vocab = {token_word(i): i for i in range(vocab_size)}
+    named = _named_ids(config, vocab_size)
+    vocab = {named.get(i, token_word(i)): i for i in range(vocab_size)}
     # Words outside the vocabulary (a user's dataset read with this tokenizer) count as one token
     # each, mapped to the first ordinary id: the length is what a trial measures, and an EOS or pad
-    # id inside a prompt could be masked out somewhere and shorten it.
-    unk_id = next(i for i in range(vocab_size) if i not in {eos_id, pad_id, bos_id})
+    # id (or an image placeholder) inside a prompt could be masked out somewhere and shorten it.
+    unk_id = next(i for i in range(vocab_size) if i not in {eos_id, pad_id, bos_id, *named})
     core = Tokenizer(WordLevel(vocab, unk_token=token_word(unk_id)))
     core.pre_tokenizer = WhitespaceSplit()
     special = {"eos_token": token_word(eos_id), "pad_token": token_word(pad_id), "unk_token": token_word(unk_id)}
     if bos_id is not None:
         special["bos_token"] = token_word(bos_id)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, **special)
+    if named:
+        # special, so they are split out of text with no spaces around them, as Qwen's template writes them
+        tokenizer.add_special_tokens({"additional_special_tokens": sorted(named.values())})
     # TRL pads prompts on the left for generation; say so rather than rely on its override.
     tokenizer.padding_side = "left"
     tokenizer.model_max_length = int(text.get("max_position_embeddings") or 1 << 30)

@@ -27,36 +27,48 @@ def run_trial(spec: dict[str, Any]) -> None:
     from autotune.worker.data import build_dataset, prompts_needed
     from autotune.worker.rewards import length_noise_reward
     from autotune.worker.tokenizer import load_tokenizer
+    from autotune.worker.vision import build_processor, is_vision, report_vision, vision_dataset
 
     args = build_grpo_config(spec)
     model_info = spec["model"]
-    tokenizer = load_tokenizer(model_info["config"], model_info.get("path") if model_info.get("has_weights")
-                               else None)
+    own_path = model_info.get("path") if model_info.get("has_weights") else None
+    tokenizer = load_tokenizer(model_info["config"], own_path)
     world = int(args.world_size)
     per_step = int(args.per_device_train_batch_size) * int(args.gradient_accumulation_steps) * world
     rows = prompts_needed(per_step, int(args.num_generations), int(spec["max_steps"]))
-    dataset = build_dataset(tokenizer, int(spec["max_prompt_length"]), rows, spec.get("dataset"),
-                            seed=int(spec.get("seed", 0)))
+    length, seed = int(spec["max_prompt_length"]), int(spec.get("seed", 0))
+    image_tokens, images = int(spec.get("image_tokens") or 0), int(spec.get("images_per_prompt") or 0)
+    processing_class = tokenizer
+    if image_tokens and images and is_vision(model_info["config"]):
+        # a VL trial: the processor tokenises the prompts and turns the images into patches
+        processing_class = build_processor(tokenizer, model_info["config"], image_tokens, own_path)
+        dataset = vision_dataset(processing_class, model_info["config"], length, image_tokens, images, rows, seed)
+    else:
+        image_tokens = images = 0
+        dataset = build_dataset(tokenizer, length, rows, spec.get("dataset"), seed=seed)
     model = build_model(spec, args, tokenizer)
+    if image_tokens:
+        report_vision(model)
 
     timer = _GenerationTimer()
     metrics_file = os.environ.get("AUTOTUNE_METRICS_FILE")
     callback = make_metrics_callback(
         Path(metrics_file) if metrics_file else None, per_step,
-        int(spec["max_prompt_length"]) + int(spec["max_completion_length"]), spec["device"], timer)
+        length + image_tokens * images + int(spec["max_completion_length"]), spec["device"], timer)
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=length_noise_reward,
         args=args,
         train_dataset=dataset,
-        processing_class=tokenizer,
+        processing_class=processing_class,
         callbacks=[callback],
         peft_config=peft_config(spec),
     )
     timer.wrap(trainer)
     trainer.add_callback(_engine_report(trainer))
     say(f"trial {spec.get('number', '?')}: trl {trl.__version__}, {world} process(es), "
-        f"{per_step} completions/step, prompt {spec['max_prompt_length']} + completion "
+        f"{per_step} completions/step, prompt {spec['max_prompt_length']}"
+        f"{f' + {images} x {image_tokens} image' if image_tokens else ''} + completion "
         f"{spec['max_completion_length']} tokens, {spec['max_steps']} steps")
     trainer.train()
     # tear the process group down before interpreter exit: gloo's threads otherwise race the
