@@ -26,8 +26,8 @@ from autotune.runners import TrialContext, make_runner
 from autotune.search import constraints
 from autotune.search.loop import Search
 from autotune.search.space import load_space
-from autotune.study import (StudyPaths, check_database, held_trials, load_existing, plain_failures, prepare_root,
-                            rank, rows)
+from autotune.study import (StudyPaths, check_database, check_storage, held_trials, load_existing, plain_failures,
+                            prepare_root, rank, rows)
 from autotune.study.ranking import choose_best, confirmations, eligible, headroom_limit
 from autotune.trial.control import StopRule, TrialControl
 
@@ -96,6 +96,7 @@ def start_search(recipe: Recipe, runs_dir: Path) -> None:
                 f"study '{recipe.name}' already exists with a different recipe ({', '.join(diff)} "
                 f"differ): run `autotune resume {recipe.name}` to continue it, or choose a new --name")
     check_database(paths, recipe)
+    check_storage(paths, recipe)                 # a shared study: reachable, and started with this recipe
     search = prepare_search(recipe, paths)       # every check first: a typo must not claim the name
     with plain_failures(paths, recipe, ROOM_FOR_SEARCH):
         prepare_root(paths)
@@ -131,6 +132,7 @@ def resume_search(name: str, runs_dir: Path, *, trials: int | None = None,
         recipe.trials = trials
     if time_budget_s is not None:
         recipe.time_budget_s = time_budget_s
+    check_storage(paths, recipe)
     search = prepare_search(recipe, paths)
     with plain_failures(paths, recipe, ROOM_FOR_STUDY):
         prepare_root(paths)

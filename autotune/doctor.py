@@ -8,7 +8,7 @@ import platform
 import shutil
 from typing import Any
 
-from autotune.hardware import visible_gpus
+from autotune.hardware import link_distances, visible_gpus
 
 
 def _version(package: str) -> str:
@@ -42,6 +42,14 @@ def report() -> dict[str, Any]:
         except Exception as exc:
             out["torch cuda"] = f"import failed: {exc}"
     out["accelerate cli"] = shutil.which("accelerate") or "missing"
+    out["postgres driver"] = next((f"{p} {_version(v)}" for p, v in (("psycopg", "psycopg"), ("psycopg2", "psycopg2"),
+                                                                      ("psycopg2", "psycopg2-binary"))
+                                   if _version(v) != "missing"), "missing")
+    if len(gpus) > 1:
+        links = link_distances([g.index for g in gpus])
+        if links is not None:
+            nvlinked = sorted({tuple(sorted(pair)) for pair, level in links.items() if level == 0})
+            out["nvlink pairs"] = ", ".join(f"{a}-{b}" for a, b in nvlinked) or "none (PCIe / NUMA only)"
     missing = [p for p in ("torch", "transformers", "trl", "accelerate", "datasets") if out[p] == "missing"]
     hints = []
     if missing:
@@ -52,5 +60,7 @@ def report() -> dict[str, Any]:
         hints.append("no deepspeed: searches use ZeRO stage 0 without offload (pip install -e '.[deepspeed]')")
     if not gpus:
         hints.append("no GPU: use --runner sim to rehearse, or --device cpu for real CPU trials")
+    if out["postgres driver"] == "missing":
+        hints.append("no PostgreSQL driver: one study across several nodes needs pip install 'autotune[postgres]'")
     out["next steps"] = "; ".join(hints) or "ready"
     return out

@@ -8,7 +8,9 @@ The table holds published figures (dense bf16 TFLOP/s, memory, HBM bandwidth, GP
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import asdict, dataclass, replace
+from typing import Any
 
 from autotune.errors import UsageError
 
@@ -128,3 +130,124 @@ def resolve_hardware(gpus: int, gpu_type: str | None, gpu_memory: float | None, 
         "no GPU is visible: describe the hardware with --gpu-type "
         f"({', '.join(GPU_TYPES)}) or --gpu-memory GIB"
     )
+
+
+# NVML's topology levels between two GPUs (nvmlDeviceGetTopologyCommonAncestor): the lower, the
+# closer. 40 is "same NUMA node", 50 "across sockets". NVLink (P2P over NVLink) counts as 0.
+NVML_P2P_CAPS_INDEX_NVLINK = 2
+NVML_P2P_STATUS_OK = 0
+FAR = 60   # no topology information: every pair equally far
+
+
+def link_distances(indices: list[int], nvml: Any | None = None) -> dict[tuple[int, int], int] | None:
+    """How far apart each pair of GPUs is (0 NVLink, else NVML's common-ancestor level), or None
+    when NVML cannot tell (no driver, a simulator rehearsal, an old binding)."""
+    if nvml is None:
+        try:
+            import pynvml as nvml
+        except ImportError:
+            return None
+    try:
+        nvml.nvmlInit()
+    except Exception as exc:
+        log.debug("NVML unavailable for topology: %s", exc)
+        return None
+    try:
+        handle = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
+        far: dict[tuple[int, int], int] = {}
+        for a in indices:
+            for b in indices:
+                if a >= b:
+                    continue
+                try:
+                    nvlink = nvml.nvmlDeviceGetP2PStatus(handle[a], handle[b], NVML_P2P_CAPS_INDEX_NVLINK)
+                except Exception:
+                    nvlink = None
+                if nvlink == NVML_P2P_STATUS_OK:
+                    level = 0
+                else:
+                    try:
+                        level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(handle[a], handle[b]))
+                    except Exception:
+                        level = FAR
+                far[(a, b)] = far[(b, a)] = level
+        return far
+    except Exception as exc:
+        log.debug("NVML topology query failed: %s", exc)
+        return None
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+
+def gpu_subsets(devices: list[int], size: int, count: int,
+                distances: dict[tuple[int, int], int] | None = None) -> list[list[int]]:
+    """``count`` disjoint sets of ``size`` GPUs out of ``devices``, closest-linked first.
+
+    A multi-GPU trial spends its step in all-reduce and (ZeRO-3) all-gather, so its GPUs should
+    share NVLink, or at least a NUMA node; a set that straddles sockets runs slower than the same
+    configuration will in production, and would be measured unfairly. Greedy: each set starts at
+    the lowest free GPU and adds the free GPU whose farthest link to the set is the shortest
+    (ties: lowest index). Without topology the sets are consecutive indices."""
+    free = list(devices)
+    subsets: list[list[int]] = []
+    for _ in range(count):
+        if len(free) < size:
+            break
+        group = [free.pop(0)]
+        while len(group) < size:
+            def cost(g: int) -> tuple[int, int]:
+                worst = max((distances or {}).get((g, m), 0) for m in group)
+                return worst, g
+            best = min(free, key=cost)
+            free.remove(best)
+            group.append(best)
+        subsets.append(sorted(group))
+    return subsets
+
+
+def node_devices(node_gpus: int | None, *, need_visible: bool) -> list[int]:
+    """The GPU indices this node offers to trials. Real GPUs: ``CUDA_VISIBLE_DEVICES`` when set, else
+    NVML's, the first ``--node-gpus`` of them when given. A rehearsal (the simulator, ``--gpu-type``
+    without GPUs): the node ``--node-gpus`` declares, or none known."""
+    if not need_visible:
+        return list(range(node_gpus)) if node_gpus else []
+    visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible_env is not None and visible_env.strip():
+        devices = [int(d) for d in visible_env.split(",") if d.strip().isdigit()]
+    else:
+        devices = list(range(len(visible_gpus())))
+    return devices[:node_gpus] if node_gpus else devices
+
+
+def plan_slots(gpus: int, parallel: int | None, node_gpus: int | None, *, need_visible: bool,
+               nvml: Any | None = None) -> list[list[int] | None]:
+    """The disjoint GPU sets trials run on at once (one per slot), checked against the node.
+
+    Without a node description (no NVML, no ``--node-gpus``) there is one slot, ``None``: the
+    runner's default GPUs (the first N of ``CUDA_VISIBLE_DEVICES``, which may be UUIDs, or 0..N-1)."""
+    if node_gpus is not None and node_gpus < gpus:
+        raise UsageError(f"--node-gpus {node_gpus} is smaller than --gpus {gpus}: a trial needs {gpus} GPUs "
+                         f"of one node; raise --node-gpus or lower --gpus")
+    devices = node_devices(node_gpus, need_visible=need_visible)
+    if not devices:
+        if parallel is not None and parallel > 1:
+            raise UsageError(f"--parallel {parallel} needs {parallel * gpus} GPUs but the node's are unknown: "
+                             f"give --node-gpus M (the GPUs of this node)")
+        if parallel is not None and parallel < 1:
+            raise UsageError("--parallel must be at least 1")
+        return [None]
+    most = len(devices) // gpus
+    if most < 1:
+        raise UsageError(f"--gpus {gpus} but this node has {len(devices)} GPU(s): lower --gpus")
+    if parallel is not None and parallel > most:
+        raise UsageError(f"--parallel {parallel} needs {parallel * gpus} GPUs for --gpus {gpus} but the node has "
+                         f"{len(devices)}: use --parallel {most} or less")
+    if parallel is not None and parallel < 1:
+        raise UsageError("--parallel must be at least 1")
+    count = parallel or most
+    wants_links = gpus > 1 and (need_visible or nvml is not None)
+    distances = link_distances(devices, nvml) if wants_links else None
+    return list(gpu_subsets(devices, gpus, count, distances))

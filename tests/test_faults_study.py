@@ -180,6 +180,7 @@ from pathlib import Path
 import optuna
 from autotune.recipe import Recipe
 from autotune.search.space import load_space
+from autotune.study.recovery import claim_owner
 
 root, candidate = sys.argv[1], json.loads(sys.argv[2])
 recipe = Recipe.load(Path(root) / "recipe.yaml")
@@ -188,6 +189,7 @@ study = optuna.load_study(study_name="s", storage=f"sqlite:///{root}/study.db")
 # what PolicySampler.before_trial stores: the whole candidate as the trial's fixed_params
 study.enqueue_trial({k: v for k, v in candidate.items() if k in space.params})
 trial = study.ask()
+claim_owner(study, trial)                      # as the scheduler does right after asking
 names = [n for n in space.params if n in candidate]
 for name in names[: len(names) // 2]:          # the controller dies half-way through suggesting
     space.params[name].suggest(trial)

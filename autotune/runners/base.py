@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,20 @@ from autotune.trial.launch import LaunchSpec
 from autotune.trial.outcome import Outcome
 
 Rule = Callable[[dict[str, Any]], "str | None"]
+
+# The GPUs of the slot the current thread's trial runs on (parallel trials, search/parallel.py).
+# A context variable, not an attribute of the runner: one runner serves every slot at once.
+ASSIGNED_GPUS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("autotune_gpus", default=None)
+
+
+@contextlib.contextmanager
+def on_gpus(devices: list[int] | None) -> Iterator[None]:
+    """Run the trials started inside on ``devices`` (None: the first --gpus of the node)."""
+    token = ASSIGNED_GPUS.set(list(devices) if devices is not None else None)
+    try:
+        yield
+    finally:
+        ASSIGNED_GPUS.reset(token)
 
 
 @dataclass
@@ -90,10 +105,14 @@ class Runner:
                        services=self.services(spec))
 
     def base_env(self, trial_dir: Path) -> dict[str, str]:
-        """The trial contract's environment (DESIGN.md): folder, metrics file, GPUs."""
+        """The trial contract's environment (DESIGN.md): folder, metrics file, GPUs: the slot's
+        when trials run in parallel (:func:`on_gpus`), else the first --gpus visible ones."""
         gpus = self.recipe.gpus
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-        if visible:
+        assigned = ASSIGNED_GPUS.get()
+        if assigned is not None:
+            devices = [str(d) for d in assigned]
+        elif visible:
             devices = [d for d in visible.split(",") if d.strip()][:gpus]
         else:
             devices = [str(i) for i in range(gpus)]

@@ -7,17 +7,20 @@ the survivors by their longer runs takes most of the noise out of the choice.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 import optuna
 
 from autotune.progress import Reporter
 from autotune.recipe import Recipe
+from autotune.runners.base import on_gpus
 from autotune.search.planner import Planner
 from autotune.search.stopping import Budget
 from autotune.study import StudyPaths, TrialRow, confirmations, eligible, rows, save_confirmation
 from autotune.study.ranking import headroom_limit
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
+from autotune.trial.execute import abort_on_error
 from autotune.trial.outcome import Outcome
 
 CONFIRM_NUMBER_OFFSET = 100_000   # confirmation runs are numbered apart from search trials
@@ -42,7 +45,8 @@ def confirm_duration(row: TrialRow, recipe: Recipe) -> float:
 
 
 def confirm(study: optuna.Study, recipe: Recipe, paths: StudyPaths, execute: Callable[..., Outcome],
-            reporter: Reporter, planner: Planner | None, budget: Budget) -> int:
+            reporter: Reporter, planner: Planner | None, budget: Budget,
+            slots: list[list[int] | None] | None = None) -> int:
     """Confirm leaders by longer runs, only as many as it takes to separate them from the noise.
 
     The fastest eligible trial is confirmed first. A runner-up is confirmed too only while its
@@ -50,7 +54,8 @@ def confirm(study: optuna.Study, recipe: Recipe, paths: StudyPaths, execute: Cal
     ``recipe.confirm`` leaders that held (a few more runs are allowed for casualties). A candidate
     that is ahead of every confirmed one is always confirmed, so a resumed search that found a
     better configuration exports it. Each run is admitted only if its own expected length fits the
-    time budget, and the study's clock is saved after each. Returns the runs made now.
+    time budget, and the study's clock is saved after each. With several GPU ``slots`` the leaders
+    still needed are confirmed at once, one per slot. Returns the runs made now.
     """
     if recipe.confirm <= 0:
         return 0
@@ -60,6 +65,7 @@ def confirm(study: optuna.Study, recipe: Recipe, paths: StudyPaths, execute: Cal
         return c.get("status") == "ok" and (limit is None or (c.get("peak_memory_gib") or 0) <= limit)
 
     runs = 0
+    slots = slots or [None]
     while runs < recipe.confirm + 2:
         done = confirmations(study)
         all_rows = rows(study)
@@ -70,25 +76,48 @@ def confirm(study: optuna.Study, recipe: Recipe, paths: StudyPaths, execute: Cal
         todo = [r for r in candidates if r.number not in done and (r.throughput or 0) * (1 + spread) > best]
         if not todo:
             break
-        row = todo[0]
-        if len(held) >= recipe.confirm and (row.throughput or 0) <= best:
+        if len(held) >= recipe.confirm and (todo[0].throughput or 0) <= best:
             break                        # enough leaders held, and this one is not ahead of them
-        if budget.exceeded(confirm_duration(row, recipe)):
-            reporter.message(f"not confirming trial {row.number}: its longer run would exceed --time-budget")
+        # with several GPU slots, the leaders still needed are confirmed at once, one per slot
+        wanted = max(1, min(len(slots), recipe.confirm - len(held), recipe.confirm + 2 - runs))
+        batch = []
+        for row in todo[:wanted]:
+            if budget.exceeded(confirm_duration(row, recipe)):
+                reporter.message(f"not confirming trial {row.number}: its longer run would exceed --time-budget")
+                break
+            batch.append(row)
+        if not batch:
             break
-        trial_dir = paths.confirm_dir(row.number)
-        reporter.message(f"confirming trial {row.number} with {recipe.measure_steps * CONFIRM_FACTOR} measured steps")
-        control = TrialControl(StopRule.confirming(recipe), None, recipe.completions_per_step(row.params),
-                               purpose="confirm")
-        outcome = execute(row.params, trial_dir, CONFIRM_NUMBER_OFFSET + row.number, control)
-        outcome.write(trial_dir / "outcome.json")
-        save_confirmation(study, row.number, outcome)
-        budget.spent(outcome.wall_time_s)
+        for row in batch:
+            reporter.message(f"confirming trial {row.number} with {recipe.measure_steps * CONFIRM_FACTOR} "
+                             "measured steps")
+        if len(batch) == 1:
+            outcomes = [run_one(batch[0], slots[0], recipe, paths, execute)]
+        else:
+            pool = ThreadPoolExecutor(len(batch), thread_name_prefix="confirm")
+            with abort_on_error(pool):
+                outcomes = list(pool.map(lambda rs: run_one(rs[0], rs[1], recipe, paths, execute),
+                                         zip(batch, slots)))
+        for row, outcome in zip(batch, outcomes):
+            save_confirmation(study, row.number, outcome)
+            budget.spent(outcome.wall_time_s)
+            if planner is not None and outcome.status == "oom":
+                planner.observe(row.number, row.params, outcome.status, outcome.oom_kind, outcome.peak_memory_gib)
+            reporter.message(f"confirmation of trial {row.number}: {outcome.status}"
+                             + (f" {outcome.throughput:.3g}/s" if outcome.throughput else "")
+                             + (f", peak {outcome.peak_memory_gib:.1f} GiB" if outcome.peak_memory_gib else ""))
+            runs += 1
         study.set_user_attr("elapsed_s", round(budget.elapsed(), 1))    # a resume goes on from here
-        if planner is not None and outcome.status == "oom":
-            planner.observe(row.number, row.params, outcome.status, outcome.oom_kind, outcome.peak_memory_gib)
-        reporter.message(f"confirmation of trial {row.number}: {outcome.status}"
-                         + (f" {outcome.throughput:.3g}/s" if outcome.throughput else "")
-                         + (f", peak {outcome.peak_memory_gib:.1f} GiB" if outcome.peak_memory_gib else ""))
-        runs += 1
     return runs
+
+
+def run_one(row: TrialRow, gpus: list[int] | None, recipe: Recipe, paths: StudyPaths,
+            execute: Callable[..., Outcome]) -> Outcome:
+    """One confirmation run, on ``gpus`` (a parallel slot) or the default GPUs."""
+    trial_dir = paths.confirm_dir(row.number)
+    control = TrialControl(StopRule.confirming(recipe), None, recipe.completions_per_step(row.params),
+                           purpose="confirm")
+    with on_gpus(gpus):
+        outcome = execute(row.params, trial_dir, CONFIRM_NUMBER_OFFSET + row.number, control)
+    outcome.write(trial_dir / "outcome.json")
+    return outcome

@@ -4,8 +4,11 @@ One iteration asks Optuna (whose sampler is the :class:`PolicySampler`) for a ca
 derived and pinned values, and gates it: what the rules forbid is recorded as invalid, what was
 already measured is answered from the study, and what the planner knows cannot fit is skipped.
 Everything else runs as one trial until its throughput is measured, and is told to the study and
-the planner. At the end the leaders are confirmed by longer runs before anything is exported.
-Everything ``resume``, ``show`` and ``export`` need is in the study storage and the trial folders.
+the planner. The iterations are driven by :class:`Scheduler` (search/parallel.py), which keeps one
+trial per GPU slot running and tells outcomes as they arrive; with one slot it is the plain loop.
+At the end the leaders are confirmed by longer runs, once per study under a lock held in the
+storage, before anything is exported. Everything ``resume``, ``show`` and ``export`` need is in
+the study storage and the trial folders.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
 from autotune.search import constraints
 from autotune.search.confirm import MIN_NOISE, confirm, noise
+from autotune.search.parallel import Scheduler, answered  # noqa: F401  (answered: tests import it from here)
 from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe
 from autotune.search.pruning import BelowBestPruner
@@ -32,6 +36,8 @@ from autotune.search.space import Space
 from autotune.search.stopping import Budget, Stopping
 from autotune.study import (StudyPaths, candidate_key, choose_best, confirmations, launched_rows, measured_configs,
                             open_study, record, recover_interrupted, rows)
+from autotune.study.lock import StudyLock
+from autotune.hardware import plan_slots
 from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.outcome import Outcome
 
@@ -69,20 +75,12 @@ def fixed_values(space: Space, recipe: Recipe, runner: Runner) -> dict[str, Any]
     return fixed
 
 
-def answered(study: optuna.Study) -> dict[str, tuple[int, dict[str, Any]]]:
-    """What a repeat proposal is answered from without a launch: measured and refused configs.
-
-    A memory-model skip is not an answer: the model is re-fitted after every trial, so a candidate
-    it vetoed early is asked again when proposed again."""
-    return {k: v for k, v in measured_configs(study).items() if v[1].get("status") != "skipped"}
-
-
 class Search:
     """Runs one study until its trial count, its time budget or a stop condition."""
 
     def __init__(self, recipe: Recipe, paths: StudyPaths, context: TrialContext, reporter: Reporter,
                  execute: Executor | None = None, storage: Any = None, use_planner: bool = True,
-                 report: bool = True):
+                 report: bool = True, slots: list[list[int] | None] | None = None):
         self.recipe, self.paths, self.reporter, self.storage = recipe, paths, reporter, storage
         self.report = report                 # keep runs/<study>/report.html current (off in the benchmark)
         self.space = context.space
@@ -100,38 +98,24 @@ class Search:
         self.planner = Planner(context.model, recipe, context.gpu, use_model=recipe.device != "cpu") \
             if use_planner else None
         self.check_something_fits()
+        # the GPU sets trials run on at once (one per slot); checked here, before anything is written
+        self.slots = slots or plan_slots(recipe.gpus, recipe.parallel, recipe.node_gpus,
+                                         need_visible=recipe.device == "cuda" and recipe.runner != "sim")
 
     def run(self) -> SearchResult:
         study = self.open()
-        measured = answered(study)
+        stopped_reason = Scheduler(self, study, self.slots).run()             # ask, gate, execute, tell
         launched = len(launched_rows(study))
-        stopped_reason = None
-        while launched < self.recipe.trials:
-            stop = self.stopping.reason()
-            if stop is not None:
-                stopped_reason = f"stopped after {launched} trials: {stop[0]}"
-                self.reporter.message(stop[1])
-                break
-            trial = study.ask()                                                        # ask
-            params = self.space.normalize(constraints.derive(self.space.suggest(trial, self.fixed), self.recipe))
-            key = candidate_key(params)
-            outcome, predicted_gib = self.gate(trial.number, params, measured.get(key))   # gate
-            if outcome is None:
-                launched += 1
-                outcome = self.measure(trial, params, launched, predicted_gib)          # execute
-            self.tell(study, trial, params, key, outcome, measured)                     # tell
-            stopped_reason = self.converged(study, launched) if outcome.extra.get("launched") else None
-            if stopped_reason:
-                self.reporter.message(stopped_reason)
-                break
         if stopped_reason is None:
             stopped_reason = f"stopped after {launched} trials: the --trials limit"
         study.set_user_attr("stopped", stopped_reason)
-        confirmed = confirm(study, self.recipe, self.paths, self.execute, self.reporter, self.planner,
-                            self.stopping.budget)
-        study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))   # the study's clock
-        exported = export_study(study, self.recipe, self.paths.best)
-        self.refresh_report(study)
+        with StudyLock(study._storage, study.study_name, "finish"):   # noqa: SLF001  once, across nodes
+            recover_interrupted(study, self.paths, sweep=True)
+            confirmed = confirm(study, self.recipe, self.paths, self.execute, self.reporter, self.planner,
+                                self.stopping.budget, self.slots)
+            study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))   # the study's clock
+            exported = export_study(study, self.recipe, self.paths.best)
+            self.refresh_report(study)
         done = confirmations(study)
         best, _ = choose_best(rows(study), self.recipe, done)
         return SearchResult(launched=launched, best=best, stopped_reason=stopped_reason, exported=exported,

@@ -36,6 +36,8 @@ from autotune.search import constraints
 from autotune.search.planner import Planner
 from autotune.search.space import Space
 from autotune.study import candidate_key, choose_best, measured_configs, rows
+from autotune.study.claims import pending_keys
+from autotune.study.recovery import claim_owner
 
 PROPOSAL_ATTR = "autotune:proposal"   # trial system attribute: seed | local | valid
 SEEDS_ATTR = "seeds"                  # study user attribute: the seed candidates, in order
@@ -49,7 +51,8 @@ def make_tpe(recipe: Recipe, salt: int = 0) -> TPESampler:
     """TPE; it reads each trial's constraint (``Trial.set_constraint``) and ranks infeasible
     trials below feasible ones. Few random start-up trials: seeds come first. ``salt`` keeps a
     resumed study from replaying the random start-up proposals of the first session."""
-    return TPESampler(seed=recipe.seed + salt, n_startup_trials=8, multivariate=True, group=False)
+    return TPESampler(seed=recipe.seed + salt, n_startup_trials=8, multivariate=True, group=False,
+                      constant_liar=True)
 
 
 def fallback_seeds(space: Space, recipe: Recipe, fixed: dict[str, Any], rules: Rules) -> list[dict[str, Any]]:
@@ -121,7 +124,11 @@ class PolicySampler(BaseSampler):
         self._tpe.reseed_rng()
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
-        """Decide this trial's candidate, if the policy has one, before any parameter is sampled."""
+        """Decide this trial's candidate, if the policy has one, before any parameter is sampled.
+
+        First of all the trial is marked as this controller's, so that another controller sharing
+        the study does not take it for a dead one's while the policy thinks."""
+        claim_owner(study, trial)
         self._tpe.before_trial(study, trial)
         proposal = self.propose(study, trial)
         if proposal is None:
@@ -173,18 +180,22 @@ class PolicySampler(BaseSampler):
             return None
         best, _ = choose_best(rows(study), self.recipe)
         if best is None:                     # nothing fits yet: walk from the nearest OOM
-            return self.planner.toward_feasible(self.space, self.fixed, self.rules, set(measured_configs(study)),
-                                                candidate_key)
-        return self.planner.next_local(best.params, self.space, self.fixed, self.rules, set(measured_configs(study)),
-                                       candidate_key)
+            return self.planner.toward_feasible(self.space, self.fixed, self.rules, tried(study), candidate_key)
+        return self.planner.next_local(best.params, self.space, self.fixed, self.rules, tried(study), candidate_key)
 
     def random_valid(self, study: optuna.Study) -> dict[str, Any] | None:
         """A random untried candidate that passes the rules."""
-        tried = set(measured_configs(study))
+        tried_ = tried(study)
         for _ in range(50):
             combo = self.rng.choice(self.valid)
             values = {name: self.rng.choice(param.grid_values(15)) for name, param in self.space.params.items()}
             cand = self.space.normalize(constraints.derive({**values, **self.fixed, **combo}, self.recipe))
-            if candidate_key(cand) not in tried and not constraints.violations(cand, self.recipe, self.rules):
+            if candidate_key(cand) not in tried_ and not constraints.violations(cand, self.recipe, self.rules):
                 return cand
         return None
+
+
+def tried(study: optuna.Study) -> set[str]:
+    """Configurations not to propose again: answered ones, and those running now (in another slot
+    or on another node), so K trials asked at once are K different candidates."""
+    return set(measured_configs(study)) | set(pending_keys(study))

@@ -11,7 +11,11 @@ SQLite cannot read is called damaged, with how to salvage it; it is never delete
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import logging
+import os
+import re
 import sqlite3
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +27,7 @@ import optuna
 from autotune.errors import SQLITE_FULL, UsageError, causes, disk_full, no_space
 from autotune.recipe import Recipe
 from autotune.study.paths import StudyPaths
+from autotune.study.recovery import RetryInterrupted
 
 log = logging.getLogger(__name__)
 
@@ -166,21 +171,166 @@ def plain_failures(paths: StudyPaths, recipe: Recipe | None, fix: str, where: ob
         raise
 
 
+HEARTBEAT_S = 15            # how often a running trial says its controller is alive
+GRACE_FACTOR = 4            # missed heartbeats before another controller takes the trial over
+POSTGRES_EXTRA = "pip install 'autotune[postgres]'"
+IDENTITY_ATTR = "recipe_identity"   # study user attribute: what every controller must agree on
+
+
+def heartbeat_s() -> int:
+    """The heartbeat interval; ``AUTOTUNE_HEARTBEAT_S`` shortens it (the tests kill workers)."""
+    try:
+        return max(1, int(os.environ.get("AUTOTUNE_HEARTBEAT_S", HEARTBEAT_S)))
+    except ValueError:
+        return HEARTBEAT_S
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for messages."""
+    return re.sub(r"(://[^:/@]+):[^@/]*@", r"\1:***@", url)
+
+
+def driver_url(url: str) -> str:
+    """The SQLAlchemy URL for ``--storage``: ``postgresql://`` goes through psycopg (3) when that is
+    what is installed (SQLAlchemy's default driver for it is psycopg2); a missing driver is one line
+    naming the extra that installs it."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or not scheme.startswith(("postgresql", "postgres")):
+        return url
+    has = {name: importable(name) for name in ("psycopg", "psycopg2")}
+    driver = scheme.partition("+")[2]
+    if driver:
+        if driver in has and not has[driver]:
+            raise UsageError(f"--storage {redact(url)} needs the {driver} driver, which is not installed: "
+                             f"{POSTGRES_EXTRA} (and use postgresql+psycopg://)")
+        return url
+    if has["psycopg"]:
+        return f"postgresql+psycopg://{rest}"
+    if has["psycopg2"]:
+        return f"postgresql://{rest}"
+    raise UsageError(f"--storage {redact(url)} needs a PostgreSQL driver, and none is installed: {POSTGRES_EXTRA}")
+
+
+def importable(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None and __import__(module) is not None
+    except ImportError:
+        return False
+
+
+def make_storage(url: str, *, heartbeat: bool, paths: StudyPaths | None = None) -> optuna.storages.RDBStorage:
+    """Optuna's RDB storage; with ``heartbeat`` its running trials carry a heartbeat, and a trial whose
+    controller died (no heartbeat for GRACE_FACTOR intervals) is failed and queued again by the next
+    controller that looks (:class:`RetryInterrupted`, Optuna's RetryFailedTrialCallback for us)."""
+    engine: dict[str, Any] = {}
+    if url.startswith("sqlite"):
+        engine["connect_args"] = {"timeout": 60}   # several controllers and threads write one file
+    elif url.startswith("postgres"):
+        engine["connect_args"] = {"connect_timeout": 10}
+        engine["pool_pre_ping"] = True
+    if not heartbeat:
+        return optuna.storages.RDBStorage(url, engine_kwargs=engine)
+    interval = heartbeat_s()
+    return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=interval,
+                                      grace_period=GRACE_FACTOR * interval,
+                                      heartbeat_stale_trial_callback=RetryInterrupted(paths))
+
+
+def _open_storage(paths: StudyPaths, recipe: Recipe, *, heartbeat: bool) -> optuna.storages.RDBStorage:
+    url = paths.storage_url(recipe)
+    real = driver_url(url)
+    try:
+        with warnings_quiet():
+            return make_storage(real, heartbeat=heartbeat, paths=paths)
+    except optuna.exceptions.StorageInternalError as exc:
+        raise _storage_error(url, exc)
+    except Exception as exc:  # sqlalchemy errors: bad URL, server down, permissions
+        if sqlite_file(url) is None and "connect" in str(exc).lower():
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
+            raise UsageError(f"cannot reach the study storage {redact(url)} ({first[:200]}): check the host, "
+                             f"port, user and database, and that the server runs")
+        raise _storage_error(redact(url), exc, " (check --storage)")
+
+
+@contextmanager
+def warnings_quiet() -> Iterator[None]:
+    """Optuna marks the heartbeat arguments experimental; that warning is not the user's business."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+        yield
+
+
+def identity_of(recipe: Recipe) -> dict[str, Any]:
+    """What controllers joining one study must agree on: the recipe's identity, less the storage
+    URL (each node may reach the same server under another name)."""
+    ident = {k: v for k, v in recipe.identity().items() if k != "storage"}
+    return json.loads(json.dumps(ident, sort_keys=True, default=str))
+
+
+def identity_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
+    """Identity fields both recipes have and that differ (a field added to autotune later is not a
+    difference: studies started before it must stay resumable)."""
+    return [k for k in sorted(set(mine) & set(theirs)) if mine[k] != theirs[k]]
+
+
+def check_identity(study: optuna.Study, recipe: Recipe, url: str) -> None:
+    """Refuse a controller whose recipe differs from the one the study was started with.
+
+    recipe.yaml guards this on one machine; a node joining a shared study may have no recipe.yaml,
+    so the study itself keeps what it was started with."""
+    mine = identity_of(recipe)
+    theirs = study.user_attrs.get(IDENTITY_ATTR)
+    if theirs is None:
+        study.set_user_attr(IDENTITY_ATTR, mine)
+        return
+    differ = identity_differences(mine, theirs)
+    if differ:
+        raise UsageError(f"study '{study.study_name}' in {redact(url)} was started with a different recipe "
+                         f"({', '.join(differ)} differ): use the same flags as the other controllers, "
+                         "or choose a new --name")
+
+
+def check_storage(paths: StudyPaths, recipe: Recipe) -> None:
+    """Before anything is written: a ``--storage`` server must be reachable with an installed driver,
+    and a study of that name there must have been started with the same recipe."""
+    if not recipe.storage or sqlite_file(recipe.storage) is not None:
+        return
+    storage = _open_storage(paths, recipe, heartbeat=False)
+    try:
+        study_id = storage.get_study_id_from_name(paths.name)
+    except KeyError:
+        return
+    except Exception as exc:
+        raise _storage_error(redact(recipe.storage), exc, " (check --storage)")
+    theirs = storage.get_study_user_attrs(study_id).get(IDENTITY_ATTR)
+    differ = identity_differences(identity_of(recipe), theirs or {})
+    if differ:
+        raise UsageError(f"study '{paths.name}' in {redact(recipe.storage)} was started with a different recipe "
+                         f"({', '.join(differ)} differ): use the same flags as the other controllers, "
+                         "or choose a new --name")
+
+
 def open_study(paths: StudyPaths, recipe: Recipe, *, sampler: optuna.samplers.BaseSampler | None = None,
                pruner: optuna.pruners.BasePruner | None = None, storage: Any = None) -> optuna.Study:
     """Create or load the study. ``storage`` may be a storage object (the benchmark passes an
-    in-memory one); otherwise the recipe's URL or the study folder's SQLite file."""
+    in-memory one); otherwise the recipe's URL or the study folder's SQLite file, opened with
+    heartbeats so that several controllers can share it (docs/cluster.md)."""
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = paths.storage_url(recipe)
     if storage is None:
         check_database(paths, recipe)
+        storage = _open_storage(paths, recipe, heartbeat=True)
     try:
-        return optuna.create_study(study_name=paths.name, storage=storage or url, direction="maximize",
-                                   sampler=sampler, pruner=pruner, load_if_exists=True)
+        study = optuna.create_study(study_name=paths.name, storage=storage, direction="maximize",
+                                    sampler=sampler, pruner=pruner, load_if_exists=True)
     except optuna.exceptions.StorageInternalError as exc:
         raise _storage_error(url, exc)
     except Exception as exc:  # sqlalchemy errors: bad URL, server down, permissions
-        raise _storage_error(url, exc, " (check --storage)")
+        raise _storage_error(redact(url), exc, " (check --storage)")
+    check_identity(study, recipe, url)
+    return study
 
 
 def load_existing(paths: StudyPaths, recipe: Recipe) -> optuna.Study:
@@ -188,9 +338,10 @@ def load_existing(paths: StudyPaths, recipe: Recipe) -> optuna.Study:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     url = paths.storage_url(recipe)
     check_database(paths, recipe, must_exist=True)
+    storage = _open_storage(paths, recipe, heartbeat=False)
     try:
-        return optuna.load_study(study_name=paths.name, storage=url)
+        return optuna.load_study(study_name=paths.name, storage=storage)
     except KeyError:
-        raise UsageError(f"study '{paths.name}' has no trials in {url} yet")
+        raise UsageError(f"study '{paths.name}' has no trials in {redact(url)} yet")
     except Exception as exc:  # sqlalchemy errors: server down, permissions, a damaged file
-        raise _storage_error(url, exc)
+        raise _storage_error(redact(url), exc)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import shlex
+import threading
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any, ContextManager, Iterator
 
 from autotune.recipe import Recipe
 from autotune.trial.classify import classify_failure, diagnose, diagnose_files
@@ -45,6 +46,30 @@ def write_command(spec: LaunchSpec) -> None:
     limit = f"# RLIMIT_AS {spec.memory_limit_gib} GiB\n" if spec.memory_limit_gib else ""
     (spec.trial_dir / "command.txt").write_text(
         f"{limit}cd {shlex.quote(str(spec.cwd or spec.trial_dir))}\n{env} \\\n  {shlex.join(spec.argv)}\n")
+
+
+# Set when the search stops abruptly (Ctrl-C, an error): trials running in other threads stop at
+# their next poll, their processes killed, and stay unrecorded so that a resume runs them again.
+ABORT = threading.Event()
+
+
+class TrialAborted(Exception):
+    """A trial stopped because the whole search was (see :data:`ABORT`)."""
+
+
+@contextlib.contextmanager
+def abort_on_error(pool: Any) -> Iterator[None]:
+    """Around a thread pool of trials: when the main thread stops (Ctrl-C, SIGTERM, an error), the
+    running trials stop too (their processes killed), the pool is waited for, and the flag is
+    cleared for whatever runs next in this process."""
+    try:
+        yield
+    except BaseException:
+        ABORT.set()
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        ABORT.clear()
 
 
 _BASELINES: dict[tuple[int, ...], dict[int, float] | None] = {}
@@ -110,6 +135,8 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
 
     def should_stop() -> str | None:
         nonlocal seen
+        if ABORT.is_set():
+            raise TrialAborted(f"{trial_dir.name}: the search was stopped")
         monitor.poll()
         records = monitor.records
         for rec in records[seen:]:

@@ -1,0 +1,205 @@
+"""Many machines, one study: real `autotune search` workers on a real PostgreSQL server.
+
+The server is the system's PostgreSQL (initdb/pg_ctl, run as the postgres user when the tests run
+as root), started by a fixture in a temporary folder. Without PostgreSQL the tests are skipped with
+the reason, unless AUTOTUNE_REQUIRE_POSTGRES=1 (CI) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import run_cli
+
+MODEL = ["--model", "Qwen2.5-7B-Instruct", "--gpus", "2", "--gpu-type", "A100-80GB", "--runner", "sim"]
+
+
+def _unavailable(reason: str) -> None:
+    if os.environ.get("AUTOTUNE_REQUIRE_POSTGRES") == "1":
+        pytest.fail(f"AUTOTUNE_REQUIRE_POSTGRES=1 but {reason}")
+    pytest.skip(reason)
+
+
+def _pg_bin(name: str) -> str | None:
+    found = shutil.which(name)
+    if found:
+        return found
+    candidates = sorted(glob.glob(f"/usr/lib/postgresql/*/bin/{name}"))
+    return candidates[-1] if candidates else None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    """A PostgreSQL server of its own for this module: postgresql://postgres@127.0.0.1:PORT/postgres."""
+    initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
+    if not initdb or not pg_ctl:
+        _unavailable("PostgreSQL's initdb/pg_ctl are not installed (apt-get install postgresql)")
+    prefix: list[str] = []
+    folder = Path(tempfile.mkdtemp(prefix="autotune-pg-"))
+    if os.geteuid() == 0:               # initdb refuses root: run the server as the postgres user
+        try:
+            user = pwd.getpwnam("postgres")
+        except KeyError:
+            _unavailable("running as root and there is no postgres user to run the server as")
+        prefix = ["runuser", "-u", "postgres", "--"]
+        os.chown(folder, user.pw_uid, user.pw_gid)
+    data, port = folder / "data", _free_port()
+    subprocess.run([*prefix, initdb, "-D", str(data), "-U", "postgres", "-A", "trust"], check=True,
+                   capture_output=True, timeout=120)
+    started = subprocess.run([*prefix, pg_ctl, "-D", str(data), "-l", str(folder / "server.log"), "-o",
+                              f"-p {port} -k {folder} -h 127.0.0.1", "-w", "start"], capture_output=True,
+                             text=True, timeout=120)
+    if started.returncode != 0:
+        pytest.fail(f"pg_ctl start failed: {started.stdout}{started.stderr}")
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run([*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True,
+                       timeout=120)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _study(url: str, name: str):
+    import optuna
+
+    from autotune.study.storage import driver_url
+
+    return optuna.load_study(study_name=name, storage=driver_url(url))
+
+
+def _search(url: str, name: str, runs: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "autotune", "search", *MODEL, "--storage", url, "--name", name,
+            "--runs-dir", str(runs), *extra]
+
+
+@pytest.mark.slow
+def test_two_workers_one_killed_mid_trial(postgres_url, tmp_path):
+    """Two nodes share a study; one is SIGKILLed mid-trial. The other notices through Optuna's
+    heartbeat, runs the trial again, keeps to --trials, and confirms and exports once."""
+    from optuna.trial import TrialState
+
+    from autotune.trial.processes import kill_stale
+
+    name, trials = "shared", 8
+    env = {**os.environ, "AUTOTUNE_HEARTBEAT_S": "1"}
+    args = ["--trials", str(trials), "--sim-time-scale", "0.004", "--confirm", "1"]
+    a_runs, b_runs = tmp_path / "node-a", tmp_path / "node-b"
+    a = subprocess.Popen(_search(postgres_url, name, a_runs, *args), env={**env, "AUTOTUNE_NODE": "node-a"},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    time.sleep(2)
+    b = subprocess.Popen(_search(postgres_url, name, b_runs, *args), env={**env, "AUTOTUNE_NODE": "node-b"},
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    killed_number = None
+    try:
+        deadline = time.monotonic() + 120
+        while killed_number is None and time.monotonic() < deadline:
+            # A has finished a trial and launched another, still starting up (far from its result)
+            if not list(a_runs.glob(f"{name}/trials/*/outcome.json")):
+                time.sleep(0.05)
+                continue
+            for metrics in a_runs.glob(f"{name}/trials/*/stdout.log"):
+                outcome = metrics.parent / "outcome.json"
+                if not outcome.exists() and "step" not in metrics.read_text():
+                    killed_number = int(metrics.parent.name)
+                    break
+            time.sleep(0.05)
+        assert killed_number is not None, "worker A never got a trial running"
+        a.send_signal(signal.SIGKILL)
+        a.wait(timeout=30)
+        out, _ = b.communicate(timeout=400)
+    finally:
+        for proc in (a, b):
+            if proc.poll() is None:
+                proc.kill()
+        kill_stale(a_runs / name / "trials" / str(killed_number)) if killed_number is not None else None
+    assert b.returncode == 0, out[-3000:]
+    assert "Traceback" not in out, out[-3000:]
+
+    study = _study(postgres_url, name)
+    all_trials = study.get_trials(deepcopy=False)
+    assert not [t.number for t in all_trials if t.state in (TrialState.RUNNING, TrialState.WAITING)]
+    killed = next(t for t in all_trials if t.number == killed_number)
+    assert killed.state == TrialState.FAIL and not killed.user_attrs.get("launched")
+    retry = [t for t in all_trials if t.user_attrs.get("retry_of") == killed_number]
+    assert len(retry) == 1 and retry[0].user_attrs.get("launched"), "the killed trial was not run again"
+    assert retry[0].user_attrs["candidate"] == killed.user_attrs["candidate"]
+    launched = [t for t in all_trials if t.user_attrs.get("launched")]
+    assert len(launched) == trials                                  # the study's total, both workers together
+    started = [p for runs in (a_runs, b_runs) for p in runs.glob(f"{name}/trials/*/command.txt")]
+    assert len(started) == trials + 1                               # ... plus the killed one's re-run
+    keys = [t.user_attrs["key"] for t in launched]
+    assert len(keys) == len(set(keys)), "a configuration was measured twice"
+    owners = {t.system_attrs.get("autotune:owner", "").split(":")[0] for t in launched}
+    assert owners == {"node-a", "node-b"}, owners                   # both took part
+    best = b_runs / name / "best" / "params.json"
+    assert best.exists() and json.loads(best.read_text())
+    assert out.count("confirming trial") >= 1
+    print(f"two workers: {len(started)} launched for --trials {trials} (killed trial {killed_number}, "
+          f"re-run as {retry[0].number}), {len(all_trials)} Optuna trials, {len(set(keys))} distinct configs")
+
+
+def test_a_node_joining_with_another_recipe_is_refused(postgres_url, tmp_path):
+    first = run_cli("search", *MODEL, "--storage", postgres_url, "--name", "recipes", "--trials", "1",
+                    "--confirm", "0", "--runs-dir", tmp_path / "a", timeout=300)
+    assert first.returncode == 0, first.stderr[-2000:]
+    other = ["--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--gpu-type", "A100-80GB", "--runner", "sim"]
+    second = run_cli("search", *other, "--storage", postgres_url, "--name", "recipes", "--trials", "1",
+                     "--runs-dir", tmp_path / "b", timeout=300)
+    assert second.returncode == 2
+    lines = second.stderr.strip().splitlines()
+    assert len(lines) == 1 and "different recipe" in lines[0] and "gpus" in lines[0], second.stderr
+    assert not (tmp_path / "b").exists()                            # refused before anything was written
+
+
+def test_show_and_export_from_the_storage(postgres_url, tmp_path):
+    """A study on PostgreSQL is read back by show and export (the trials live in the server)."""
+    done = run_cli("search", *MODEL, "--storage", postgres_url, "--name", "readback", "--trials", "2",
+                   "--confirm", "0", "--runs-dir", tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    shown = run_cli("show", "readback", "--json", "--runs-dir", tmp_path, timeout=120)
+    assert shown.returncode == 0 and len(json.loads(shown.stdout)) >= 2
+    out = tmp_path / "elsewhere"
+    exported = run_cli("export", "readback", "--out", out, "--runs-dir", tmp_path, timeout=120)
+    assert exported.returncode == 0 and (out / "params.json").exists(), exported.stderr
+
+
+def test_unreachable_server_is_one_line(tmp_path):
+    port = _free_port()
+    r = run_cli("search", *MODEL, "--storage", f"postgresql://u:secret@127.0.0.1:{port}/db", "--name", "x",
+                "--runs-dir", tmp_path, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cannot reach the study storage" in lines[0], r.stderr
+    assert "secret" not in r.stderr and not (tmp_path / "x").exists()
+
+
+def test_missing_driver_names_the_extra(tmp_path):
+    """With neither psycopg nor psycopg2 importable, the line says which extra installs one."""
+    shadow = tmp_path / "shadow"
+    for module in ("psycopg", "psycopg2"):
+        (shadow / module).mkdir(parents=True)
+        (shadow / module / "__init__.py").write_text(f"raise ImportError('no {module} here')\n")
+    r = run_cli("search", *MODEL, "--storage", "postgresql://u@127.0.0.1:5/db", "--name", "x",
+                "--runs-dir", tmp_path / "runs", env={"PYTHONPATH": str(shadow)}, timeout=120)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "pip install 'autotune[postgres]'" in lines[0], r.stderr
