@@ -54,14 +54,25 @@ def resolve_inputs(recipe: Recipe, gpu_type: str | None, gpu_memory: float | Non
         recipe.gpu_type = "CPU"
         recipe.gpu_memory_gib = float(recipe.memory_limit_gib or round(psutil.virtual_memory().total / 2**30, 1))
     else:
-        need_visible = recipe.runner == "command" or (recipe.runner == "trl" and recipe.device == "cuda")
-        if recipe.runner == "trl" and not visible_gpus():
-            raise UsageError("no GPU is visible for real TRL trials: use --device cpu for a CPU rehearsal "
+        real = recipe.runner in ("trl", "swift")
+        need_visible = recipe.runner == "command" or (real and recipe.device == "cuda")
+        if real and not visible_gpus():
+            trainer = "TRL" if recipe.runner == "trl" else "ms-swift"
+            raise UsageError(f"no GPU is visible for real {trainer} trials: use --device cpu for a CPU rehearsal "
                              "with real trials, or --runner sim --gpu-type TYPE to simulate GPUs")
         gpu = resolve_hardware(recipe.gpus, gpu_type, gpu_memory, need_visible=need_visible)
         recipe.gpu_type, recipe.gpu_memory_gib = gpu.name, gpu.memory_gib
+    if space_path is None and recipe.runner == "swift":
+        from autotune.configs import swift_space_path   # ms-swift's own knobs beside the shared ones
+
+        space_path = swift_space_path()
     space = load_space(space_path)
     recipe.space, recipe.space_digest = str(space.path), space.digest
+    if recipe.dataset:
+        dataset = Path(recipe.dataset).expanduser()
+        if not dataset.is_file():
+            raise UsageError(f"--dataset {recipe.dataset}: no such file (give a JSONL file with a 'prompt' field)")
+        recipe.dataset = str(dataset.resolve())   # trials run in their own folders
     pins = {}
     for name, text in raw_pins.items():
         if name not in space.params:
@@ -223,8 +234,8 @@ def _show(name: str, recipe: Recipe, study: "optuna.Study", as_json: bool) -> No
         if not r.launched and r.status not in ("invalid", "skipped"):
             status += " (repeat)"
         tail = short_params(r.params) if r.status in ("ok", "oom") else (r.error_line or r.reason or short_params(r.params))
-        if r.status == "ok" and r.reason:            # the low-utilization diagnosis, where people look
-            tail += f"; {r.reason}"
+        if r.status == "ok" and r.diagnosis:         # the low-utilization diagnosis, where people look
+            tail += f"; {r.diagnosis}"
         pred = predicted.get(r.number)
         table.add_row(str(r.number), status, f"{r.throughput:.4g}" if r.throughput else "-",
                       f"{r.peak_memory_gib:.1f}" if r.peak_memory_gib else "-",
@@ -232,10 +243,10 @@ def _show(name: str, recipe: Recipe, study: "optuna.Study", as_json: bool) -> No
     console = Console(width=200)
     console.print(table)
     errors = [abs(predicted[r.number] - r.peak_memory_gib) / r.peak_memory_gib for r in ranked
-              if r.launched and r.peak_memory_gib and predicted.get(r.number)]
+              if r.launched and r.status == "ok" and r.peak_memory_gib and predicted.get(r.number)]
     if errors:
-        console.print(f"memory model: mean error {sum(errors) / len(errors):.1%} over {len(errors)} measured "
-                      "peaks (each predicted before its trial ran, with what was known then)")
+        console.print(f"memory model: mean error {sum(errors) / len(errors):.1%} over {len(errors)} trials "
+                      "that ran ok (each predicted before its trial ran, with what was known then)")
 
 
 def export_named(name: str, runs_dir: Path, out: Path | None) -> list[Path]:
@@ -288,7 +299,9 @@ def estimate_candidate(recipe: Recipe, as_json: bool, raw_pins: dict[str, str] |
     est = estimate(model, params, gpus=recipe.gpus, capacity_gib=recipe.gpu_memory_gib,
                    max_prompt_length=recipe.max_prompt_length,
                    max_completion_length=recipe.max_completion_length, beta=recipe.beta,
-                   lora_rank=recipe.lora_rank, dp_gpus=recipe.dp_gpus(params))
+                   lora_rank=recipe.lora_rank, dp_gpus=recipe.dp_gpus(params),
+                   quantization=recipe.quantization, image_tokens=recipe.image_tokens,
+                   images_per_prompt=recipe.images_per_prompt)
     spread = TYPICAL_REL_ERROR * est.total_gib
     uncertainty = (f"uncertainty +/-{TYPICAL_REL_ERROR:.0%} (+/-{spread:.1f} GiB): it read 2-5% above 5 peaks "
                    "measured on one H100 (Qwen2.5-1.5B, no vLLM); untested on other models, GPU counts, vLLM")
@@ -366,7 +379,7 @@ def verify_best(name: str, runs_dir: Path, steps: int) -> bool:
     print(f"verifying {short_params(params)} for {recipe.warmup_steps} + {steps} steps in {trial_dir}")
     with plain_failures(paths, recipe, ROOM_FOR_STUDY):
         outcome = runner.run(params, trial_dir, VERIFY_NUMBER_OFFSET + number,
-                             TrialControl(rule, None, recipe.completions_per_step(params), purpose="verify"))
+                             TrialControl(rule, None, constraints.samples_per_step(params, recipe, space), purpose="verify"))
         limit = headroom_limit(recipe)
         peak = outcome.peak_memory_gib
         within = limit is None or peak is None or peak <= limit

@@ -61,9 +61,6 @@ WRITE_UP_001 = ["--gpus", "2", "--gpu-type", "A100-40GB", "--max-prompt-length",
                 "--set", "vllm_gpu_memory_utilization=0.2", "--set", "zero_stage=0", "--set", "offload=none"]
 GPTQ_INT4 = {"bits": 4, "group_size": 128, "damp_percent": 0.01, "desc_act": False, "quant_method": "gptq",
              "static_groups": False, "sym": True, "true_sequential": True}
-#: what commands.estimate_candidate must pass to memory.estimate for these flags to count
-NEEDS_COMMANDS = pytest.mark.xfail(strict=True, reason="commands.estimate_candidate does not yet pass quantization, "
-                                   "image_tokens and images_per_prompt to memory.estimate")
 
 
 def gptq_dir(tmp_path):
@@ -89,7 +86,6 @@ def test_gptq_checkpoint_without_lora_is_one_line(tmp_path):
     assert len(lines) == 1 and "add --lora-rank" in lines[0]
 
 
-@NEEDS_COMMANDS
 def test_quantization_flag_without_lora_is_one_line():
     res = run_cli("estimate", "--model", "Qwen2.5-7B", "--gpus", "1", "--gpu-type", "A100-80GB",
                   "--quantization", "4bit")
@@ -98,7 +94,6 @@ def test_quantization_flag_without_lora_is_one_line():
     assert len(lines) == 1 and "add --lora-rank" in lines[0]
 
 
-@NEEDS_COMMANDS
 def test_quantization_flag_shrinks_the_states():
     base = ["estimate", "--model", "Qwen2.5-7B", "--gpus", "1", "--gpu-type", "A100-80GB", "--lora-rank", "16",
             "--json"]
@@ -107,7 +102,6 @@ def test_quantization_flag_shrinks_the_states():
     assert nf4["quantization"].startswith("4-bit NF4") and plain["model_states_gib"] - nf4["model_states_gib"] > 8
 
 
-@NEEDS_COMMANDS
 def test_vl_image_tokens_show_the_vision_part():
     res = run_cli("estimate", "--model", "Qwen2.5-VL-3B-Instruct", "--gpus", "4", "--gpu-type", "A100-80GB",
                   "--image-tokens", "1024", "--images-per-prompt", "2")

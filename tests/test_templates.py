@@ -94,9 +94,6 @@ def test_template_search_in_own_names_exports_a_command_sh_that_runs(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="search/loop.py, search/confirm.py and trial/execute.py still call "
-                   "recipe.completions_per_step(params) without the space's mapping (space.batch): with no "
-                   "--global-batch and a trainer that prints no samples, the throughput is unknown")
 def test_template_search_without_global_batch_counts_the_mapped_batch(tmp_path):
     res = run_cli("search", "--model", "Qwen2.5-0.5B", "--gpus", "2", "--gpu-type", "A100-80GB",
                   "--space", SPACE, "--command", TEMPLATE, "--set", "n_samples_per_prompt=4",
@@ -308,3 +305,22 @@ def test_broken_mapping_names_file_and_line(tmp_path, block, fragments):
     body = SPACE.read_text().split("parameters:", 1)[1]
     space.write_text("version: 1\n" + block + "parameters:" + body)
     one_line_error(run_cli(*BASE, "--space", space, "--command", TEMPLATE, cwd=tmp_path), str(space), *fragments)
+
+
+@pytest.mark.slow
+def test_a_trainer_that_never_says_its_batch_is_told_what_to_declare(tmp_path):
+    """Step times but no sample count, and a space with no global_batch: block: the throughput
+    cannot be known, and the crash line must say what fixes it rather than quote the trainer."""
+    (tmp_path / "space.yaml").write_text(
+        "version: 1\nparameters:\n  x:\n    type: int\n    choices: [1, 2]\n    default: 1\n")
+    (tmp_path / "trainer.py").write_text(
+        "import sys\nsteps = int(sys.argv[sys.argv.index('--max_steps') + 1])\n"
+        "for step in range(steps):\n    print({'loss': 0.1, 'step_time': 0.01}, flush=True)\n"
+        "print('training finished', flush=True)\n")
+    template = f"{sys.executable} {tmp_path / 'trainer.py'} --x {{x}} --max_steps {{max_steps}}"
+    res = run_cli("search", "--model", "Qwen2.5-0.5B", "--gpus", "1", "--gpu-type", "A100-80GB",
+                  "--space", str(tmp_path / "space.yaml"), "--command", template,
+                  "--trials", "1", "--confirm", "0", "--name", "nobatch", cwd=tmp_path)
+    outcome = json.loads((tmp_path / "runs" / "nobatch" / "trials" / "0" / "outcome.json").read_text())
+    assert outcome["status"] == "crash", (outcome, res.stderr)
+    assert "global_batch" in outcome["error_line"] and "samples" in outcome["error_line"]

@@ -38,6 +38,7 @@ class SimRunner(Runner):
             # noise differs between trials, but a study replays identically from its seed
             "seed": zlib.crc32(f"{recipe.seed}:{number}".encode()),
             "time_scale": recipe.sim_time_scale,
+            "warmup_steps": recipe.warmup_steps,
             "max_steps": max(50, recipe.warmup_steps + recipe.measure_steps + 20, (self.steps_needed or 0) + 2),
         }
 

@@ -15,6 +15,7 @@ import optuna
 from autotune.progress import Reporter
 from autotune.recipe import Recipe
 from autotune.runners.base import on_gpus
+from autotune.search import constraints
 from autotune.search.planner import Planner
 from autotune.search.stopping import Budget
 from autotune.study import StudyPaths, TrialRow, confirmations, eligible, rows, save_confirmation
@@ -115,7 +116,7 @@ def run_one(row: TrialRow, gpus: list[int] | None, recipe: Recipe, paths: StudyP
             execute: Callable[..., Outcome]) -> Outcome:
     """One confirmation run, on ``gpus`` (a parallel slot) or the default GPUs."""
     trial_dir = paths.confirm_dir(row.number)
-    control = TrialControl(StopRule.confirming(recipe), None, recipe.completions_per_step(row.params),
+    control = TrialControl(StopRule.confirming(recipe), None, constraints.samples_per_step(row.params, recipe),
                            purpose="confirm")
     with on_gpus(gpus):
         outcome = execute(row.params, trial_dir, CONFIRM_NUMBER_OFFSET + row.number, control)

@@ -51,6 +51,12 @@ def batch_of(params: dict[str, Any], recipe: Recipe, space: Space | None = None)
     return TRL_BATCH if "per_device_train_batch_size" in params else None
 
 
+def samples_per_step(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -> int | None:
+    """Completions one optimizer step of this candidate trains, read through the space's batch
+    mapping (None when nothing says: the trial's metrics must then count them)."""
+    return recipe.completions_per_step(params, batch_of(params, recipe, space))
+
+
 def derive(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -> dict[str, Any]:
     """Fill derived values: the accumulation from ``--global-batch`` when one is given.
 

@@ -70,8 +70,9 @@ def fixed_values(space: Space, recipe: Recipe, runner: Runner) -> dict[str, Any]
         for name, param in space.params.items():
             if name not in searched and name not in fixed:
                 fixed[name] = param.default
-    if recipe.global_batch:
-        fixed["gradient_accumulation_steps"] = 0  # placeholder, replaced by constraints.derive
+    accumulation = space.batch.accumulation if space.batch is not None else "gradient_accumulation_steps"
+    if recipe.global_batch and accumulation is not None:
+        fixed[accumulation] = 0  # placeholder, replaced by constraints.derive
     return fixed
 
 
@@ -229,7 +230,7 @@ class Search:
         """Run one candidate as a trial, reported live, until its throughput is measured."""
         self.stopping.launched()
         self.reporter.trial_started(trial.number, launched, params)
-        control = TrialControl(StopRule.searching(self.recipe), trial, self.recipe.completions_per_step(params),
+        control = TrialControl(StopRule.searching(self.recipe), trial, constraints.samples_per_step(params, self.recipe, self.space),
                                on_step=lambda rec, n=trial.number: self.reporter.step(n, rec))
         outcome = self.execute(params, self.paths.trial_dir(trial.number), trial.number, control)
         outcome.extra["launched"] = True

@@ -61,23 +61,25 @@ def fallback_seeds(space: Space, recipe: Recipe, fixed: dict[str, Any], rules: R
     rules out everything above it), a conservative ZeRO-3 and a memory-lean offload, made valid by
     choosing accumulation."""
     defaults = space.defaults()
-    largest = max(space.params["per_device_train_batch_size"].grid_values()) \
-        if "per_device_train_batch_size" in space.params else None
+    micro = space.batch.micro_batch if space.batch is not None else "per_device_train_batch_size"
+    accumulation = space.batch.accumulation if space.batch is not None else "gradient_accumulation_steps"
+    largest = max(space.params[micro].grid_values()) if micro in space.params else None
     ideas = [
         {},
-        {"per_device_train_batch_size": largest, "gradient_checkpointing": True},
-        {"per_device_train_batch_size": 2, "zero_stage": 3, "offload": "none", "gradient_checkpointing": True},
-        {"per_device_train_batch_size": 1, "zero_stage": 3, "offload": "optimizer", "gradient_checkpointing": True},
+        {micro: largest, "gradient_checkpointing": True},
+        {micro: 2, "zero_stage": 3, "offload": "none", "gradient_checkpointing": True},
+        {micro: 1, "zero_stage": 3, "offload": "optimizer", "gradient_checkpointing": True},
     ]
     seeds: list[dict[str, Any]] = []
     for idea in ideas:
         base = {**defaults, **{k: v for k, v in idea.items() if k in space.params and space.params[k].contains(v)},
                 **fixed}
-        gas_choices = [base.get("gradient_accumulation_steps")]
-        if "gradient_accumulation_steps" in space.params and "gradient_accumulation_steps" not in fixed:
-            gas_choices += list(space.params["gradient_accumulation_steps"].grid_values())
-        for gas in gas_choices:
-            cand = space.normalize(constraints.derive({**base, "gradient_accumulation_steps": gas}, recipe))
+        choices = [base.get(accumulation)] if accumulation is not None else [None]
+        if accumulation in space.params and accumulation not in fixed:
+            choices += list(space.params[accumulation].grid_values())
+        for value in choices:
+            with_accumulation = {**base, accumulation: value} if accumulation in space.params else base
+            cand = space.normalize(constraints.derive(with_accumulation, recipe))
             if not constraints.violations(cand, recipe, rules):
                 if cand not in seeds:
                     seeds.append(cand)

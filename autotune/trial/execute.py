@@ -26,7 +26,7 @@ from autotune.trial.metrics import steady_throughput
 from autotune.trial.monitor import TrialMonitor
 from autotune.trial.outcome import Outcome
 from autotune.trial.telemetry import GpuSampler
-from autotune.trial.utilization import MonitorSummary, phase_times
+from autotune.trial.utilization import MonitorSummary, phase_times, summarize_file
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +122,7 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
     """
     trial_dir = spec.trial_dir
     write_command(spec)
-    monitor = TrialMonitor(trial_dir / "metrics.jsonl", recipe.completions_per_step(params))
+    monitor = TrialMonitor(trial_dir / "metrics.jsonl", control.samples_per_step)
     gpus = trial_gpus(spec) if recipe.device == "cuda" else []
     sampler = GpuSampler(trial_dir, gpus, params=params, min_util=recipe.min_util) if monitors_gpus else None
     baseline = baseline_for(gpus) if sampler is not None and gpus else None
@@ -171,6 +171,10 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
             summary = sampler.stop(step_times=phase_times(trial_dir / "metrics.jsonl",
                                                           after_step=control.rule.warmup)) if sampler else None
     monitor.poll()
+    if summary is None and not monitors_gpus:
+        # a trial that writes its own gpu.csv (the simulator, following its physics)
+        summary = summarize_file(trial_dir / "gpu.csv", params=params, min_util=recipe.min_util,
+                                 step_times=phase_times(trial_dir / "metrics.jsonl", after_step=control.rule.warmup))
     outcome = judge(result, monitor, recipe, control.rule.warmup, trial_dir=trial_dir)
     note_leftover(outcome, leftover, previous_failed)
     if summary is not None:
@@ -273,6 +277,11 @@ def _verdict(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup
         detail = (f"no result within --trial-timeout {limit:g}s" if result.stopped == "timeout"
                   else f"no output for --hang-timeout {limit:g}s")
         return Outcome(status=result.stopped, detail=detail, error_line=error_line, **common)
+    timed = [r for r in records if r.step_time is not None]
+    if len(timed) > warmup and not any(r.samples for r in timed) and not monitor.samples_per_step:
+        return Outcome(status="crash", error_line=(
+            "the trainer logged step times but not how many completions a step trained: write "
+            "\"samples\" in its AUTOTUNE_METRICS_FILE lines, or declare global_batch: in the space"), **common)
     if result.returncode == 0:
         return Outcome(status="crash", error_line=error_line or (
             f"the trainer exited after {monitor.steps} step(s) without enough step times; "
