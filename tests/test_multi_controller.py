@@ -17,6 +17,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+pytestmark = pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed")   # ask/tell use heartbeats too
+
 SIM = ["--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--gpu-type", "A100-80GB", "--runner", "sim"]
 
 
@@ -93,3 +95,264 @@ def test_a_killed_controller_is_taken_over_by_the_live_one(tmp_path):
     keys = [t.user_attrs["key"] for t in launched]
     assert len(keys) == len(set(keys))
     assert not (running / "pid").exists()          # its orphaned trial process was killed and cleaned up
+
+
+# -- unit checks of the pieces above: claims, heartbeats, recovery, the scheduler's exits ---------------
+def _heartbeat_study(tmp_path, grace: int = 1):
+    """A SQLite study with Optuna heartbeats every second (grace ``grace`` s), as open_study makes."""
+    import warnings
+
+    from autotune.study.paths import StudyPaths
+    from autotune.study.recovery import RetryInterrupted
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    paths = StudyPaths(tmp_path / "runs", "s")
+    paths.root.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        storage = optuna.storages.RDBStorage(f"sqlite:///{paths.db}", heartbeat_interval=1, grace_period=grace,
+                                             heartbeat_stale_trial_callback=RetryInterrupted(paths))
+    return optuna.create_study(study_name="s", storage=storage, direction="maximize"), paths
+
+
+def test_a_claim_is_refused_for_a_configuration_told_meanwhile(tmp_path):
+    """Controller A tells configuration K between B's look at the study and B's claim: B's claim
+    says it is measured (B answers it from the study) instead of launching it again."""
+    from autotune.study.claims import claim
+
+    study, _ = _heartbeat_study(tmp_path)
+    for key, status in (("K", "ok"), ("S", "skipped")):
+        told = study.ask()
+        told.set_user_attr("key", key)
+        told.set_user_attr("status", status)
+        study.tell(told, 1.0 if status == "ok" else None, state=None if status == "ok" else TrialState.FAIL)
+    mine = study.ask()
+    refused = claim(study, mine, {"a": 1}, "K", limit=10)
+    assert not refused.granted and refused.why == "measured" and refused.other == 0
+    assert claim(study, mine, {"a": 2}, "S", limit=10).granted      # a memory-model skip is asked again
+
+
+class _Stop:
+    def __init__(self, reason):
+        self.value = reason
+
+    def reason(self):
+        return self.value
+
+
+class _FakeSearch:
+    """What the Scheduler uses of a Search, with a stop reason and a measure that records calls."""
+
+    def __init__(self, paths, *, stop=None, measure_error=None):
+        from types import SimpleNamespace
+
+        self.paths, self.planner, self.best_value, self.fixed = paths, None, 0.0, {}
+        self.recipe = SimpleNamespace(trials=5)
+        self.stopping = _Stop(stop)
+        self.reporter = SimpleNamespace(message=lambda *a: None)
+        self.measured: list[int] = []
+        self.measure_error = measure_error
+
+    def gate(self, number, params, previous):
+        return None, None
+
+    def measure(self, trial, params, number, predicted_gib):
+        from autotune.trial.outcome import Outcome
+
+        self.measured.append(trial.number)
+        if self.measure_error is not None:
+            raise self.measure_error
+        return Outcome(status="ok", throughput=1.0, extra={"launched": True})
+
+    def tell(self, study, trial, params, key, outcome, measured):
+        study.tell(trial, 1.0)
+
+    def converged(self, study, launched):
+        return None
+
+
+def _thread(heartbeat):
+    return getattr(heartbeat, "_thread", None)
+
+
+def test_a_failed_trial_thread_stops_its_heartbeat(tmp_path):
+    """The trial thread raised: the error goes on, and the trial's heartbeat thread is stopped (it is
+    not a daemon: alive, the process would never exit after the one-line error)."""
+    from concurrent.futures import Future
+
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    from autotune.search.parallel import Asked, Scheduler
+
+    study, paths = _heartbeat_study(tmp_path)
+    trial = study.ask()
+    heartbeat = get_heartbeat_thread(trial._trial_id, study._storage)
+    heartbeat.start()
+    scheduler = Scheduler(_FakeSearch(paths), study, [None])
+    scheduler.free = []
+    future: Future = Future()
+    future.set_exception(RuntimeError("the trial thread failed"))
+    try:
+        with pytest.raises(RuntimeError):
+            scheduler.finish(Asked(trial, {}, "k", heartbeat, slot=0), future)
+        assert not _thread(heartbeat).is_alive(), "the heartbeat of the failed trial still runs"
+    finally:
+        heartbeat.join()
+
+
+def test_held_candidates_are_dropped_once_the_search_stopped(tmp_path):
+    """A candidate held while its twin ran elsewhere is not launched after a stop (time budget): it
+    is closed (FAIL, not launched) and its heartbeat stopped, so nothing is left RUNNING."""
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    from autotune.search.parallel import Asked, Scheduler
+
+    study, paths = _heartbeat_study(tmp_path)
+    search = _FakeSearch(paths, stop=("time budget", "the time budget is spent"))
+    trial = study.ask()
+    heartbeat = get_heartbeat_thread(trial._trial_id, study._storage)
+    heartbeat.start()
+    scheduler = Scheduler(search, study, [None])
+    scheduler.waiting.append(Asked(trial, {"a": 1}, "k", heartbeat))   # its twin is no longer running
+    try:
+        stopped = scheduler.run()
+    finally:
+        heartbeat.join()
+    assert stopped and "time budget" in stopped
+    assert search.measured == [], "a held candidate was launched after the search stopped"
+    left = study.trials[trial.number]
+    assert left.state == TrialState.FAIL and left.user_attrs["reason"].startswith("not launched")
+
+
+def test_a_trial_is_seen_from_another_machine_from_the_moment_it_is_owned(tmp_path):
+    """claim_owner records the first heartbeat, so a controller killed inside ask (before its
+    heartbeat thread started) leaves a trial that goes stale: another machine fails and re-queues it."""
+    from autotune.study.recovery import OWNER_ATTR, claim_owner, recover_interrupted
+
+    study, paths = _heartbeat_study(tmp_path)
+    trial = study.ask({"a": optuna.distributions.IntDistribution(0, 9)})
+    claim_owner(study, trial)
+    study._storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, "elsewhere:1")   # as seen from another node
+    time.sleep(2.5)
+    recover_interrupted(study, paths)
+    after = study.get_trials(deepcopy=False)
+    assert after[trial.number].state == TrialState.FAIL
+    assert [t.user_attrs.get("retry_of") for t in after if t.state == TrialState.WAITING] == [trial.number]
+
+
+def test_another_machines_trial_without_any_heartbeat_is_taken_over_after_the_grace(tmp_path):
+    """A trial of an older controller killed inside ask: another host's, no heartbeat row at all.
+    Left alone within the grace period, failed and queued again after it."""
+    from autotune.study.recovery import OWNER_ATTR, recover_interrupted
+
+    study, paths = _heartbeat_study(tmp_path, grace=2)
+    trial = study.ask({"a": optuna.distributions.IntDistribution(0, 9)})
+    study._storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, "elsewhere:1")
+    recover_interrupted(study, paths)
+    assert study.trials[trial.number].state == TrialState.RUNNING, "taken over within the grace period"
+    time.sleep(2.5)
+    recover_interrupted(study, paths)
+    after = study.get_trials(deepcopy=False)
+    assert after[trial.number].state == TrialState.FAIL
+    assert [t.user_attrs.get("retry_of") for t in after if t.state == TrialState.WAITING] == [trial.number]
+
+
+def test_a_late_heartbeat_of_a_live_controller_here_kills_nothing(tmp_path):
+    """This controller's heartbeat thread died (a storage blip) while its trial runs: recovery neither
+    fails the trial nor kills its processes nor writes its outcome; nor does the stale callback."""
+    from autotune.study.recovery import RetryInterrupted, claim_owner, recover_interrupted
+    from autotune.trial.processes import PID_FILE, TRIAL_ENV
+
+    study, paths = _heartbeat_study(tmp_path)
+    trial = study.ask()
+    claim_owner(study, trial)                               # this process: alive, on this machine
+    study._storage.record_heartbeat(trial._trial_id)        # its last beat before the thread died
+    trial_dir = paths.trial_dir(trial.number)
+    trial_dir.mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                            env={**os.environ, TRIAL_ENV: str(trial_dir)})
+    try:
+        (trial_dir / PID_FILE).write_text(str(proc.pid))
+        time.sleep(2.5)
+        recover_interrupted(study, paths)
+        assert study.trials[trial.number].state == TrialState.RUNNING
+        RetryInterrupted(paths)(study, study.trials[trial.number])
+        assert proc.poll() is None, "the live trial's process was killed"
+        assert not (trial_dir / "outcome.json").exists()
+        assert not study.get_trials(deepcopy=False, states=(TrialState.WAITING,))
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_the_heartbeat_outlives_a_failed_write():
+    """Optuna's heartbeat thread ends at its first error; ours logs it and beats again."""
+    from optuna.storages._heartbeat import BaseHeartbeat
+
+    from autotune.study.recovery import Heartbeat
+
+    class Flaky(BaseHeartbeat):
+        beats = 0
+
+        def record_heartbeat(self, trial_id):
+            self.beats += 1
+            if self.beats == 1:
+                raise optuna.exceptions.StorageInternalError("database is locked")
+
+        def _get_stale_trial_ids(self, study_id):
+            return []
+
+        def get_heartbeat_interval(self):
+            return 1
+
+        def get_heartbeat_stale_trial_callback(self):
+            return None
+
+    storage = Flaky()
+    heartbeat = Heartbeat(0, storage)
+    heartbeat.start()
+    time.sleep(1.5)
+    try:
+        assert heartbeat.alive() and storage.beats >= 2
+    finally:
+        heartbeat.join()
+    assert not heartbeat.alive()
+
+
+def test_the_scheduler_answers_a_claim_refused_as_measured(tmp_path):
+    """The gate looked before another controller told K (simulated: the first look misses it); the
+    claim refuses K as measured and the scheduler answers it from the study, launching nothing."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from optuna.storages._heartbeat import get_heartbeat_thread
+
+    from autotune.search.parallel import Asked, Scheduler
+    from autotune.trial.outcome import Outcome
+
+    study, paths = _heartbeat_study(tmp_path)
+    told = study.ask()
+    told.set_user_attr("key", "K")
+    told.set_user_attr("status", "ok")
+    study.tell(told, 1.0)
+    looks: list[object] = []
+
+    class Racing(_FakeSearch):
+        def gate(self, number, params, previous):
+            looks.append(previous)
+            if len(looks) == 1 or previous is None:       # the look from before K was told
+                return None, None
+            return Outcome(status="ok", throughput=1.0, detail="same configuration"), None
+
+    search = Racing(paths)
+    trial = study.ask()
+    heartbeat = get_heartbeat_thread(trial._trial_id, study._storage)
+    heartbeat.start()
+    scheduler = Scheduler(search, study, [None])
+    with ThreadPoolExecutor(1) as pool:
+        try:
+            scheduler.gate_and_launch(Asked(trial, {"a": 1}, "K", heartbeat), pool)
+        finally:
+            heartbeat.join()
+    assert search.measured == [] and not scheduler.running, "a configuration measured meanwhile was launched"
+    assert len(looks) == 2 and looks[1] is not None and looks[1][0] == told.number
+    assert study.trials[trial.number].state == TrialState.COMPLETE

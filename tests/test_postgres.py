@@ -203,3 +203,40 @@ def test_missing_driver_names_the_extra(tmp_path):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'autotune[postgres]'" in lines[0], r.stderr
+
+
+def test_a_node_killed_inside_ask_and_its_unstamped_lock_are_taken_over(postgres_url, tmp_path):
+    """On the server: a node died inside ``ask`` (its trial owned, never beating after that) and
+    another died between creating the claim lock and stamping it. The next node takes both over
+    after the grace period instead of waiting forever."""
+    import time
+    import warnings
+
+    import optuna
+    from optuna.study import StudyDirection
+    from optuna.trial import TrialState
+
+    from autotune.study.lock import StudyLock
+    from autotune.study.paths import StudyPaths
+    from autotune.study.recovery import OWNER_ATTR, RetryInterrupted, claim_owner, recover_interrupted
+    from autotune.study.storage import driver_url
+
+    paths = StudyPaths(tmp_path, "askdeath")
+    paths.root.mkdir(parents=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        storage = optuna.storages.RDBStorage(driver_url(postgres_url), heartbeat_interval=1, grace_period=1,
+                                             heartbeat_stale_trial_callback=RetryInterrupted(paths))
+        study = optuna.create_study(study_name="askdeath", storage=storage, direction="maximize")
+        trial = study.ask({"a": optuna.distributions.IntDistribution(0, 9)})
+    claim_owner(study, trial)
+    study._storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, "node-gone:1")
+    storage.create_new_study([StudyDirection.MAXIMIZE], "askdeath:lock:claim")   # never stamped
+    lock = StudyLock(study._storage, "askdeath", "claim", stale_s=1.0, poll_s=0.05)
+    assert lock.acquire(timeout_s=5)
+    lock.release()
+    time.sleep(2.5)
+    recover_interrupted(study, paths)
+    after = study.get_trials(deepcopy=False)
+    assert after[trial.number].state == TrialState.FAIL
+    assert [t.user_attrs.get("retry_of") for t in after if t.state == TrialState.WAITING] == [trial.number]

@@ -23,14 +23,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import optuna
-from optuna.storages._heartbeat import BaseHeartbeatThread, get_heartbeat_thread
+from optuna.storages._heartbeat import BaseHeartbeatThread
 from optuna.trial import TrialState
 
 from autotune.runners.base import on_gpus
 from autotune.search import constraints
-from autotune.study import candidate_key, launched_rows, measured_configs, rows
-from autotune.study.claims import claim, launches, pending_keys
-from autotune.study.recovery import claim_owner, recover_interrupted
+from autotune.errors import SearchStopped
+from autotune.study import candidate_key, launched_rows, rows
+from autotune.study.claims import answered, claim, launches, pending_keys
+from autotune.study.recovery import Heartbeat, claim_owner, recover_interrupted
 from autotune.study.storage import heartbeat_s
 from autotune.trial.execute import abort_on_error
 from autotune.trial.outcome import Outcome
@@ -41,12 +42,7 @@ POLL_S = 0.5            # how often to look at the study while waiting on others
 RECOVER_EVERY_S = 10.0  # how often to look for trials whose controller died (at most)
 
 
-def answered(study: optuna.Study) -> dict[str, tuple[int, dict[str, Any]]]:
-    """What a repeat proposal is answered from without a launch: measured and refused configs.
-
-    A memory-model skip is not an answer: the model is re-fitted after every trial, so a candidate
-    it vetoed early is asked again when proposed again."""
-    return {k: v for k, v in measured_configs(study).items() if v[1].get("status") != "skipped"}
+__all__ = ["Asked", "Scheduler", "answered"]   # answered: study/claims.py's, which claim() agrees with
 
 
 @dataclass
@@ -84,12 +80,15 @@ class Scheduler:
                     for future in [f for f in self.running if f.done()]:
                         reason = self.finish(self.running.pop(future), future)
                         stopped = stopped or reason
-                    self.recheck_waiting(pool)
                     if stopped is None:
                         stop = s.stopping.reason()
                         if stop is not None:
                             stopped = f"stopped after {launches(self.study)} trials: {stop[0]}"
                             s.reporter.message(stop[1])
+                    if stopped is None:
+                        self.recheck_waiting(pool)
+                    else:                           # nothing new is launched once the search stopped
+                        self.drop_waiting(stopped)
                     if stopped is None and self.free and len(self.waiting) < len(self.slots) and self.budget_left():
                         self.ask(pool)
                         continue
@@ -102,7 +101,10 @@ class Scheduler:
                         self.recover()
                         continue
                     return stopped
-        finally:   # heartbeat threads are not daemons: an interrupted search must stop them to exit
+        except SearchStopped as exc:   # the same crash again: held candidates are closed, not left RUNNING
+            self.drop_waiting(f"search stopped: {exc}")
+            raise
+        finally:   # every heartbeat stops, whatever ends the search (a live one keeps its trial RUNNING)
             for asked in [*self.running.values(), *self.waiting]:
                 asked.heartbeat.join()
 
@@ -129,20 +131,23 @@ class Scheduler:
         except optuna.exceptions.UpdateFinishedTrialError:
             log.info("a trial was taken over by another controller while it was being asked; asking again")
             return
-        heartbeat = get_heartbeat_thread(trial._trial_id, self.study._storage)   # noqa: SLF001
+        heartbeat = Heartbeat(trial._trial_id, self.study._storage)   # noqa: SLF001  (outlives a failed write)
         heartbeat.start()
         try:
             params = s.space.normalize(constraints.derive(s.space.suggest(trial, s.fixed), s.recipe))
             asked = Asked(trial, params, candidate_key(params), heartbeat)
             self.gate_and_launch(asked, pool)
         except optuna.exceptions.UpdateFinishedTrialError:
-            if not any(a.trial is trial for a in [*self.running.values(), *self.waiting]):
-                heartbeat.join()
+            self.release_unless_held(trial, heartbeat)
             log.info("trial %d was taken over by another controller before it launched", trial.number)
         except BaseException:
-            if not any(a.trial is trial for a in [*self.running.values(), *self.waiting]):
-                heartbeat.join()        # not held by anything that will stop it later
+            self.release_unless_held(trial, heartbeat)
             raise
+
+    def release_unless_held(self, trial: optuna.Trial, heartbeat: BaseHeartbeatThread) -> None:
+        """Stop a trial's heartbeat unless it is running or waiting here (then whoever ends it does)."""
+        if not any(a.trial is trial for a in [*self.running.values(), *self.waiting]):
+            heartbeat.join()
 
     def learn_from_others(self) -> None:
         """Feed the planner what other controllers measured since it last looked, so that a node's
@@ -166,6 +171,9 @@ class Scheduler:
             self.tell(asked, outcome)
             return
         granted = claim(self.study, asked.trial, asked.params, asked.key, s.recipe.trials)
+        if granted.why == "measured":   # told by another controller since the gate looked: answer it
+            self.gate_and_launch(asked, pool)          # (claim and the gate read the same answered())
+            return
         if granted.why == "running":
             log.info("trial %d: the same configuration is being measured by trial %d; waiting for it",
                      asked.trial.number, granted.other)
@@ -193,7 +201,21 @@ class Scheduler:
                 if asked.key not in done and not self.free:
                     continue
                 self.waiting.remove(asked)
-                self.gate_and_launch(asked, pool)
+                try:
+                    self.gate_and_launch(asked, pool)
+                except BaseException:
+                    self.release_unless_held(asked.trial, asked.heartbeat)
+                    raise
+
+    def drop_waiting(self, reason: str) -> None:
+        """Close the held candidates of a stopped search (FAIL, never launched), so that none is left
+        RUNNING for another controller or a resume to take for an interrupted trial."""
+        for asked in list(self.waiting):
+            self.waiting.remove(asked)
+            try:
+                self.drop(asked, f"not launched: {reason}")
+            except Exception as exc:   # a storage error must not hide why the search stopped
+                log.warning("could not close held trial %d: %s", asked.trial.number, exc)
 
     # -- telling ------------------------------------------------------------------------------
     def finish(self, asked: Asked, future: Future) -> str | None:
@@ -201,7 +223,11 @@ class Scheduler:
         crash again) propagates after the trial is told."""
         self.free.append(asked.slot)
         self.free.sort()
-        outcome = future.result()
+        try:
+            outcome = future.result()
+        except BaseException:   # the trial thread failed: its heartbeat must stop, or the process never exits
+            asked.heartbeat.join()
+            raise
         self.tell(asked, outcome)
         if outcome.extra.get("launched"):
             reason = self.search.converged(self.study, len(launched_rows(self.study)))

@@ -13,6 +13,12 @@ SQLite file), so a RUNNING trial is only taken over when its controller is prova
 this machine and its process is dead, or Optuna's heartbeat says so (no heartbeat for the grace
 period; :class:`RetryInterrupted` then queues it again, as Optuna's RetryFailedTrialCallback does,
 but with the whole candidate). A live controller's trials, and their processes, are left alone.
+
+A trial's heartbeat is recorded as soon as its owner is (inside ``ask``), so a controller killed
+while asking leaves a trial that goes stale like any other; another machine's trial with no heartbeat
+at all is taken as dead once it is older than the grace period. Heartbeats are sent by
+:class:`Heartbeat`, which outlives a failed write: Optuna's own thread dies at its first error (a
+PostgreSQL restart, SQLite's "database is locked"), and its live trial would be failed a minute later.
 """
 
 from __future__ import annotations
@@ -21,13 +27,15 @@ import json
 import logging
 import os
 import socket
+import threading
 import time
-import warnings
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import optuna
 import psutil
+from optuna.storages._heartbeat import BaseHeartbeatThread, is_heartbeat_enabled
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.study.paths import StudyPaths
@@ -49,9 +57,59 @@ def node_name() -> str:
 
 
 def claim_owner(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> None:
-    """Mark a trial as this controller's, so another one on this machine can tell if it died."""
-    study._storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR,   # noqa: SLF001
-                                         f"{node_name()}:{psutil.Process().pid}")
+    """Mark a trial as this controller's, so another one on this machine can tell if it died, and
+    record its first heartbeat at once, so that another machine can tell too (Optuna's stale check
+    skips a trial with no heartbeat at all, and the heartbeat thread starts only after ``ask``)."""
+    storage = study._storage   # noqa: SLF001
+    storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, f"{node_name()}:{psutil.Process().pid}")
+    if is_heartbeat_enabled(storage):
+        try:
+            storage.record_heartbeat(trial._trial_id)   # type: ignore[attr-defined]
+        except Exception as exc:   # a blip: the trial's Heartbeat starts right after ask and tries again
+            log.warning("first heartbeat of trial %d not recorded: %s", trial.number, exc)
+
+
+class Heartbeat(BaseHeartbeatThread):
+    """A running trial's heartbeat that survives a failed write: the error is logged and the next
+    beat tries again (Optuna's HeartbeatThread ends at its first exception, and the trial it stood
+    for is then failed and its processes killed by whichever controller looks next)."""
+
+    def __init__(self, trial_id: int, storage: optuna.storages.BaseStorage) -> None:
+        self.trial_id, self.storage = trial_id, storage
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if not is_heartbeat_enabled(self.storage):
+            return
+        self._thread = threading.Thread(target=self._beat, name=f"heartbeat {self.trial_id}", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _beat(self) -> None:
+        interval = self.storage.get_heartbeat_interval()   # type: ignore[attr-defined]
+        while True:
+            try:
+                self.storage.record_heartbeat(self.trial_id)   # type: ignore[attr-defined]
+            except Exception as exc:      # the storage comes back; a missed beat is not a dead trial
+                log.warning("heartbeat of trial %d not recorded (%s); trying again", self.trial_id,
+                            str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__)
+            if self._stop.wait(interval):
+                return
+
+
+def owner_alive_here(trial: FrozenTrial) -> bool:
+    """Whether ``trial``'s controller runs on this machine and is alive (a stale heartbeat of such
+    a trial is a heartbeat that failed, not a dead controller: it is never killed for it)."""
+    owner = str(trial.system_attrs.get(OWNER_ATTR) or "")
+    return owner.rpartition(":")[0] == node_name() and not owner_gone(trial)
 
 
 def owner_gone(trial: FrozenTrial) -> bool:
@@ -88,6 +146,12 @@ class RetryInterrupted:
         self.paths = paths
 
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
+        if owner_alive_here(trial):
+            # (recover_interrupted never fails such a trial; Optuna's own fail_stale_trials may have)
+            log.warning("trial %d was failed for a late heartbeat while its controller (pid %s) is alive; "
+                        "its processes and folder are left alone", trial.number,
+                        str(trial.system_attrs.get(OWNER_ATTR)).rpartition(":")[2])
+            return
         trial_dir = self.paths.trial_dir(trial.number) if self.paths is not None else Path("/nonexistent")
         params, source = interrupted_candidate(trial, trial_dir)
         killed = kill_stale(trial_dir) if trial_dir.is_dir() else False
@@ -194,7 +258,45 @@ def recover_interrupted(study: optuna.Study, paths: StudyPaths, *, sweep: bool =
             continue                     # another controller took it over first
         queue_again(study, trial, params, source)
         recovered.append(trial.number)
-    with warnings.catch_warnings():               # fail_stale_trials is marked experimental
-        warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
-        optuna.storages.fail_stale_trials(study)   # other machines' dead controllers: RetryInterrupted
+    fail_stale(study)                              # other machines' dead controllers: RetryInterrupted
     return recovered
+
+
+def silent_elsewhere(study: optuna.Study, trial: FrozenTrial) -> bool:
+    """Another machine's RUNNING trial that never sent a heartbeat and is older than the grace
+    period: its controller died inside ``ask`` (before this version recorded the first heartbeat
+    there), and Optuna's stale check, which skips trials without one, would wait for it forever."""
+    from optuna.storages._rdb import models
+    from optuna.storages._rdb.storage import _create_scoped_session
+
+    rdb = getattr(study._storage, "_backend", study._storage)   # noqa: SLF001  (Optuna's cache wraps it)
+    if not isinstance(rdb, optuna.storages.RDBStorage) or not is_heartbeat_enabled(rdb) or not trial.datetime_start:
+        return False
+    grace = rdb.grace_period or 2 * (rdb.heartbeat_interval or 0)
+    if datetime.now() - trial.datetime_start <= timedelta(seconds=grace):
+        return False
+    with _create_scoped_session(rdb.scoped_session) as session:
+        return models.TrialHeartbeatModel.where_trial_id(trial._trial_id, session) is None
+
+
+def fail_stale(study: optuna.Study) -> None:
+    """Optuna's ``fail_stale_trials``, except for trials whose controller is alive on this machine
+    (their heartbeat failed, they did not), plus other machines' trials that never sent a heartbeat
+    (:func:`silent_elsewhere`); each failed trial goes to the storage's callback (RetryInterrupted)."""
+    storage = study._storage   # noqa: SLF001
+    if not is_heartbeat_enabled(storage):
+        return
+    stale = set(storage._get_stale_trial_ids(study._study_id))   # noqa: SLF001
+    failed = []
+    for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
+        if owner_alive_here(trial) or (trial._trial_id not in stale and not silent_elsewhere(study, trial)):
+            continue
+        try:
+            if storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
+                failed.append(trial._trial_id)
+        except optuna.exceptions.UpdateFinishedTrialError:
+            pass                          # another controller failed it first
+    callback = storage.get_heartbeat_stale_trial_callback()
+    for trial_id in failed:
+        if callback is not None:
+            callback(study, storage.get_trial(trial_id))
