@@ -44,6 +44,12 @@ ROOM_FOR_STUDY = "copy the study folder to a disk with room and use --runs-dir t
 def resolve_inputs(recipe: Recipe, gpu_type: str | None, gpu_memory: float | None,
                    space_path: Path | None, raw_pins: dict[str, str]) -> None:
     """Check model, hardware, space and pins, filling the recipe's resolved fields."""
+    if int(recipe.image_tokens or 0) < 0:
+        raise UsageError(f"--image-tokens {recipe.image_tokens}: tokens per image cannot be negative "
+                         "(0: text-only prompts)")
+    if int(recipe.images_per_prompt) < 1:
+        raise UsageError(f"--images-per-prompt {recipe.images_per_prompt} must be at least 1 "
+                         "(text-only prompts: leave --image-tokens at 0)")
     resolve_model(recipe.model)
     if recipe.device == "cpu" and recipe.runner != "sim":
         # CPU trials: the "device memory" is the per-trial cap, or the host's RAM
@@ -154,6 +160,10 @@ def resume_search(name: str, runs_dir: Path, *, trials: int | None = None,
 def prepare_search(recipe: Recipe, paths: StudyPaths) -> Search:
     """The search with every check done (space, pins, the runner's program and rules) and
     nothing written yet."""
+    if recipe.runner == "sim" and recipe.image_tokens:
+        # the simulator's trainer has no image tokens: the planner would count images no trial carries
+        raise UsageError(f"--image-tokens {recipe.image_tokens} with --runner sim: the simulator runs text-only "
+                         "trials; use autotune estimate for a vision what-if, or --runner trl")
     return Search(recipe, paths, context_for(recipe), make_reporter(recipe.trials))
 
 

@@ -2,7 +2,6 @@
 
 import json
 
-import pytest
 
 from autotune.models import resolve_model
 from tests.conftest import run_cli

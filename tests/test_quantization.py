@@ -182,12 +182,16 @@ def test_export_carries_bitsandbytes_config_that_trl_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_real_qlora_grpo_trial_on_cpu(recipe_factory, tmp_path):
-    """A real TRL GRPO run on a bitsandbytes NF4 base with LoRA, launched as the controller does."""
+def test_real_qlora_grpo_trial_on_cpu(recipe_factory, tmp_path, monkeypatch):
+    """A real TRL GRPO run on a bitsandbytes NF4 base with LoRA, launched as the controller does;
+    the random full-precision base it quantizes is the shared cache entry, not a copy per trial."""
     from test_worker import params, run_trial
 
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))
     result, trial_dir, lines = run_trial(recipe_factory, tmp_path, params(2, 1, 2), quantization="4bit", lora_rank=4)
     assert result.returncode == 0, result.stderr_tail[-3000:]
+    assert not any((trial_dir / "model").glob("*.safetensors"))
+    assert len(list((tmp_path / "cache" / "quantized-bases").glob("tiny-qwen-float32-*/*.safetensors"))) >= 1
     stdout = (trial_dir / "stdout.log").read_text()
     assert "base quantized while loading" in stdout and "load_in_4bit=True" in stdout
     assert len(lines) >= 3 and all(line["step_time"] > 0 for line in lines)

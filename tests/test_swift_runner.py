@@ -20,7 +20,6 @@ from conftest import run_cli
 
 from autotune import configs as lc
 from autotune.configs.swift import OLDEST, TRIAL_ONLY, SwiftVersion, TrialInputs
-from autotune.errors import UsageError
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
 

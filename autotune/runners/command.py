@@ -20,6 +20,7 @@ from typing import Any
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
 from autotune.runners.base import Runner
+from autotune.runners.trl import free_port
 from autotune.search.space import GlobalBatch
 from autotune.trial.launch import LaunchSpec
 
@@ -27,8 +28,10 @@ from autotune.trial.launch import LaunchSpec
 EXTRA_FIELDS = (
     "model", "gpus", "num_processes", "trial_dir", "metrics_file", "deepspeed_config",
     "max_prompt_length", "max_completion_length", "max_length", "global_batch", "beta", "lora_rank",
-    "max_steps",
+    "max_steps", "master_port",
 )
+#: ``{master_port}`` in the export (best/command.sh runs alone on its node): torch's own default.
+DEFAULT_MASTER_PORT = 29500
 
 
 def template_fields(template: str) -> tuple[list[str], list[set[str]]]:
@@ -114,9 +117,12 @@ def check_specs(tokens: list[str], samples: dict[str, list[Any]]) -> None:
 
 
 def placeholder_values(recipe: Recipe, params: dict[str, Any], trial_dir: Path, *, model: str,
-                       batch: GlobalBatch | None, max_steps: int) -> dict[str, Any]:
+                       batch: GlobalBatch | None, max_steps: int,
+                       master_port: int = DEFAULT_MASTER_PORT) -> dict[str, Any]:
     """Every placeholder's value for one candidate: its parameters and the recipe's fields. The
-    export fills the same table, so best/command.sh is what the trials ran."""
+    export fills the same table, so best/command.sh is what the trials ran; ``master_port`` is a
+    trial's own free port (parallel trials must not share torch's rendezvous port), the export's
+    torch's default."""
     return {
         **params,
         "model": model,
@@ -132,6 +138,7 @@ def placeholder_values(recipe: Recipe, params: dict[str, Any], trial_dir: Path, 
         "lora_rank": recipe.lora_rank or 0,
         "max_steps": max_steps,     # the trial's length: warm-up and measured steps (confirmations: more)
         "deepspeed_config": trial_dir / "ds_config.json",
+        "master_port": master_port,
     }
 
 
@@ -184,17 +191,22 @@ class CommandRunner(Runner):
                 names.add(batch.accumulation)
         return names
 
-    def values(self, params: dict[str, Any], trial_dir: Path) -> dict[str, Any]:
+    def values(self, params: dict[str, Any], trial_dir: Path,
+               master_port: int = DEFAULT_MASTER_PORT) -> dict[str, Any]:
         """Every placeholder's value; ``{max_steps}`` is what run() says the trial needs."""
         recipe = self.recipe
         return placeholder_values(recipe, params, trial_dir, model=str(self.context.model.path or recipe.model),
                                   batch=self.context.space.batch,
-                                  max_steps=self.steps_needed or recipe.warmup_steps + recipe.measure_steps)
+                                  max_steps=self.steps_needed or recipe.warmup_steps + recipe.measure_steps,
+                                  master_port=master_port)
 
     def prepare(self, params: dict[str, Any], trial_dir: Path, number: int) -> LaunchSpec:
         recipe = self.recipe
         trial_dir.mkdir(parents=True, exist_ok=True)
-        values = self.values(params, trial_dir)
+        # a port of this trial's own, in MASTER_PORT and {master_port}: torchrun, accelerate and
+        # ms-swift otherwise all rendezvous on 29500, and parallel multi-process trials would collide
+        port = free_port()
+        values = self.values(params, trial_dir, master_port=port)
         if "deepspeed_config" in self.used:
             from autotune.configs import deepspeed_config
 
@@ -202,5 +214,6 @@ class CommandRunner(Runner):
         argv = fill(self.tokens, values)
         env = self.base_env(trial_dir)
         env["NPROC_PER_NODE"] = str(recipe.dp_gpus(params))
+        env["MASTER_PORT"] = str(port)
         return LaunchSpec(argv=argv, env=env, trial_dir=trial_dir, cwd=Path(recipe.workdir or Path.cwd()),
                           memory_limit_gib=recipe.memory_limit_gib)

@@ -31,6 +31,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from autotune.errors import UsageError
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
 from autotune.runners.base import Rule, Runner
+from autotune.runners.trl import free_port
 from autotune.trial.launch import LaunchSpec
 
 ARGV_FILE = "swift_argv.json"
@@ -203,6 +205,10 @@ class SwiftRunner(Runner):
     """Trials that run ms-swift's GRPO on the recipe's model, on GPUs or (rehearsal) on CPU."""
 
     name = "swift"
+    #: Parallel trials' slot threads share one runner per slot; the first to need the shape-only
+    #: model builds it and the rest wait for it here instead of each writing a copy at once (the
+    #: on-disk done marker and lock in :mod:`autotune.worker.materialise` cover other processes).
+    _materialising = threading.Lock()
 
     def __init__(self, context) -> None:
         super().__init__(context)
@@ -214,6 +220,7 @@ class SwiftRunner(Runner):
     def check(self) -> None:
         """Fail before the first trial when no trial could run: swift, its version, the inputs."""
         recipe = self.recipe
+        self.check_inputs()
         if recipe.device not in ("cuda", "cpu"):
             raise UsageError(f"--device {recipe.device!r}: use cuda or cpu")
         if recipe.device == "cuda" and recipe.memory_limit_gib:
@@ -232,6 +239,14 @@ class SwiftRunner(Runner):
         if not self.version.supported:
             raise UsageError(f"ms-swift {self.version} at {self.program} is too old: autotune needs ms-swift >= "
                              f"{OLDEST} (GRPO with --vllm_mode); upgrade it, e.g. bash scripts/swift_env.sh")
+
+    def check_inputs(self) -> None:
+        """Refuse what a swift trial would not measure: its prompts are text only (worst-case chat
+        rows or the user's dataset as given), so image tokens would make the planner count images
+        and vision activations that no trial ever carries."""
+        if int(self.recipe.image_tokens or 0) > 0:
+            raise UsageError(f"--image-tokens {self.recipe.image_tokens} with --runner swift: the swift runner runs "
+                             "text-only trials (no images); leave --image-tokens out, or use --runner trl")
 
     def rules(self) -> list[Rule]:
         """Candidates this ms-swift or machine cannot run, each with a one-line reason."""
@@ -291,7 +306,8 @@ class SwiftRunner(Runner):
         from autotune.worker.materialise import ensure_model
 
         try:
-            return plan, str(ensure_model(python, model.name, model.config, self.recipe.device))
+            with SwiftRunner._materialising:
+                return plan, str(ensure_model(python, model.name, model.config, self.recipe.device))
         except RuntimeError as exc:
             raise UsageError(f"cannot materialise model {model.name} for ms-swift: {exc}") from None
 
@@ -343,6 +359,9 @@ class SwiftRunner(Runner):
         processes = recipe.dp_gpus(params)
         if processes > 1:        # set at all, it makes swift launch through torch.distributed.run
             env["NPROC_PER_NODE"] = str(processes)
+            # ms-swift passes --master_port only when MASTER_PORT is set, else torch's 29500: two
+            # parallel multi-process trials would both bind it and one would die of EADDRINUSE
+            env["MASTER_PORT"] = str(free_port())
         env.setdefault("TOKENIZERS_PARALLELISM", "false")
         if recipe.device == "cpu":
             env["CUDA_VISIBLE_DEVICES"] = ""

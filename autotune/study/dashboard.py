@@ -130,8 +130,7 @@ def serve(paths: StudyPaths, recipe: Recipe, *, host: str = "127.0.0.1", port: i
     from optuna_dashboard import run_server
 
     _check_address(host, port)
-    storage = ExportedBestStorage(paths.storage_url(recipe), paths.name, recipe)
-    study_id = storage.get_study_id_from_name(paths.name)
+    storage, study_id = _open(paths, recipe)
     shown = f"[{host}]" if ":" in host else host
     print(f"optuna-dashboard for study '{paths.name}': http://{shown}:{port}/dashboard/studies/{study_id} "
           "(best trial = the exported one; Ctrl-C stops it)", flush=True)
@@ -141,6 +140,26 @@ def serve(paths: StudyPaths, recipe: Recipe, *, host: str = "127.0.0.1", port: i
         raise _address_error(host, port, exc) from None
     except KeyboardInterrupt:
         sys.stderr.write("\n")
+
+
+def _open(paths: StudyPaths, recipe: Recipe) -> tuple[ExportedBestStorage, int]:
+    """The study's storage through the same driver choice as the search (``postgresql://`` with only
+    psycopg 3 installed must not fall back to SQLAlchemy's psycopg2), and any failure to open it as
+    one line, as :mod:`autotune.study.storage` reports it."""
+    from autotune.study.storage import driver_url, redact
+
+    url = paths.storage_url(recipe)
+    real = driver_url(url)        # a missing driver: its own one-line UsageError
+    try:
+        storage = ExportedBestStorage(real, paths.name, recipe)
+        return storage, storage.get_study_id_from_name(paths.name)
+    except KeyError:
+        raise UsageError(f"the storage {redact(url)} has no study '{paths.name}': "
+                         "check --storage, or run autotune search first") from None
+    except Exception as exc:      # sqlalchemy and optuna errors: bad URL, server down, permissions, no driver
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise UsageError(f"cannot open the study storage {redact(url)} ({exc.__class__.__name__}: {first}): "
+                         "check the host, port, user and database, and that the server runs") from None
 
 
 def _check_address(host: str, port: int) -> None:

@@ -20,7 +20,8 @@ tokenizer does not know, so the model's full vocabulary can be sampled.
 
 The directory is cached by content (``$AUTOTUNE_CACHE_DIR`` or ``~/.cache/autotune``, then
 ``swift-models/<name>-<dtype>-<digest>``): the trials of a study, and of later studies, reuse it,
-and the exported swift.sh can name it.
+and the exported swift.sh can name it. It is built under a file lock beside it (:func:`build_lock`),
+so processes asking at once wait for one build instead of each writing gigabytes.
 
 It is built by the trainer's own interpreter (``python -m autotune.worker.materialise model ...``
 run by the swift venv's python through :func:`run_with`), so the files are written by the same
@@ -32,6 +33,8 @@ counted by the tokenizer the trainer will use.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import hashlib
 import json
 import os
@@ -40,10 +43,10 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
-__all__ = ["FORMAT", "cache_root", "main", "materialise_model", "model_dir_for", "run_with",
-           "write_prompts"]
+__all__ = ["FORMAT", "build_lock", "cache_base", "cache_root", "content_key", "main", "materialise_model",
+           "model_dir_for", "run_with", "write_prompts"]
 
 #: Bumped when the directory layout changes, so an old cache entry is not reused.
 FORMAT = 1
@@ -61,23 +64,45 @@ SHARD_BYTES = 2 << 30
 DONE_FILE = ".autotune-materialised"
 
 
+def cache_base() -> Path:
+    """autotune's cache folder (``AUTOTUNE_CACHE_DIR`` moves it, e.g. for tests)."""
+    return Path(os.environ.get("AUTOTUNE_CACHE_DIR") or str(Path.home() / ".cache" / "autotune")).expanduser()
+
+
 def cache_root() -> Path:
-    """Where materialised models live (``AUTOTUNE_CACHE_DIR`` moves it, e.g. for tests)."""
-    base = os.environ.get("AUTOTUNE_CACHE_DIR") or str(Path.home() / ".cache" / "autotune")
-    return Path(base).expanduser() / "swift-models"
+    """Where materialised models live."""
+    return cache_base() / "swift-models"
 
 
 def _dtype_name(device: str) -> str:
     return "bfloat16" if device == "cuda" else "float32"
 
 
-def model_dir_for(name: str, config: dict[str, Any], device: str) -> Path:
-    """The cache folder of one card in one dtype: the same config always maps to the same folder."""
-    dtype = _dtype_name(device)
-    blob = json.dumps({"config": config, "dtype": dtype, "format": FORMAT}, sort_keys=True)
+def content_key(name: str, config: dict[str, Any], dtype: str, fmt: int = FORMAT) -> str:
+    """``<name>-<dtype>-<digest>``: the same config in the same dtype always gets the same name."""
+    blob = json.dumps({"config": config, "dtype": dtype, "format": fmt}, sort_keys=True)
     digest = hashlib.sha256(blob.encode()).hexdigest()[:12]
     slug = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-").lower() or "model"
-    return cache_root() / f"{slug}-{dtype}-{digest}"
+    return f"{slug}-{dtype}-{digest}"
+
+
+def model_dir_for(name: str, config: dict[str, Any], device: str) -> Path:
+    """The cache folder of one card in one dtype: the same config always maps to the same folder."""
+    return cache_root() / content_key(name, config, _dtype_name(device))
+
+
+@contextlib.contextmanager
+def build_lock(dest: Path) -> Iterator[None]:
+    """Hold ``<dest>.lock`` (an flock) while ``dest`` is built: parallel trials, the ranks of one
+    trial and other studies asking for the same cache entry wait for the first builder instead of
+    each writing a multi-GB copy at once. The kernel drops the lock when its holder dies."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with open(dest.with_name(dest.name + ".lock"), "a") as handle:
+        fcntl.flock(handle.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 # -- what runs inside the trainer's interpreter -----------------------------------------------
@@ -248,14 +273,16 @@ def ensure_model(python: str, name: str, config: dict[str, Any], device: str) ->
     dest = model_dir_for(name, config, device)
     if (dest / DONE_FILE).is_file():
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", dir=dest.parent, delete=False) as handle:
-        json.dump(config, handle)
-        config_path = handle.name
-    try:
-        run_with(python, ["model", "--config", config_path, "--dtype", _dtype_name(device), "--out", str(dest)])
-    finally:
-        Path(config_path).unlink(missing_ok=True)
+    with build_lock(dest):
+        if (dest / DONE_FILE).is_file():      # another process built it while this one waited
+            return dest
+        with tempfile.NamedTemporaryFile("w", suffix=".json", dir=dest.parent, delete=False) as handle:
+            json.dump(config, handle)
+            config_path = handle.name
+        try:
+            run_with(python, ["model", "--config", config_path, "--dtype", _dtype_name(device), "--out", str(dest)])
+        finally:
+            Path(config_path).unlink(missing_ok=True)
     return dest
 
 

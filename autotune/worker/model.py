@@ -9,7 +9,11 @@ loaders of the reference model and the vLLM engine are redirected there by
 A quantized base (``--quantization``, the spec's ``quantization_config``) is loaded the way a real
 run loads it, through ``from_pretrained(..., quantization_config=...)``: transformers cannot
 quantize a model built from a config, so a shape-only policy is first saved with its random
-weights (``trial_dir/model``) and then loaded quantized from there. bitsandbytes 0.50 runs NF4 and
+weights and then loaded quantized from there. That folder is the model's size in full precision
+(~15 GB for a 7B card), so it is not written per trial: it is cached by content like
+:mod:`autotune.worker.materialise`'s models (``$AUTOTUNE_CACHE_DIR`` or ``~/.cache/autotune``, then
+``quantized-bases/<name>-<dtype>-<digest>``), built once under a file lock that the other ranks
+and parallel trials wait on, and reused by later trials and studies. bitsandbytes 0.50 runs NF4 and
 int8 layers forward and backward on the CPU as well (tests/test_quantization.py), so a CPU trial
 exercises the real QLoRA path.
 """
@@ -202,10 +206,29 @@ def _load(path: Any, dtype: Any, build_on: Any, quantization: dict[str, Any] | N
     return _auto_class(config).from_pretrained(str(path), **kwargs)
 
 
+#: Bumped when the layout of a cached quantized base changes, so an old entry is not reused.
+WEIGHTS_FORMAT = 1
+
+
+def weights_dir_for(model_info: dict[str, Any], device: str) -> Path:
+    """The cache folder of a card's random full-precision weights in the trial's dtype."""
+    from autotune.worker.materialise import cache_base, content_key
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    return cache_base() / "quantized-bases" / content_key(model_info["name"], model_info["config"], dtype,
+                                                          WEIGHTS_FORMAT)
+
+
 def write_weights_dir(model_info: dict[str, Any], trial_dir: Path, device: str, dtype: Any) -> Path:
-    """``trial_dir/model`` with config.json *and* random weights, for a base that must be loaded
-    quantized (transformers quantizes only in ``from_pretrained``). Costs the model's size on disk
-    and is built on the host, so the full-precision copy never shows in the GPU's measured peak."""
+    """A folder with config.json *and* random weights, for a base that must be loaded quantized
+    (transformers quantizes only in ``from_pretrained``). It costs the model's size on disk, so it
+    is the shared cache entry (see the module doc), not a copy in ``trial_dir``: the first rank
+    builds it under the lock, the others wait and load it. Built on the host, so the
+    full-precision copy never shows in the GPU's measured peak."""
+    from autotune.worker.materialise import build_lock
+
+    dest = weights_dir_for(model_info, device)
+
     def fill(tmp: Path) -> None:
         config_dir = write_shape_dir(model_info, tmp / "config", device)
         model = _random_model(config_dir, dtype, "cpu")
@@ -215,7 +238,10 @@ def write_weights_dir(model_info: dict[str, Any], trial_dir: Path, device: str, 
 
         shutil.rmtree(tmp / "config", ignore_errors=True)
 
-    return _publish_dir(Path(trial_dir) / SHAPE_DIR, fill)
+    if dest.is_dir():
+        return dest
+    with build_lock(dest):
+        return _publish_dir(dest, fill)
 
 
 def peft_config(spec: dict[str, Any]) -> Any:
