@@ -17,6 +17,7 @@ import pytest
 import yaml
 
 from conftest import run_cli
+from test_bad_input import one_line_error
 
 from autotune import configs as lc
 from autotune.configs.swift import OLDEST, TRIAL_ONLY, SwiftVersion, TrialInputs
@@ -135,13 +136,6 @@ def test_swift_sh_names_a_resolvable_model(tmp_path, monkeypatch):
 # bad input: one line, exit 2
 
 
-def one_line_error(res, *fragments):
-    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
-    err = res.stderr.strip()
-    assert "Traceback" not in res.stderr and len(err.splitlines()) == 1, err
-    assert err.startswith("error:"), err
-    for f in fragments:
-        assert f in err, (f, err)
 
 
 CPU_SEARCH = ["search", "--model", "tiny-qwen", "--gpus", "1", "--device", "cpu", "--runner", "swift", "--trials", "1"]
