@@ -70,6 +70,18 @@ def recipe_options(commands: tuple[str, ...]) -> Callable[[Callable], Callable]:
 
 runs_dir_option = click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"),
                                show_default=True, help="Folder that holds the studies.")
+shared_option = click.option("--storage", "storage", default=None, metavar="URL",
+                             help="A study shared through this storage (PostgreSQL) that this node did not "
+                                  "start: its recipe is read from there (docs/cluster.md).")
+
+
+def adopt(study: str, runs_dir: Path, storage: str | None) -> None:
+    """A node that never ran the search takes the shared study's recipe from its storage."""
+    if storage:
+        from autotune.study.paths import StudyPaths
+        from autotune.study.storage import adopt_shared_study
+
+        adopt_shared_study(StudyPaths(runs_dir, study), storage)
 
 
 class Terminated(KeyboardInterrupt):
@@ -200,34 +212,40 @@ def recipe_from_flags(kw: dict[str, Any]) -> Recipe:
 @main.command()
 @click.argument("study")
 @runs_dir_option
+@shared_option
 @recipe_option("trials", help="New total of launched trials.", default=None, show_default=False)
 @recipe_option("time_budget_s", help="New total time budget, e.g. 8h.", default=None, show_default=False)
-def resume(study: str, runs_dir: Path, trials: int | None, time_budget_s: str | None) -> None:
+def resume(study: str, runs_dir: Path, storage: str | None, trials: int | None, time_budget_s: str | None) -> None:
     """Go on with a stopped or killed search where it left off."""
     from autotune.commands import resume_search
 
+    adopt(study, runs_dir, storage)
     resume_search(study, runs_dir, trials=trials, time_budget_s=parse_duration(time_budget_s))
 
 
 @main.command()
 @click.argument("study")
 @runs_dir_option
+@shared_option
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
-def show(study: str, runs_dir: Path, as_json: bool) -> None:
+def show(study: str, runs_dir: Path, storage: str | None, as_json: bool) -> None:
     """The trials so far, best first."""
     from autotune.commands import show_study
 
+    adopt(study, runs_dir, storage)
     show_study(study, runs_dir, as_json)
 
 
 @main.command()
 @click.argument("study")
 @runs_dir_option
+@shared_option
 @click.option("--out", type=click.Path(path_type=Path), default=None, help="Folder (default: runs/<study>/best).")
-def export(study: str, runs_dir: Path, out: Path | None) -> None:
+def export(study: str, runs_dir: Path, storage: str | None, out: Path | None) -> None:
     """(Re)write the launch configs of the best trial so far."""
     from autotune.commands import export_named
 
+    adopt(study, runs_dir, storage)
     for path in export_named(study, runs_dir, out):
         click.echo(str(path))
 

@@ -182,6 +182,33 @@ def test_show_and_export_from_the_storage(postgres_url, tmp_path):
     assert exported.returncode == 0 and (out / "params.json").exists(), exported.stderr
 
 
+def test_a_node_that_never_ran_the_search_shows_exports_and_resumes_it(postgres_url, tmp_path):
+    """Another node (its own --runs-dir: no recipe.yaml, no study folder, and the space file at a
+    path it does not have) adopts the shared study from the server: show, export and resume work."""
+    space = tmp_path / "mine" / "space.yaml"
+    space.parent.mkdir()
+    space.write_text((Path(__file__).parents[1] / "search_spaces" / "grpo.yaml").read_text())
+    done = run_cli("search", *MODEL, "--storage", postgres_url, "--name", "adopted", "--trials", "2",
+                   "--confirm", "0", "--space", space, "--runs-dir", tmp_path / "node-a", timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    space.unlink()                                       # node B has no such file
+    node_b = tmp_path / "node-b"
+    lost = run_cli("show", "adopted", "--runs-dir", node_b, timeout=120)
+    assert lost.returncode == 2 and "no study 'adopted'" in lost.stderr
+    shown = run_cli("show", "adopted", "--json", "--runs-dir", node_b, "--storage", postgres_url, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert len(json.loads(shown.stdout)) >= 2
+    assert (node_b / "adopted" / "recipe.yaml").exists() and (node_b / "adopted" / "space.yaml").exists()
+    exported = run_cli("export", "adopted", "--runs-dir", node_b, timeout=120)
+    assert exported.returncode == 0 and (node_b / "adopted" / "best" / "params.json").exists(), exported.stderr
+    resumed = run_cli("resume", "adopted", "--trials", "3", "--runs-dir", node_b, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = json.loads(run_cli("show", "adopted", "--json", "--runs-dir", tmp_path / "node-a", timeout=120).stdout)
+    assert sum(1 for r in a if r.get("launched")) == 3      # node A sees node B's trial
+    other = run_cli("show", "nosuch", "--runs-dir", node_b, "--storage", postgres_url, timeout=120)
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1 and "no study 'nosuch'" in other.stderr
+
+
 def test_unreachable_server_is_one_line(tmp_path):
     port = _free_port()
     r = run_cli("search", *MODEL, "--storage", f"postgresql://u:secret@127.0.0.1:{port}/db", "--name", "x",

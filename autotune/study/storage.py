@@ -175,6 +175,8 @@ HEARTBEAT_S = 15            # how often a running trial says its controller is a
 GRACE_FACTOR = 4            # missed heartbeats before another controller takes the trial over
 POSTGRES_EXTRA = "pip install 'autotune[postgres]'"
 IDENTITY_ATTR = "recipe_identity"   # study user attribute: what every controller must agree on
+RECIPE_ATTR = "recipe"               # the whole recipe and the space's text: another node can adopt the study
+SPACE_ATTR = "space_yaml"
 
 
 def heartbeat_s() -> int:
@@ -284,6 +286,10 @@ def check_identity(study: optuna.Study, recipe: Recipe, url: str) -> None:
     theirs = study.user_attrs.get(IDENTITY_ATTR)
     if theirs is None:
         study.set_user_attr(IDENTITY_ATTR, mine)
+        study.set_user_attr(RECIPE_ATTR, recipe.to_dict())
+        space = Path(recipe.space) if recipe.space else None
+        if space is not None and space.is_file():
+            study.set_user_attr(SPACE_ATTR, space.read_text())
         return
     differ = identity_differences(mine, theirs)
     if differ:
@@ -331,6 +337,37 @@ def open_study(paths: StudyPaths, recipe: Recipe, *, sampler: optuna.samplers.Ba
         raise _storage_error(redact(url), exc, " (check --storage)")
     check_identity(study, recipe, url)
     return study
+
+
+def adopt_shared_study(paths: StudyPaths, url: str) -> None:
+    """Write this node's ``runs/<study>/recipe.yaml`` (and the space file, when its path does not
+    hold the same space here) from a shared study, so that ``resume``, ``show`` and ``export`` work
+    on a node that never ran the search. Does nothing when the recipe is already here."""
+    if paths.recipe.exists():
+        return
+    probe = Recipe(model="", gpus=1, storage=url)
+    storage = _open_storage(paths, probe, heartbeat=False)
+    try:
+        attrs = storage.get_study_user_attrs(storage.get_study_id_from_name(paths.name))
+    except KeyError:
+        raise UsageError(f"no study '{paths.name}' in {redact(url)}: check --storage and the study name")
+    except Exception as exc:
+        raise _storage_error(redact(url), exc, " (check --storage)")
+    data = attrs.get(RECIPE_ATTR)
+    if not isinstance(data, dict):
+        raise UsageError(f"study '{paths.name}' in {redact(url)} does not hold its recipe (an older autotune "
+                         f"started it): copy {paths.recipe} from a node that ran the search")
+    recipe = Recipe.from_dict(data)
+    recipe.storage = url
+    text = attrs.get(SPACE_ATTR)
+    if text is not None and not (recipe.space and Path(recipe.space).is_file()
+                                 and Path(recipe.space).read_text() == text):
+        paths.root.mkdir(parents=True, exist_ok=True)
+        local = paths.root / "space.yaml"
+        local.write_text(text)
+        recipe.space = str(local.resolve())
+    paths.root.mkdir(parents=True, exist_ok=True)
+    recipe.save(paths.recipe)
 
 
 def load_existing(paths: StudyPaths, recipe: Recipe) -> optuna.Study:
