@@ -2,6 +2,8 @@
 
 import pytest
 
+from conftest import saved_activation_bytes
+
 from autotune.search.memory import estimate, zero_model_states_bytes
 from autotune.units import GIB
 from autotune.models import resolve_model
@@ -163,20 +165,11 @@ def test_activation_count_matches_autograd_saved_tensors():
                                    num_attention_heads=heads, num_key_value_heads=kv, vocab_size=512)
     cfg._attn_implementation = "sdpa"
     model = transformers.Qwen2ForCausalLM(cfg).to(torch.bfloat16)
-    params = {p.data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and t.dtype.is_floating_point:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
     x = model.model.embed_tokens(torch.randint(0, 512, (b, seq))).detach().requires_grad_()
     rope = model.model.rotary_emb(x, torch.arange(seq)[None])
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model.model.layers[0](x, position_embeddings=rope, attention_mask=None)
-    measured = (sum(saved.values()) - sum(c.nbytes for c in rope)) / (b * seq)
+    layer = model.model.layers[0]
+    total = saved_activation_bytes(model, lambda: layer(x, position_embeddings=rope, attention_mask=None))
+    measured = (total - sum(c.nbytes for c in rope)) / (b * seq)
     spec = ModelSpec(name="tiny", config=cfg.to_dict(), source="path", path=None, has_weights=False)
     assert layer_activation_bytes_per_token(spec) == pytest.approx(measured, rel=0.1)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pytest
 
+from conftest import saved_activation_bytes
+
 from autotune.errors import UsageError
 from autotune.models import resolve_model
 from autotune.search.memory import estimate, lora_params, weight_bytes, base_quantization
@@ -145,21 +147,12 @@ def test_vision_block_activation_count_matches_autograd_saved_tensors(hidden, in
                                                               num_heads=4, out_hidden_size=64)).vision_config
     config._attn_implementation = "sdpa"
     block = Qwen2_5_VLVisionBlock(config).to(torch.bfloat16)
-    params = {p.data_ptr() for p in block.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t):
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and t.dtype.is_floating_point:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return t
-
     patches, head_dim = 512, hidden // 4
     x = torch.randn(patches, hidden, dtype=torch.bfloat16, requires_grad=True)
     rope = (torch.randn(patches, head_dim, dtype=torch.bfloat16), torch.randn(patches, head_dim, dtype=torch.bfloat16))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        block(x, cu_seqlens=torch.tensor([0, 256, 512], dtype=torch.int32), position_embeddings=rope)
-    measured = (sum(saved.values()) - sum(t.nbytes for t in rope)) / patches
+    cu_seqlens = torch.tensor([0, 256, 512], dtype=torch.int32)
+    total = saved_activation_bytes(block, lambda: block(x, cu_seqlens=cu_seqlens, position_embeddings=rope))
+    measured = (total - sum(t.nbytes for t in rope)) / patches
     tower = VisionTower(depth=1, hidden=hidden, intermediate=inter, heads=4, out_hidden=64)
     assert tower.activation_bytes_per_patch() == pytest.approx(measured, rel=0.02)
 
