@@ -15,8 +15,9 @@ import re
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import click
 
@@ -39,8 +40,10 @@ def recipe_option(name: str, **overrides: Any) -> Callable[[Callable], Callable]
     if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
         kwargs["required"] = True
     elif f.default not in (None, dataclasses.MISSING) and not meta.get("resolved"):
-        kwargs.update(show_default=True,
-                      default=format_duration(f.default) if meta.get("kind") == "duration" else f.default)
+        kwargs.update(
+            show_default=True,
+            default=format_duration(f.default) if meta.get("kind") == "duration" else f.default,
+        )
     base = str(f.type).split("|")[0].strip()
     if name in CHOICES:
         kwargs["type"] = click.Choice(CHOICES[name])
@@ -68,11 +71,21 @@ def recipe_options(commands: tuple[str, ...]) -> Callable[[Callable], Callable]:
     return decorate
 
 
-runs_dir_option = click.option("--runs-dir", type=click.Path(path_type=Path), default=Path("runs"),
-                               show_default=True, help="Folder that holds the studies.")
-shared_option = click.option("--storage", "storage", default=None, metavar="URL",
-                             help="A study shared through this storage (PostgreSQL) that this node did not "
-                                  "start: its recipe is read from there (docs/cluster.md).")
+runs_dir_option = click.option(
+    "--runs-dir",
+    type=click.Path(path_type=Path),
+    default=Path("runs"),
+    show_default=True,
+    help="Folder that holds the studies.",
+)
+shared_option = click.option(
+    "--storage",
+    "storage",
+    default=None,
+    metavar="URL",
+    help="A study shared through this storage (PostgreSQL) that this node did not "
+    "start: its recipe is read from there (docs/cluster.md).",
+)
 
 
 def adopt(study: str, runs_dir: Path, storage: str | None) -> None:
@@ -129,8 +142,11 @@ class Group(click.Group):
         try:
             return super().invoke(ctx)
         except Terminated as exc:
-            click.echo(f"stopped by {signal.Signals(exc.signum).name}: the study is saved; "
-                       "continue with autotune resume", err=True)
+            click.echo(
+                f"stopped by {signal.Signals(exc.signum).name}: the study is saved; "
+                "continue with autotune resume",
+                err=True,
+            )
             sys.exit(128 + exc.signum)
         except KeyboardInterrupt:
             click.echo("interrupted: the study is saved; continue with autotune resume", err=True)
@@ -145,8 +161,9 @@ class Group(click.Group):
 def main(verbose: int) -> None:
     """Find the fastest GRPO configuration that fits your GPUs, by running short trials."""
     level = logging.WARNING - 10 * verbose
-    logging.basicConfig(level=max(level, logging.DEBUG), stream=sys.stderr,
-                        format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=max(level, logging.DEBUG), stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s"
+    )
 
 
 @main.command()
@@ -175,7 +192,9 @@ def recipe_from_flags(kw: dict[str, Any]) -> Recipe:
 
     for name in ("trials", "max_prompt_length", "max_completion_length", "measure_steps"):
         if kw.get(name) is not None and kw[name] < 1:
-            raise UsageError(f"{FIELDS[name].metadata.get('flag') or '--' + name.replace('_', '-')} must be at least 1")
+            raise UsageError(
+                f"{FIELDS[name].metadata.get('flag') or '--' + name.replace('_', '-')} must be at least 1"
+            )
     if kw.get("warmup_steps") is not None and kw["warmup_steps"] < 0:
         raise UsageError("--warmup-steps must be at least 0")
     if kw.get("global_batch") is not None and kw["global_batch"] < 1:
@@ -215,7 +234,9 @@ def recipe_from_flags(kw: dict[str, Any]) -> Recipe:
 @shared_option
 @recipe_option("trials", help="New total of launched trials.", default=None, show_default=False)
 @recipe_option("time_budget_s", help="New total time budget, e.g. 8h.", default=None, show_default=False)
-def resume(study: str, runs_dir: Path, storage: str | None, trials: int | None, time_budget_s: str | None) -> None:
+def resume(
+    study: str, runs_dir: Path, storage: str | None, trials: int | None, time_budget_s: str | None
+) -> None:
     """Go on with a stopped or killed search where it left off."""
     from autotune.commands import resume_search
 
@@ -240,7 +261,9 @@ def show(study: str, runs_dir: Path, storage: str | None, as_json: bool) -> None
 @click.argument("study")
 @runs_dir_option
 @shared_option
-@click.option("--out", type=click.Path(path_type=Path), default=None, help="Folder (default: runs/<study>/best).")
+@click.option(
+    "--out", type=click.Path(path_type=Path), default=None, help="Folder (default: runs/<study>/best)."
+)
 def export(study: str, runs_dir: Path, storage: str | None, out: Path | None) -> None:
     """(Re)write the launch configs of the best trial so far."""
     from autotune.commands import export_named
@@ -253,8 +276,12 @@ def export(study: str, runs_dir: Path, storage: str | None, out: Path | None) ->
 @main.command()
 @click.argument("study")
 @runs_dir_option
-@click.option("--out", type=click.Path(path_type=Path), default=None,
-              help="HTML file (default: runs/<study>/report.html).")
+@click.option(
+    "--out",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="HTML file (default: runs/<study>/report.html).",
+)
 def report(study: str, runs_dir: Path, out: Path | None) -> None:
     """Write the study's HTML report (plots; self-contained, opens offline)."""
     from autotune.commands import report_named
@@ -265,9 +292,15 @@ def report(study: str, runs_dir: Path, out: Path | None) -> None:
 @main.command()
 @click.argument("study")
 @runs_dir_option
-@click.option("--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="Port to listen on.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (0.0.0.0: reachable from other machines).")
+@click.option(
+    "--port", type=click.IntRange(1, 65535), default=8080, show_default=True, help="Port to listen on."
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on (0.0.0.0: reachable from other machines).",
+)
 def dashboard(study: str, runs_dir: Path, port: int, host: str) -> None:
     """Browse the study in optuna-dashboard (optional extra); its best trial is the exported one."""
     from autotune.commands import open_named

@@ -26,8 +26,17 @@ from autotune.runners import TrialContext, make_runner
 from autotune.search import constraints
 from autotune.search.loop import Search
 from autotune.search.space import load_space
-from autotune.study import (StudyPaths, check_database, check_storage, held_trials, load_existing, plain_failures,
-                            prepare_root, rank, rows)
+from autotune.study import (
+    StudyPaths,
+    check_database,
+    check_storage,
+    held_trials,
+    load_existing,
+    plain_failures,
+    prepare_root,
+    rank,
+    rows,
+)
 from autotune.study.ranking import choose_best, confirmations, eligible, headroom_limit
 from autotune.trial.control import StopRule, TrialControl
 
@@ -36,20 +45,29 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-VERIFY_NUMBER_OFFSET = 200_000   # verify runs are numbered apart from search trials and confirmations
+VERIFY_NUMBER_OFFSET = 200_000  # verify runs are numbered apart from search trials and confirmations
 ROOM_FOR_SEARCH = "use --runs-dir on a disk with room"
 ROOM_FOR_STUDY = "copy the study folder to a disk with room and use --runs-dir there"
 
 
-def resolve_inputs(recipe: Recipe, gpu_type: str | None, gpu_memory: float | None,
-                   space_path: Path | None, raw_pins: dict[str, str]) -> None:
+def resolve_inputs(
+    recipe: Recipe,
+    gpu_type: str | None,
+    gpu_memory: float | None,
+    space_path: Path | None,
+    raw_pins: dict[str, str],
+) -> None:
     """Check model, hardware, space and pins, filling the recipe's resolved fields."""
     if int(recipe.image_tokens or 0) < 0:
-        raise UsageError(f"--image-tokens {recipe.image_tokens}: tokens per image cannot be negative "
-                         "(0: text-only prompts)")
+        raise UsageError(
+            f"--image-tokens {recipe.image_tokens}: tokens per image cannot be negative "
+            "(0: text-only prompts)"
+        )
     if int(recipe.images_per_prompt) < 1:
-        raise UsageError(f"--images-per-prompt {recipe.images_per_prompt} must be at least 1 "
-                         "(text-only prompts: leave --image-tokens at 0)")
+        raise UsageError(
+            f"--images-per-prompt {recipe.images_per_prompt} must be at least 1 "
+            "(text-only prompts: leave --image-tokens at 0)"
+        )
     resolve_model(recipe.model)
     if recipe.device == "cpu" and recipe.runner != "sim":
         # CPU trials: the "device memory" is the per-trial cap, or the host's RAM
@@ -58,18 +76,22 @@ def resolve_inputs(recipe: Recipe, gpu_type: str | None, gpu_memory: float | Non
         if recipe.gpus < 1:
             raise UsageError("--gpus must be at least 1 (with --device cpu: the number of processes)")
         recipe.gpu_type = "CPU"
-        recipe.gpu_memory_gib = float(recipe.memory_limit_gib or round(psutil.virtual_memory().total / 2**30, 1))
+        recipe.gpu_memory_gib = float(
+            recipe.memory_limit_gib or round(psutil.virtual_memory().total / 2**30, 1)
+        )
     else:
         real = recipe.runner in ("trl", "swift")
         need_visible = recipe.runner == "command" or (real and recipe.device == "cuda")
         if real and not visible_gpus():
             trainer = "TRL" if recipe.runner == "trl" else "ms-swift"
-            raise UsageError(f"no GPU is visible for real {trainer} trials: use --device cpu for a CPU rehearsal "
-                             "with real trials, or --runner sim --gpu-type TYPE to simulate GPUs")
+            raise UsageError(
+                f"no GPU is visible for real {trainer} trials: use --device cpu for a CPU rehearsal "
+                "with real trials, or --runner sim --gpu-type TYPE to simulate GPUs"
+            )
         gpu = resolve_hardware(recipe.gpus, gpu_type, gpu_memory, need_visible=need_visible)
         recipe.gpu_type, recipe.gpu_memory_gib = gpu.name, gpu.memory_gib
     if space_path is None and recipe.runner == "swift":
-        from autotune.configs import swift_space_path   # ms-swift's own knobs beside the shared ones
+        from autotune.configs import swift_space_path  # ms-swift's own knobs beside the shared ones
 
         space_path = swift_space_path()
     space = load_space(space_path)
@@ -77,8 +99,10 @@ def resolve_inputs(recipe: Recipe, gpu_type: str | None, gpu_memory: float | Non
     if recipe.dataset:
         dataset = Path(recipe.dataset).expanduser()
         if not dataset.is_file():
-            raise UsageError(f"--dataset {recipe.dataset}: no such file (give a JSONL file with a 'prompt' field)")
-        recipe.dataset = str(dataset.resolve())   # trials run in their own folders
+            raise UsageError(
+                f"--dataset {recipe.dataset}: no such file (give a JSONL file with a 'prompt' field)"
+            )
+        recipe.dataset = str(dataset.resolve())  # trials run in their own folders
     pins = {}
     for name, text in raw_pins.items():
         if name not in space.params:
@@ -111,10 +135,11 @@ def start_search(recipe: Recipe, runs_dir: Path) -> None:
         if diff:
             raise UsageError(
                 f"study '{recipe.name}' already exists with a different recipe ({', '.join(diff)} "
-                f"differ): run `autotune resume {recipe.name}` to continue it, or choose a new --name")
+                f"differ): run `autotune resume {recipe.name}` to continue it, or choose a new --name"
+            )
     check_database(paths, recipe)
-    check_storage(paths, recipe)                 # a shared study: reachable, and started with this recipe
-    search = prepare_search(recipe, paths)       # every check first: a typo must not claim the name
+    check_storage(paths, recipe)  # a shared study: reachable, and started with this recipe
+    search = prepare_search(recipe, paths)  # every check first: a typo must not claim the name
     with plain_failures(paths, recipe, ROOM_FOR_SEARCH):
         prepare_root(paths)
         recipe.save(paths.recipe)
@@ -127,17 +152,27 @@ def saved_recipe(paths: StudyPaths, hint: str) -> Recipe:
     if paths.recipe.exists():
         return Recipe.load(paths.recipe)
     held = held_trials(paths)
-    there = [name for name, present in (("study.db", paths.db.exists()), (f"{held} trials", held > 0),
-                                        ("best/", paths.best.is_dir())) if present]
+    there = [
+        name
+        for name, present in (
+            ("study.db", paths.db.exists()),
+            (f"{held} trials", held > 0),
+            ("best/", paths.best.is_dir()),
+        )
+        if present
+    ]
     if there:
-        raise UsageError(f"study '{paths.name}' in {paths.runs_dir} has {', '.join(there)} but its recipe.yaml "
-                         f"is missing: restore {paths.recipe} from a backup, or run autotune search with the "
-                         f"study's original flags and --name {paths.name} to write it again")
+        raise UsageError(
+            f"study '{paths.name}' in {paths.runs_dir} has {', '.join(there)} but its recipe.yaml "
+            f"is missing: restore {paths.recipe} from a backup, or run autotune search with the "
+            f"study's original flags and --name {paths.name} to write it again"
+        )
     raise UsageError(f"no study '{paths.name}' in {paths.runs_dir}{hint}")
 
 
-def resume_search(name: str, runs_dir: Path, *, trials: int | None = None,
-                  time_budget_s: float | None = None) -> None:
+def resume_search(
+    name: str, runs_dir: Path, *, trials: int | None = None, time_budget_s: float | None = None
+) -> None:
     paths = StudyPaths(runs_dir, name)
     known = sorted(p.parent.name for p in runs_dir.glob("*/recipe.yaml")) if runs_dir.exists() else []
     hint = f"; studies here: {', '.join(known)}" if known else ""
@@ -162,8 +197,10 @@ def prepare_search(recipe: Recipe, paths: StudyPaths) -> Search:
     nothing written yet."""
     if recipe.runner == "sim" and recipe.image_tokens:
         # the simulator's trainer has no image tokens: the planner would count images no trial carries
-        raise UsageError(f"--image-tokens {recipe.image_tokens} with --runner sim: the simulator runs text-only "
-                         "trials; use autotune estimate for a vision what-if, or --runner trl")
+        raise UsageError(
+            f"--image-tokens {recipe.image_tokens} with --runner sim: the simulator runs text-only "
+            "trials; use autotune estimate for a vision what-if, or --runner trl"
+        )
     return Search(recipe, paths, context_for(recipe), make_reporter(recipe.trials))
 
 
@@ -178,12 +215,16 @@ def run(search: Search, recipe: Recipe, paths: StudyPaths) -> None:
 def finish_lines(recipe: Recipe, paths: StudyPaths, result) -> None:
     best = result.best
     if best is None:
-        print(f"no configuration ran successfully in {result.launched} trial(s); see "
-              f"autotune show {paths.name} (runs dir {paths.runs_dir})")
+        print(
+            f"no configuration ran successfully in {result.launched} trial(s); see "
+            f"autotune show {paths.name} (runs dir {paths.runs_dir})"
+        )
         if result.stopped_reason:
             print(result.stopped_reason)
         return
-    peak = f", peak {best.peak_memory_gib:.1f}/{recipe.gpu_memory_gib:.1f} GiB" if best.peak_memory_gib else ""
+    peak = (
+        f", peak {best.peak_memory_gib:.1f}/{recipe.gpu_memory_gib:.1f} GiB" if best.peak_memory_gib else ""
+    )
     print(f"best: trial {best.number}: {best.throughput:.4g} completions/s{peak}")
     if result.confirmation is not None and result.confirmation.get("throughput"):
         c = result.confirmation
@@ -209,7 +250,7 @@ def show_study(name: str, runs_dir: Path, as_json: bool) -> None:
         _show(name, recipe, study, as_json)
 
 
-def _show(name: str, recipe: Recipe, study: "optuna.Study", as_json: bool) -> None:
+def _show(name: str, recipe: Recipe, study: optuna.Study, as_json: bool) -> None:
     """The table (or JSON) of trials, best first; may read pages of the database no open touched."""
     all_rows = rows(study)
     ranked = rank(all_rows)
@@ -234,8 +275,10 @@ def _show(name: str, recipe: Recipe, study: "optuna.Study", as_json: bool) -> No
     from rich.table import Table
 
     launched = sum(1 for t in study.get_trials(deepcopy=False) if t.user_attrs.get("launched"))
-    table = Table(title=f"{name}: {launched} launched of {recipe.trials} "
-                        f"({recipe.model}, {recipe.gpus}x{recipe.gpu_type})")
+    table = Table(
+        title=f"{name}: {launched} launched of {recipe.trials} "
+        f"({recipe.model}, {recipe.gpus}x{recipe.gpu_type})"
+    )
     for col in ("trial", "status", "completions/s", "peak GiB", "predicted", "verdict", "params / reason"):
         table.add_column(col)
     predicted = {t.number: t.user_attrs.get("predicted_gib") for t in study.get_trials(deepcopy=False)}
@@ -243,20 +286,35 @@ def _show(name: str, recipe: Recipe, study: "optuna.Study", as_json: bool) -> No
         status = f"oom/{r.oom_kind}" if r.status == "oom" else r.status
         if not r.launched and r.status not in ("invalid", "skipped"):
             status += " (repeat)"
-        tail = short_params(r.params) if r.status in ("ok", "oom") else (r.error_line or r.reason or short_params(r.params))
-        if r.status == "ok" and r.diagnosis:         # the low-utilization diagnosis, where people look
+        tail = (
+            short_params(r.params)
+            if r.status in ("ok", "oom")
+            else (r.error_line or r.reason or short_params(r.params))
+        )
+        if r.status == "ok" and r.diagnosis:  # the low-utilization diagnosis, where people look
             tail += f"; {r.diagnosis}"
         pred = predicted.get(r.number)
-        table.add_row(str(r.number), status, f"{r.throughput:.4g}" if r.throughput else "-",
-                      f"{r.peak_memory_gib:.1f}" if r.peak_memory_gib else "-",
-                      f"{pred:.1f}" if pred else "-", verdict(r)[:70], tail[:200])
+        table.add_row(
+            str(r.number),
+            status,
+            f"{r.throughput:.4g}" if r.throughput else "-",
+            f"{r.peak_memory_gib:.1f}" if r.peak_memory_gib else "-",
+            f"{pred:.1f}" if pred else "-",
+            verdict(r)[:70],
+            tail[:200],
+        )
     console = Console(width=200)
     console.print(table)
-    errors = [abs(predicted[r.number] - r.peak_memory_gib) / r.peak_memory_gib for r in ranked
-              if r.launched and r.status == "ok" and r.peak_memory_gib and predicted.get(r.number)]
+    errors = [
+        abs(predicted[r.number] - r.peak_memory_gib) / r.peak_memory_gib
+        for r in ranked
+        if r.launched and r.status == "ok" and r.peak_memory_gib and predicted.get(r.number)
+    ]
     if errors:
-        console.print(f"memory model: mean error {sum(errors) / len(errors):.1%} over {len(errors)} trials "
-                      "that ran ok (each predicted before its trial ran, with what was known then)")
+        console.print(
+            f"memory model: mean error {sum(errors) / len(errors):.1%} over {len(errors)} trials "
+            "that ran ok (each predicted before its trial ran, with what was known then)"
+        )
 
 
 def export_named(name: str, runs_dir: Path, out: Path | None) -> list[Path]:
@@ -306,22 +364,41 @@ def estimate_candidate(recipe: Recipe, as_json: bool, raw_pins: dict[str, str] |
     broken = constraints.violations(params, recipe)
     if broken:
         raise UsageError(f"this candidate cannot run (TRL or DeepSpeed refuses it): {broken[0]}")
-    est = estimate(model, params, gpus=recipe.gpus, capacity_gib=recipe.gpu_memory_gib,
-                   max_prompt_length=recipe.max_prompt_length,
-                   max_completion_length=recipe.max_completion_length, beta=recipe.beta,
-                   lora_rank=recipe.lora_rank, dp_gpus=recipe.dp_gpus(params),
-                   quantization=recipe.quantization, image_tokens=recipe.image_tokens,
-                   images_per_prompt=recipe.images_per_prompt)
+    est = estimate(
+        model,
+        params,
+        gpus=recipe.gpus,
+        capacity_gib=recipe.gpu_memory_gib,
+        max_prompt_length=recipe.max_prompt_length,
+        max_completion_length=recipe.max_completion_length,
+        beta=recipe.beta,
+        lora_rank=recipe.lora_rank,
+        dp_gpus=recipe.dp_gpus(params),
+        quantization=recipe.quantization,
+        image_tokens=recipe.image_tokens,
+        images_per_prompt=recipe.images_per_prompt,
+    )
     spread = TYPICAL_REL_ERROR * est.total_gib
-    uncertainty = (f"uncertainty +/-{TYPICAL_REL_ERROR:.0%} (+/-{spread:.1f} GiB): it read 2-5% above 5 peaks "
-                   "measured on one H100 (Qwen2.5-1.5B, no vLLM); untested on other models, GPU counts, vLLM")
+    uncertainty = (
+        f"uncertainty +/-{TYPICAL_REL_ERROR:.0%} (+/-{spread:.1f} GiB): it read 2-5% above 5 peaks "
+        "measured on one H100 (Qwen2.5-1.5B, no vLLM); untested on other models, GPU counts, vLLM"
+    )
     import sys
 
     for warning in warnings:
         print(f"warning: {warning}", file=sys.stderr)
     if as_json:
-        print(json.dumps({**est.to_json(), "params": params, "typical_rel_error": TYPICAL_REL_ERROR,
-                          "warnings": warnings}, indent=2))
+        print(
+            json.dumps(
+                {
+                    **est.to_json(),
+                    "params": params,
+                    "typical_rel_error": TYPICAL_REL_ERROR,
+                    "warnings": warnings,
+                },
+                indent=2,
+            )
+        )
         return est.fits
     from rich.console import Console
     from rich.table import Table
@@ -340,9 +417,11 @@ def estimate_candidate(recipe: Recipe, as_json: bool, raw_pins: dict[str, str] |
     console.print(table)
     console.print(short_params(params))
     verdict = "fits" if est.fits else "does NOT fit"
-    console.print(f"{verdict}: {est.total_gib:.1f} of {est.capacity_gib:.1f} GiB"
-                  + (f" ({est.total_gib / est.capacity_gib:.0%})" if est.capacity_gib else "")
-                  + f", {uncertainty}")
+    console.print(
+        f"{verdict}: {est.total_gib:.1f} of {est.capacity_gib:.1f} GiB"
+        + (f" ({est.total_gib / est.capacity_gib:.0%})" if est.capacity_gib else "")
+        + f", {uncertainty}"
+    )
     if est.fits and est.total_gib + spread > est.capacity_gib:
         console.print("- within the model's typical error of capacity: it may not fit")
     for note in est.notes:
@@ -363,8 +442,10 @@ def verify_best(name: str, runs_dir: Path, steps: int) -> bool:
     try:
         params = json.loads(params_file.read_text())
     except json.JSONDecodeError as exc:
-        raise UsageError(f"{params_file} is not valid JSON ({exc.msg}, line {exc.lineno}): "
-                         f"rewrite it with autotune export {name}")
+        raise UsageError(
+            f"{params_file} is not valid JSON ({exc.msg}, line {exc.lineno}): "
+            f"rewrite it with autotune export {name}"
+        ) from None
     if steps < 1:
         raise UsageError("--steps must be at least 1")
     context = context_for(recipe)
@@ -374,8 +455,14 @@ def verify_best(name: str, runs_dir: Path, steps: int) -> bool:
     if not isinstance(params, dict):
         raise UsageError(f"{params_file} must be a JSON object of parameter values")
     for key, value in params.items():
-        if key in space.params and space.relevant(key, params) and not space.params[key].contains(value) \
-                and key not in recipe.pins and key not in forced and key != "gradient_accumulation_steps":
+        if (
+            key in space.params
+            and space.relevant(key, params)
+            and not space.params[key].contains(value)
+            and key not in recipe.pins
+            and key not in forced
+            and key != "gradient_accumulation_steps"
+        ):
             raise UsageError(f"{params_file}: {key}={value!r} is not {space.params[key].allowed()}")
     broken = constraints.violations(params, recipe, runner.rules())
     if broken:
@@ -383,13 +470,18 @@ def verify_best(name: str, runs_dir: Path, steps: int) -> bool:
     root = paths.root / "verify"
     number = 1 + max((int(p.name) for p in root.glob("*") if p.name.isdigit()), default=0)
     trial_dir = root / str(number)
-    recipe.trial_timeout_s = recipe.trial_timeout_s * max(1.0, (recipe.warmup_steps + steps)
-                                                          / (recipe.warmup_steps + recipe.measure_steps))
+    recipe.trial_timeout_s = recipe.trial_timeout_s * max(
+        1.0, (recipe.warmup_steps + steps) / (recipe.warmup_steps + recipe.measure_steps)
+    )
     rule = StopRule(warmup=recipe.warmup_steps, measure=steps, adaptive=False, prune=False)
     print(f"verifying {short_params(params)} for {recipe.warmup_steps} + {steps} steps in {trial_dir}")
     with plain_failures(paths, recipe, ROOM_FOR_STUDY):
-        outcome = runner.run(params, trial_dir, VERIFY_NUMBER_OFFSET + number,
-                             TrialControl(rule, None, constraints.samples_per_step(params, recipe, space), purpose="verify"))
+        outcome = runner.run(
+            params,
+            trial_dir,
+            VERIFY_NUMBER_OFFSET + number,
+            TrialControl(rule, None, constraints.samples_per_step(params, recipe, space), purpose="verify"),
+        )
         limit = headroom_limit(recipe)
         peak = outcome.peak_memory_gib
         within = limit is None or peak is None or peak <= limit
@@ -400,16 +492,29 @@ def verify_best(name: str, runs_dir: Path, steps: int) -> bool:
         print(f"throughput: {outcome.throughput:.4g} completions/s over {outcome.steps} steps")
     else:
         kind = f"/{outcome.oom_kind}" if outcome.oom_kind else ""
-        print(f"failed: {outcome.status}{kind} after {outcome.steps} steps: {outcome.error_line or outcome.detail}")
+        print(
+            f"failed: {outcome.status}{kind} after {outcome.steps} steps: "
+            f"{outcome.error_line or outcome.detail}"
+        )
     if peak is not None:
         what = "host RSS" if recipe.device == "cpu" else "GPU"
-        cap = recipe.memory_limit_gib if recipe.device == "cpu" and recipe.memory_limit_gib else recipe.gpu_memory_gib
-        rule = f"headroom limit {limit:.2f} GiB" if limit is not None else "no headroom judged without --memory-limit"
+        cap = (
+            recipe.memory_limit_gib
+            if recipe.device == "cpu" and recipe.memory_limit_gib
+            else recipe.gpu_memory_gib
+        )
+        rule = (
+            f"headroom limit {limit:.2f} GiB"
+            if limit is not None
+            else "no headroom judged without --memory-limit"
+        )
         print(f"peak memory ({what}): {peak:.2f} GiB of {cap:.2f} GiB capacity ({peak / cap:.0%}; {rule})")
     if held:
         print("held: yes")
     elif outcome.status != "ok":
-        print(f"held: NO (the run failed: {outcome.status}{'/' + outcome.oom_kind if outcome.oom_kind else ''})")
+        print(
+            f"held: NO (the run failed: {outcome.status}{'/' + outcome.oom_kind if outcome.oom_kind else ''})"
+        )
     else:
         print(f"held: NO (peak {peak:.2f} GiB is above the headroom limit {limit:.2f} GiB)")
     return held

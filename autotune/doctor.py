@@ -22,7 +22,9 @@ def report() -> dict[str, Any]:
     """A flat mapping, printable as lines or JSON."""
     out: dict[str, Any] = {"python": platform.python_version(), "platform": platform.platform()}
     gpus = visible_gpus()
-    out["gpus"] = ", ".join(f"{g.index}: {g.name} {g.memory_gib:.1f} GiB" for g in gpus) or "none visible (NVML)"
+    out["gpus"] = (
+        ", ".join(f"{g.index}: {g.name} {g.memory_gib:.1f} GiB" for g in gpus) or "none visible (NVML)"
+    )
     try:
         import pynvml
 
@@ -32,8 +34,18 @@ def report() -> dict[str, Any]:
         pynvml.nvmlShutdown()
     except Exception as exc:
         out["driver"] = f"unavailable ({exc.__class__.__name__})"
-    for package in ("torch", "transformers", "trl", "accelerate", "datasets", "peft", "vllm",
-                    "deepspeed", "optuna", "nvidia-ml-py"):
+    for package in (
+        "torch",
+        "transformers",
+        "trl",
+        "accelerate",
+        "datasets",
+        "peft",
+        "vllm",
+        "deepspeed",
+        "optuna",
+        "nvidia-ml-py",
+    ):
         out[package] = _version(package)
     if out["torch"] != "missing":
         try:
@@ -42,9 +54,14 @@ def report() -> dict[str, Any]:
         except Exception as exc:
             out["torch cuda"] = f"import failed: {exc}"
     out["accelerate cli"] = shutil.which("accelerate") or "missing"
-    out["postgres driver"] = next((f"{p} {_version(v)}" for p, v in (("psycopg", "psycopg"), ("psycopg2", "psycopg2"),
-                                                                      ("psycopg2", "psycopg2-binary"))
-                                   if _version(v) != "missing"), "missing")
+    out["postgres driver"] = next(
+        (
+            f"{p} {_version(v)}"
+            for p, v in (("psycopg", "psycopg"), ("psycopg2", "psycopg2"), ("psycopg2", "psycopg2-binary"))
+            if _version(v) != "missing"
+        ),
+        "missing",
+    )
     if len(gpus) > 1:
         links = link_distances([g.index for g in gpus])
         if links is not None:
@@ -55,12 +72,18 @@ def report() -> dict[str, Any]:
     if missing:
         hints.append(f"real TRL trials need {', '.join(missing)}: pip install -e '.[trl]'")
     if out["vllm"] == "missing":
-        hints.append("no vllm: searches run without vLLM generation (pip install -e '.[vllm]' on a GPU machine)")
+        hints.append(
+            "no vllm: searches run without vLLM generation (pip install -e '.[vllm]' on a GPU machine)"
+        )
     if out["deepspeed"] == "missing":
-        hints.append("no deepspeed: searches use ZeRO stage 0 without offload (pip install -e '.[deepspeed]')")
+        hints.append(
+            "no deepspeed: searches use ZeRO stage 0 without offload (pip install -e '.[deepspeed]')"
+        )
     if not gpus:
         hints.append("no GPU: use --runner sim to rehearse, or --device cpu for real CPU trials")
     if out["postgres driver"] == "missing":
-        hints.append("no PostgreSQL driver: one study across several nodes needs pip install 'autotune[postgres]'")
+        hints.append(
+            "no PostgreSQL driver: one study across several nodes needs pip install 'autotune[postgres]'"
+        )
     out["next steps"] = "; ".join(hints) or "ready"
     return out

@@ -13,7 +13,8 @@ from our own writes, or SQLite's "database or disk is full" under Optuna's Stora
 from __future__ import annotations
 
 import errno
-from typing import IO, Any, Iterator
+from collections.abc import Iterator
+from typing import IO, Any
 
 import click
 

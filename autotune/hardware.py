@@ -107,8 +107,9 @@ def visible_gpus() -> list[VisibleGpu]:
             pass
 
 
-def resolve_hardware(gpus: int, gpu_type: str | None, gpu_memory: float | None, *,
-                     need_visible: bool) -> GpuType:
+def resolve_hardware(
+    gpus: int, gpu_type: str | None, gpu_memory: float | None, *, need_visible: bool
+) -> GpuType:
     """Decide what one GPU is for this search.
 
     ``need_visible`` is true for runners that really launch on GPUs (trl on cuda, command): then
@@ -121,8 +122,11 @@ def resolve_hardware(gpus: int, gpu_type: str | None, gpu_memory: float | None, 
     if need_visible and visible and gpus > len(visible):
         raise UsageError(f"--gpus {gpus} but only {len(visible)} GPU(s) are visible: lower --gpus")
     if gpu_type or visible:
-        gpu = (find_gpu_type(gpu_type) if gpu_type
-               else gpu_type_from_nvml_name(visible[0].name, visible[0].memory_gib))
+        gpu = (
+            find_gpu_type(gpu_type)
+            if gpu_type
+            else gpu_type_from_nvml_name(visible[0].name, visible[0].memory_gib)
+        )
         return replace(gpu, memory_gib=float(gpu_memory)) if gpu_memory else gpu
     if gpu_memory:
         return GpuType(f"custom-{gpu_memory:g}GiB", float(gpu_memory), 100.0, 1.0, 32)
@@ -136,7 +140,7 @@ def resolve_hardware(gpus: int, gpu_type: str | None, gpu_memory: float | None, 
 # closer. 40 is "same NUMA node", 50 "across sockets". NVLink (P2P over NVLink) counts as 0.
 NVML_P2P_CAPS_INDEX_NVLINK = 2
 NVML_P2P_STATUS_OK = 0
-FAR = 60   # no topology information: every pair equally far
+FAR = 60  # no topology information: every pair equally far
 
 
 def link_distances(indices: list[int], nvml: Any | None = None) -> dict[tuple[int, int], int] | None:
@@ -182,8 +186,9 @@ def link_distances(indices: list[int], nvml: Any | None = None) -> dict[tuple[in
             pass
 
 
-def gpu_subsets(devices: list[int], size: int, count: int,
-                distances: dict[tuple[int, int], int] | None = None) -> list[list[int]]:
+def gpu_subsets(
+    devices: list[int], size: int, count: int, distances: dict[tuple[int, int], int] | None = None
+) -> list[list[int]]:
     """``count`` disjoint sets of ``size`` GPUs out of ``devices``, closest-linked first.
 
     A multi-GPU trial spends its step in all-reduce and (ZeRO-3) all-gather, so its GPUs should
@@ -198,9 +203,11 @@ def gpu_subsets(devices: list[int], size: int, count: int,
             break
         group = [free.pop(0)]
         while len(group) < size:
-            def cost(g: int) -> tuple[int, int]:
+
+            def cost(g: int, group: list[int] = group) -> tuple[int, int]:
                 worst = max((distances or {}).get((g, m), 0) for m in group)
                 return worst, g
+
             best = min(free, key=cost)
             free.remove(best)
             group.append(best)
@@ -222,20 +229,25 @@ def node_devices(node_gpus: int | None, *, need_visible: bool) -> list[int]:
     return devices[:node_gpus] if node_gpus else devices
 
 
-def plan_slots(gpus: int, parallel: int | None, node_gpus: int | None, *, need_visible: bool,
-               nvml: Any | None = None) -> list[list[int] | None]:
+def plan_slots(
+    gpus: int, parallel: int | None, node_gpus: int | None, *, need_visible: bool, nvml: Any | None = None
+) -> list[list[int] | None]:
     """The disjoint GPU sets trials run on at once (one per slot), checked against the node.
 
     Without a node description (no NVML, no ``--node-gpus``) there is one slot, ``None``: the
     runner's default GPUs (the first N of ``CUDA_VISIBLE_DEVICES``, which may be UUIDs, or 0..N-1)."""
     if node_gpus is not None and node_gpus < gpus:
-        raise UsageError(f"--node-gpus {node_gpus} is smaller than --gpus {gpus}: a trial needs {gpus} GPUs "
-                         f"of one node; raise --node-gpus or lower --gpus")
+        raise UsageError(
+            f"--node-gpus {node_gpus} is smaller than --gpus {gpus}: a trial needs {gpus} GPUs "
+            f"of one node; raise --node-gpus or lower --gpus"
+        )
     devices = node_devices(node_gpus, need_visible=need_visible)
     if not devices:
         if parallel is not None and parallel > 1:
-            raise UsageError(f"--parallel {parallel} needs {parallel * gpus} GPUs but the node's are unknown: "
-                             f"give --node-gpus M (the GPUs of this node)")
+            raise UsageError(
+                f"--parallel {parallel} needs {parallel * gpus} GPUs but the node's are unknown: "
+                f"give --node-gpus M (the GPUs of this node)"
+            )
         if parallel is not None and parallel < 1:
             raise UsageError("--parallel must be at least 1")
         return [None]
@@ -243,8 +255,10 @@ def plan_slots(gpus: int, parallel: int | None, node_gpus: int | None, *, need_v
     if most < 1:
         raise UsageError(f"--gpus {gpus} but this node has {len(devices)} GPU(s): lower --gpus")
     if parallel is not None and parallel > most:
-        raise UsageError(f"--parallel {parallel} needs {parallel * gpus} GPUs for --gpus {gpus} but the node has "
-                         f"{len(devices)}: use --parallel {most} or less")
+        raise UsageError(
+            f"--parallel {parallel} needs {parallel * gpus} GPUs for --gpus {gpus} but the node has "
+            f"{len(devices)}: use --parallel {most} or less"
+        )
     if parallel is not None and parallel < 1:
         raise UsageError("--parallel must be at least 1")
     count = parallel or most

@@ -19,9 +19,16 @@ from autotune.trial.metrics import StepRecord
 from autotune.trial.outcome import Outcome
 
 SHORT = {
-    "per_device_train_batch_size": "bs", "gradient_accumulation_steps": "ga", "num_generations": "G",
-    "zero_stage": "zero", "offload": "off", "gradient_checkpointing": "gc", "use_vllm": "vllm",
-    "vllm_mode": "mode", "vllm_gpu_memory_utilization": "vmem", "vllm_enable_sleep_mode": "sleep",
+    "per_device_train_batch_size": "bs",
+    "gradient_accumulation_steps": "ga",
+    "num_generations": "G",
+    "zero_stage": "zero",
+    "offload": "off",
+    "gradient_checkpointing": "gc",
+    "use_vllm": "vllm",
+    "vllm_mode": "mode",
+    "vllm_gpu_memory_utilization": "vmem",
+    "vllm_enable_sleep_mode": "sleep",
     "vllm_tensor_parallel_size": "tp",
 }
 
@@ -79,8 +86,11 @@ class Reporter:
         self.emit(f"[{self.elapsed()}] trial {number} {status}: {reason}")
 
     def trial_finished(self, number: int, outcome: Outcome) -> None:
-        if outcome.status == "ok" and outcome.throughput and (
-                self.best is None or outcome.throughput > self.best[1]):
+        if (
+            outcome.status == "ok"
+            and outcome.throughput
+            and (self.best is None or outcome.throughput > self.best[1])
+        ):
             self.best = (number, outcome.throughput)
         best = f"  best so far: trial {self.best[0]} {self.best[1]:.3g}/s" if self.best else ""
         self.emit(f"[{self.elapsed()}] trial {number} {describe(outcome)}{best}")

@@ -21,15 +21,38 @@ from autotune.units import duration_seconds
 # Fields that change what a trial measures. Two recipes that differ here are different studies;
 # the rest (trial count, budgets, timeouts) may change between `search` and `resume`.
 IDENTITY_FIELDS = (
-    "model", "gpus", "gpu_type", "gpu_memory_gib", "max_prompt_length", "max_completion_length",
-    "global_batch", "pins", "space_digest", "runner", "command", "device", "memory_limit_gib",
-    "beta", "lora_rank", "dataset", "storage", "quantization", "image_tokens", "images_per_prompt",
+    "model",
+    "gpus",
+    "gpu_type",
+    "gpu_memory_gib",
+    "max_prompt_length",
+    "max_completion_length",
+    "global_batch",
+    "pins",
+    "space_digest",
+    "runner",
+    "command",
+    "device",
+    "memory_limit_gib",
+    "beta",
+    "lora_rank",
+    "dataset",
+    "storage",
+    "quantization",
+    "image_tokens",
+    "images_per_prompt",
     "swift_args",
 )
 
 
-def _opt(help: str, *, flag: str | None = None, kind: str | None = None, commands: str = "search",
-         resolved: bool = False) -> dict[str, Any]:
+def _opt(
+    help: str,
+    *,
+    flag: str | None = None,
+    kind: str | None = None,
+    commands: str = "search",
+    resolved: bool = False,
+) -> dict[str, Any]:
     """Field metadata the CLI derives its options from: the help text, the flag when it is not
     ``--field-name``, how the value is read (``duration``: '30m'), which commands take it
     (``search``, or ``recipe`` for the flags that describe the training run, shared with estimate),
@@ -42,77 +65,151 @@ class Recipe:
     """What is trained and the rules of the search: the one place that documents every field
     and holds its default. The command line derives its options from these fields."""
 
-    model: str = field(metadata=_opt(
-        "Card name (Qwen2.5-7B-Instruct), HF cache id, or a directory with config.json.", commands="recipe"))
+    model: str = field(
+        metadata=_opt(
+            "Card name (Qwen2.5-7B-Instruct), HF cache id, or a directory with config.json.",
+            commands="recipe",
+        )
+    )
     gpus: int = field(metadata=_opt("GPUs per trial (one node).", commands="recipe"))
-    gpu_type: str = field(default="", metadata=_opt(
-        "GPU model when not visible through NVML, e.g. A100-80GB.", commands="recipe", resolved=True))
-    gpu_memory_gib: float = field(default=0.0, metadata=_opt(
-        "Memory per GPU in GiB (overrides the type's).", flag="--gpu-memory", commands="recipe", resolved=True))
-    max_prompt_length: int = field(default=512, metadata=_opt(
-        "Prompt tokens every trial uses (the worst case).", commands="recipe"))
-    max_completion_length: int = field(default=1024, metadata=_opt(
-        "Completion tokens every trial generates (the worst case).", commands="recipe"))
-    global_batch: int | None = field(default=None, metadata=_opt(
-        "Completions per optimizer step; accumulation is derived.", commands="recipe"))
-    pins: dict[str, Any] = field(default_factory=dict, metadata=_opt(
-        "Pin a parameter (repeatable).", flag="--set", commands="recipe"))
-    space: str = field(default="", metadata=_opt(
-        "Search-space YAML (default: search_spaces/grpo.yaml).", commands="recipe", resolved=True))
-    space_digest: str = ""           # hash of the space file's contents, so an edited space is noticed
+    gpu_type: str = field(
+        default="",
+        metadata=_opt(
+            "GPU model when not visible through NVML, e.g. A100-80GB.", commands="recipe", resolved=True
+        ),
+    )
+    gpu_memory_gib: float = field(
+        default=0.0,
+        metadata=_opt(
+            "Memory per GPU in GiB (overrides the type's).",
+            flag="--gpu-memory",
+            commands="recipe",
+            resolved=True,
+        ),
+    )
+    max_prompt_length: int = field(
+        default=512, metadata=_opt("Prompt tokens every trial uses (the worst case).", commands="recipe")
+    )
+    max_completion_length: int = field(
+        default=1024,
+        metadata=_opt("Completion tokens every trial generates (the worst case).", commands="recipe"),
+    )
+    global_batch: int | None = field(
+        default=None,
+        metadata=_opt("Completions per optimizer step; accumulation is derived.", commands="recipe"),
+    )
+    pins: dict[str, Any] = field(
+        default_factory=dict, metadata=_opt("Pin a parameter (repeatable).", flag="--set", commands="recipe")
+    )
+    space: str = field(
+        default="",
+        metadata=_opt(
+            "Search-space YAML (default: search_spaces/grpo.yaml).", commands="recipe", resolved=True
+        ),
+    )
+    space_digest: str = ""  # hash of the space file's contents, so an edited space is noticed
     runner: str = field(default="trl", metadata=_opt("What runs a trial: trl, swift, sim or command."))
-    command: str | None = field(default=None, metadata=_opt(
-        "Trainer command template with {placeholders} (implies --runner command)."))
-    swift_bin: str | None = field(default=None, metadata=_opt(
-        "The swift program for --runner swift (default: swift on PATH)."))
-    swift_args: str = field(default="", metadata=_opt(
-        "Extra flags passed to every swift rlhf trial, e.g. \"--attn_impl sdpa\"."))
+    command: str | None = field(
+        default=None,
+        metadata=_opt("Trainer command template with {placeholders} (implies --runner command)."),
+    )
+    swift_bin: str | None = field(
+        default=None, metadata=_opt("The swift program for --runner swift (default: swift on PATH).")
+    )
+    swift_args: str = field(
+        default="", metadata=_opt('Extra flags passed to every swift rlhf trial, e.g. "--attn_impl sdpa".')
+    )
     device: str = field(default="cuda", metadata=_opt("cuda, or cpu for real trials on the CPU."))
-    memory_limit_gib: float | None = field(default=None, metadata=_opt(
-        "Cap each trial's address space at GIB (RLIMIT_AS).", flag="--memory-limit"))
-    beta: float = field(default=0.0, metadata=_opt(
-        "KL coefficient; > 0 loads a reference model.", commands="recipe"))
-    lora_rank: int | None = field(default=None, metadata=_opt(
-        "Train LoRA adapters of this rank instead of all weights.", commands="recipe"))
-    quantization: str | None = field(default=None, metadata=_opt(
-        "Load the base quantized with bitsandbytes: 4bit (NF4, QLoRA) or 8bit.", commands="recipe"))
-    image_tokens: int = field(default=0, metadata=_opt(
-        "Vision-language: prompt tokens that come from each image.", commands="recipe"))
-    images_per_prompt: int = field(default=1, metadata=_opt(
-        "Vision-language: images in each prompt.", commands="recipe"))
-    dataset: str | None = field(default=None, metadata=_opt(
-        "Prompts for real trials, a JSONL file with a 'prompt' field (default: synthetic worst-case "
-        "prompts of exactly --max-prompt-length tokens)."))
+    memory_limit_gib: float | None = field(
+        default=None,
+        metadata=_opt("Cap each trial's address space at GIB (RLIMIT_AS).", flag="--memory-limit"),
+    )
+    beta: float = field(
+        default=0.0, metadata=_opt("KL coefficient; > 0 loads a reference model.", commands="recipe")
+    )
+    lora_rank: int | None = field(
+        default=None,
+        metadata=_opt("Train LoRA adapters of this rank instead of all weights.", commands="recipe"),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Load the base quantized with bitsandbytes: 4bit (NF4, QLoRA) or 8bit.", commands="recipe"
+        ),
+    )
+    image_tokens: int = field(
+        default=0,
+        metadata=_opt("Vision-language: prompt tokens that come from each image.", commands="recipe"),
+    )
+    images_per_prompt: int = field(
+        default=1, metadata=_opt("Vision-language: images in each prompt.", commands="recipe")
+    )
+    dataset: str | None = field(
+        default=None,
+        metadata=_opt(
+            "Prompts for real trials, a JSONL file with a 'prompt' field (default: synthetic worst-case "
+            "prompts of exactly --max-prompt-length tokens)."
+        ),
+    )
     train_script: str | None = None  # the user's training script, named in the exported launch.sh
-    trials: int = field(default=30, metadata=_opt("Trials to launch (refused and repeated candidates are free)."))
-    time_budget_s: float | None = field(default=None, metadata=_opt(
-        "Stop launching when the next trial would pass it, e.g. 8h.", flag="--time-budget", kind="duration"))
-    headroom: float = field(default=0.05, metadata=_opt("Memory fraction the exported config must leave free."))
-    confirm: int = field(default=3, metadata=_opt("Leading candidates re-run longer before export (0: none)."))
+    trials: int = field(
+        default=30, metadata=_opt("Trials to launch (refused and repeated candidates are free).")
+    )
+    time_budget_s: float | None = field(
+        default=None,
+        metadata=_opt(
+            "Stop launching when the next trial would pass it, e.g. 8h.",
+            flag="--time-budget",
+            kind="duration",
+        ),
+    )
+    headroom: float = field(
+        default=0.05, metadata=_opt("Memory fraction the exported config must leave free.")
+    )
+    confirm: int = field(
+        default=3, metadata=_opt("Leading candidates re-run longer before export (0: none).")
+    )
     warmup_steps: int = field(default=2, metadata=_opt("Steps before a trial's throughput is measured."))
-    measure_steps: int = field(default=3, metadata=_opt("Measured steps per trial (a stable one stops sooner)."))
-    trial_timeout_s: float = field(default=1800.0, metadata=_opt(
-        "Kill a trial at this wall time.", flag="--trial-timeout", kind="duration"))
-    hang_timeout_s: float = field(default=300.0, metadata=_opt(
-        "Kill a trial after this long without output.", flag="--hang-timeout", kind="duration"))
-    min_util: float = field(default=0.5, metadata=_opt(
-        "Mean GPU utilization below which a trial is diagnosed as low-utilization."))
+    measure_steps: int = field(
+        default=3, metadata=_opt("Measured steps per trial (a stable one stops sooner).")
+    )
+    trial_timeout_s: float = field(
+        default=1800.0,
+        metadata=_opt("Kill a trial at this wall time.", flag="--trial-timeout", kind="duration"),
+    )
+    hang_timeout_s: float = field(
+        default=300.0,
+        metadata=_opt("Kill a trial after this long without output.", flag="--hang-timeout", kind="duration"),
+    )
+    min_util: float = field(
+        default=0.5,
+        metadata=_opt("Mean GPU utilization below which a trial is diagnosed as low-utilization."),
+    )
     seed: int = field(default=0, metadata=_opt("Seed of the sampler (and the simulator)."))
-    sim_time_scale: float = field(default=0.002, metadata=_opt("Simulator: wall seconds per simulated second."))
+    sim_time_scale: float = field(
+        default=0.002, metadata=_opt("Simulator: wall seconds per simulated second.")
+    )
     name: str = field(default="", metadata=_opt("Study name (default: from model, GPUs and GPU type)."))
-    storage: str | None = field(default=None, metadata=_opt(
-        "Optuna storage URL (default: SQLite in the study folder), e.g. postgresql://host/db."))
-    parallel: int | None = field(default=None, metadata=_opt(
-        "Trials run at once on disjoint GPU sets (default: node GPUs // --gpus)."))
-    node_gpus: int | None = field(default=None, metadata=_opt(
-        "GPUs on this node, when rehearsing with --runner sim or --gpu-type (default: NVML's count)."))
-    workdir: str | None = None       # where relative paths in --command resolve
+    storage: str | None = field(
+        default=None,
+        metadata=_opt("Optuna storage URL (default: SQLite in the study folder), e.g. postgresql://host/db."),
+    )
+    parallel: int | None = field(
+        default=None, metadata=_opt("Trials run at once on disjoint GPU sets (default: node GPUs // --gpus).")
+    )
+    node_gpus: int | None = field(
+        default=None,
+        metadata=_opt(
+            "GPUs on this node, when rehearsing with --runner sim or --gpu-type (default: NVML's count)."
+        ),
+    )
+    workdir: str | None = None  # where relative paths in --command resolve
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Recipe":
+    def from_dict(cls, data: dict[str, Any]) -> Recipe:
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -120,13 +217,17 @@ class Recipe:
         write_text(path, yaml.safe_dump(self.to_dict(), sort_keys=False))
 
     @classmethod
-    def load(cls, path: Path) -> "Recipe":
+    def load(cls, path: Path) -> Recipe:
         try:
             data = yaml.safe_load(path.read_text())
         except FileNotFoundError:
-            raise UsageError(f"no recipe at {path}: is this a study folder made by autotune search?")
+            raise UsageError(
+                f"no recipe at {path}: is this a study folder made by autotune search?"
+            ) from None
         except yaml.YAMLError as exc:
-            raise UsageError(f"{path} is not valid YAML ({exc.__class__.__name__}): fix or remove it")
+            raise UsageError(
+                f"{path} is not valid YAML ({exc.__class__.__name__}): fix or remove it"
+            ) from None
         if not isinstance(data, dict) or "model" not in data:
             raise UsageError(f"{path} is not an autotune recipe")
         return cls.from_dict(data)
@@ -134,7 +235,7 @@ class Recipe:
     def identity(self) -> dict[str, Any]:
         return {k: getattr(self, k) for k in IDENTITY_FIELDS}
 
-    def differences(self, other: "Recipe") -> list[str]:
+    def differences(self, other: Recipe) -> list[str]:
         """Names of identity fields that differ, for a message that says what changed."""
         mine, theirs = self.identity(), other.identity()
         return [k for k in IDENTITY_FIELDS if mine[k] != theirs[k]]
@@ -157,8 +258,11 @@ class Recipe:
             return batch.completions(params, self.dp_gpus(params), self.global_batch)
         if params.get("per_device_train_batch_size") is not None:
             accumulation = params.get("gradient_accumulation_steps")
-            return (int(params["per_device_train_batch_size"]) * int(1 if accumulation is None else accumulation)
-                    * self.dp_gpus(params))
+            return (
+                int(params["per_device_train_batch_size"])
+                * int(1 if accumulation is None else accumulation)
+                * self.dp_gpus(params)
+            )
         return self.global_batch or None
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Benchmark parallel trials: wall time of one search on an 8-GPU node with 1, 2 and 4 slots.
 
-    python scripts/bench_parallel.py [--seeds 3] [--trials 20] [--scale 0.002] [--out docs/benchmarks-parallel.md]
+    python scripts/bench_parallel.py [--seeds 3] [--trials 20] [--scale 0.002]
+        [--out docs/benchmarks-parallel.md]
 
 The simulator plays a node of 8 GPUs and a 2-GPU configuration (Qwen2.5-7B, A100-80GB), so up to
 four trials fit at once. Each search runs through the real loop and scheduler (planner, policy,
@@ -41,8 +42,9 @@ from autotune.study import StudyPaths  # noqa: E402
 from autotune.trial.control import TrialControl  # noqa: E402
 from autotune.trial.outcome import Outcome  # noqa: E402
 
-CASE = Case("Qwen2.5-7B, 2 x A100-80GB per trial, 8-GPU node, batch 128", "Qwen2.5-7B-Instruct", 2,
-            "A100-80GB", 128)
+CASE = Case(
+    "Qwen2.5-7B, 2 x A100-80GB per trial, 8-GPU node, batch 128", "Qwen2.5-7B-Instruct", 2, "A100-80GB", 128
+)
 NODE_GPUS = 8
 
 
@@ -54,8 +56,10 @@ class SleepingExecutor:
         self.lock = threading.Lock()
         self.launches = 0
 
-    def __call__(self, params: dict[str, Any], trial_dir: Path, number: int, control: TrialControl) -> Outcome:
-        with self.lock:             # the truth object counts; keep it consistent across slots
+    def __call__(
+        self, params: dict[str, Any], trial_dir: Path, number: int, control: TrialControl
+    ) -> Outcome:
+        with self.lock:  # the truth object counts; keep it consistent across slots
             outcome = self.truth(params, trial_dir, number, control)
             self.launches += 1
         time.sleep((outcome.wall_time_s or 0.0) * self.scale)
@@ -86,8 +90,16 @@ def one_search(land, k: int, seed: int, trials: int, scale: float) -> Result:
     executor = SleepingExecutor(SimRunner(context), scale)
     slots = plan_slots(recipe.gpus, k, NODE_GPUS, need_visible=False)
     with tempfile.TemporaryDirectory() as tmp:
-        search = FixedTrials(recipe, StudyPaths(Path(tmp), recipe.name), context, Quiet(trials), execute=executor,
-                        storage=optuna.storages.InMemoryStorage(), report=False, slots=slots)
+        search = FixedTrials(
+            recipe,
+            StudyPaths(Path(tmp), recipe.name),
+            context,
+            Quiet(trials),
+            execute=executor,
+            storage=optuna.storages.InMemoryStorage(),
+            report=False,
+            slots=slots,
+        )
         start = time.monotonic()
         result = search.run()
         wall = time.monotonic() - start
@@ -110,7 +122,10 @@ def main() -> int:
         for k in (1, 2, 4):
             r = one_search(land, k, seed, args.trials, args.scale)
             results.append(r)
-            print(f"seed {seed} K={k}: {r.wall_s:6.1f} s, {r.launched} trials, quality {r.quality:.1%}", flush=True)
+            print(
+                f"seed {seed} K={k}: {r.wall_s:6.1f} s, {r.launched} trials, quality {r.quality:.1%}",
+                flush=True,
+            )
     lines = report(results, args, time.monotonic() - began)
     args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
@@ -124,32 +139,47 @@ def report(results: list[Result], args: argparse.Namespace, seconds: float) -> l
     for k, rs in by_k.items():
         wall = statistics.mean(r.wall_s for r in rs)
         same = sum(1 for r, r1 in zip(rs, by_k[1]) if r.params == r1.params)
-        rows.append(f"| {k} | {wall:.1f} | {wall / base:.2f} | {statistics.mean(r.launched for r in rs):.1f} | "
-                    f"{statistics.mean(r.quality for r in rs):.1%} | {min(r.quality for r in rs):.1%} | "
-                    f"{same} of {len(rs)} |")
+        rows.append(
+            f"| {k} | {wall:.1f} | {wall / base:.2f} | {statistics.mean(r.launched for r in rs):.1f} | "
+            f"{statistics.mean(r.quality for r in rs):.1%} | {min(r.quality for r in rs):.1%} | "
+            f"{same} of {len(rs)} |"
+        )
     ratio4 = statistics.mean(r.wall_s for r in by_k[4]) / base
     q1 = statistics.mean(r.quality for r in by_k[1])
     q4 = statistics.mean(r.quality for r in by_k[4])
     trials_same = all(r.launched == args.trials for r in results)
-    verdict.append(f"- K = 4 took **{ratio4:.2f}** of K = 1's wall time (target: at most 0.35): "
-                   + ("met." if ratio4 <= 0.35 else "**missed**."))
-    verdict.append(f"- Final quality: {q1:.1%} with K = 1, {q4:.1%} with K = 4 (true long-run throughput of the "
-                   "exported configuration over the best on the whole grid, mean over seeds).")
-    verdict.append("- Every search ran its full --trials." if trials_same else
-                   "- Not every search ran its full --trials (a convergence stop came first): see the trials column.")
+    verdict.append(
+        f"- K = 4 took **{ratio4:.2f}** of K = 1's wall time (target: at most 0.35): "
+        + ("met." if ratio4 <= 0.35 else "**missed**.")
+    )
+    verdict.append(
+        f"- Final quality: {q1:.1%} with K = 1, {q4:.1%} with K = 4 (true long-run throughput of the "
+        "exported configuration over the best on the whole grid, mean over seeds)."
+    )
+    verdict.append(
+        "- Every search ran its full --trials."
+        if trials_same
+        else "- Not every search ran its full --trials (a convergence stop came first): "
+        "see the trials column."
+    )
     return [
         "# Parallel trials: wall time on one node",
         "",
         f"Written by `python scripts/bench_parallel.py --seeds {args.seeds} --trials {args.trials} "
         f"--scale {args.scale}` ({seconds:.0f} s on a shared 2-core machine).",
         "",
-        f"Case: {CASE.name}. The simulator plays the node ({NODE_GPUS} GPUs, `--gpus 2`, so `--parallel` up to 4);",
-        "each search is the real loop and scheduler, with each trial's outcome from the simulator's truth and the",
-        f"trial holding its GPU slot for its simulated duration x {args.scale} (a real sleep). The convergence",
-        "stop is off so that every K runs the same --trials; the confirmation runs (the leaders re-run longer,",
+        f"Case: {CASE.name}. The simulator plays the node ({NODE_GPUS} GPUs, `--gpus 2`, "
+        "so `--parallel` up to 4);",
+        "each search is the real loop and scheduler, "
+        "with each trial's outcome from the simulator's truth and the",
+        f"trial holding its GPU slot for its simulated duration x {args.scale} "
+        "(a real sleep). The convergence",
+        "stop is off so that every K runs the same --trials; "
+        "the confirmation runs (the leaders re-run longer,",
         "under the study's lock, one per slot) are inside the wall time.",
         "",
-        "| K (--parallel) | wall s (mean) | vs K = 1 | trials | final quality (mean) | worst | same final config as K = 1 |",
+        "| K (--parallel) | wall s (mean) | vs K = 1 | trials | final quality (mean) | worst "
+        "| same final config as K = 1 |",
         "|---|---|---|---|---|---|---|",
         *rows,
         "",
@@ -157,11 +187,15 @@ def report(results: list[Result], args: argparse.Namespace, seconds: float) -> l
         "",
         "Why not 1/K: trials end at different times (an OOM ends in seconds, a good configuration runs its",
         "measured steps), the first proposals of a parallel search are made with less known (K seeds go out",
-        "before any result is back), and the confirmation runs at the end take as long as the longest of them.",
+        "before any result is back), "
+        "and the confirmation runs at the end take as long as the longest of them.",
         "",
-        "The trials here are in-process (the simulator's truth, then a sleep) because the benchmark machine has",
-        "two shared cores: real `--runner sim` trials are Python processes whose start-up is CPU-bound, so four",
-        "at once on two cores mostly measure the CPU. On a GPU node a trial process waits on its GPUs, not on",
+        "The trials here are in-process (the simulator's truth, then a sleep) "
+        "because the benchmark machine has",
+        "two shared cores: real `--runner sim` trials are Python processes whose start-up is CPU-bound, "
+        "so four",
+        "at once on two cores mostly measure the CPU. "
+        "On a GPU node a trial process waits on its GPUs, not on",
         "the controller's CPU. `tests/test_parallel.py` checks the real subprocess path (disjoint",
         "`CUDA_VISIBLE_DEVICES`, trials overlapping in time, each verdict its own).",
     ]

@@ -27,9 +27,10 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import optuna
 
@@ -42,11 +43,11 @@ from autotune.progress import Reporter  # noqa: E402
 from autotune.recipe import Recipe  # noqa: E402
 from autotune.runners import TrialContext  # noqa: E402
 from autotune.runners.sim import SimRunner  # noqa: E402
-from autotune.sim.landscape import evaluate  # noqa: E402
-from autotune.sim.replay import TruthExecutor  # noqa: E402
 from autotune.search import constraints  # noqa: E402
 from autotune.search.loop import Search  # noqa: E402
 from autotune.search.space import load_space  # noqa: E402
+from autotune.sim.landscape import evaluate  # noqa: E402
+from autotune.sim.replay import TruthExecutor  # noqa: E402
 from autotune.study import StudyPaths, candidate_key  # noqa: E402
 from autotune.trial.control import StopRule, TrialControl  # noqa: E402
 from autotune.trial.outcome import Outcome  # noqa: E402
@@ -76,7 +77,9 @@ CASES = [
     # tight hardware: only a few dozen candidates fit (the seeds' users)
     Case("Llama-3.1-8B, 8 x A10G (24 GB), batch 256", "Llama-3.1-8B", 8, "A10G", 256),
     Case("Qwen2.5-14B, 4 x L40S (48 GB), batch 128", "Qwen2.5-14B", 4, "L40S", 128),
-    Case("Qwen2.5-32B, 8 x H200, batch 256, 4096-token completions", "Qwen2.5-32B", 8, "H200", 256, 1024, 4096),
+    Case(
+        "Qwen2.5-32B, 8 x H200, batch 256, 4096-token completions", "Qwen2.5-32B", 8, "H200", 256, 1024, 4096
+    ),
 ]
 
 
@@ -96,7 +99,7 @@ class Landscape:
     truth: dict[str, float] = field(default_factory=dict)
 
     safe: dict[str, float] = field(default_factory=dict)
-    trial_equivalent_s: float = 0.0   # loading + 7 steps of the best configuration, simulated seconds
+    trial_equivalent_s: float = 0.0  # loading + 7 steps of the best configuration, simulated seconds
 
     @property
     def best(self) -> float:
@@ -114,10 +117,21 @@ class Landscape:
 def make_recipe(case: Case, seed: int, trials: int) -> Recipe:
     gpu = find_gpu_type(case.gpu_type)
     space = load_space()
-    return Recipe(model=case.model, gpus=case.gpus, gpu_type=gpu.name, gpu_memory_gib=gpu.memory_gib,
-                  max_prompt_length=case.prompt, max_completion_length=case.completion,
-                  global_batch=case.global_batch, runner="sim", trials=trials, seed=seed,
-                  space=str(space.path), space_digest=space.digest, name=f"bench-{seed}")
+    return Recipe(
+        model=case.model,
+        gpus=case.gpus,
+        gpu_type=gpu.name,
+        gpu_memory_gib=gpu.memory_gib,
+        max_prompt_length=case.prompt,
+        max_completion_length=case.completion,
+        global_batch=case.global_batch,
+        runner="sim",
+        trials=trials,
+        seed=seed,
+        space=str(space.path),
+        space_digest=space.digest,
+        name=f"bench-{seed}",
+    )
 
 
 def true_value(land: Landscape, params: dict[str, Any]) -> tuple[float, float]:
@@ -135,7 +149,7 @@ def true_value(land: Landscape, params: dict[str, Any]) -> tuple[float, float]:
         spec["max_steps"] = r.warmup_steps + 3 * r.measure_steps
         truth = evaluate(spec)
         if truth.failure is not None:
-            return 0.0, 0.0          # dies in any of the long runs: not a config to ship
+            return 0.0, 0.0  # dies in any of the long runs: not a config to ship
         values.append(truth.throughput(r.warmup_steps) or 0.0)
         peaks.append(truth.peak_gib)
     value = sum(values) / len(values)
@@ -145,8 +159,9 @@ def true_value(land: Landscape, params: dict[str, Any]) -> tuple[float, float]:
 def build_landscape(case: Case, trials: int) -> Landscape:
     recipe = make_recipe(case, 0, trials)
     space = load_space()
-    context = TrialContext(recipe=recipe, space=space, model=resolve_model(case.model),
-                           gpu=find_gpu_type(case.gpu_type))
+    context = TrialContext(
+        recipe=recipe, space=space, model=resolve_model(case.model), gpu=find_gpu_type(case.gpu_type)
+    )
     fixed = {"gradient_accumulation_steps": 0}
     seen: set[str] = set()
     candidates = []
@@ -190,7 +205,9 @@ class Tracker:
         self.hours = 0.0
         self.choice: tuple[float, dict[str, Any]] | None = None
 
-    def __call__(self, params: dict[str, Any], trial_dir: Path, number: int, control: TrialControl) -> Outcome:
+    def __call__(
+        self, params: dict[str, Any], trial_dir: Path, number: int, control: TrialControl
+    ) -> Outcome:
         before = self.executor.simulated_s
         outcome = self.executor(params, trial_dir, number, control)
         self.hours += (self.executor.simulated_s - before) * self.land.recipe.gpus / 3600
@@ -199,9 +216,13 @@ class Tracker:
         if outcome.status == "oom":
             self.run.ooms += 1
         limit = self.land.recipe.gpu_memory_gib * (1 - self.land.recipe.headroom)
-        if (outcome.status == "ok" and not outcome.extra.get("pruned") and outcome.throughput
-                and (outcome.peak_memory_gib or 0) <= limit
-                and (self.choice is None or outcome.throughput > self.choice[0])):
+        if (
+            outcome.status == "ok"
+            and not outcome.extra.get("pruned")
+            and outcome.throughput
+            and (outcome.peak_memory_gib or 0) <= limit
+            and (self.choice is None or outcome.throughput > self.choice[0])
+        ):
             self.choice = (outcome.throughput, params)
         self.run.values.append(self.land.value(self.choice[1] if self.choice else None))
         self.run.hours.append(self.hours)
@@ -210,19 +231,24 @@ class Tracker:
 
 def simple_executor(land: Landscape, seed: int) -> TruthExecutor:
     recipe = make_recipe(land.case, seed, 30)
-    return TruthExecutor(SimRunner(TrialContext(recipe, land.context.space, land.context.model, land.context.gpu)))
+    return TruthExecutor(
+        SimRunner(TrialContext(recipe, land.context.space, land.context.model, land.context.gpu))
+    )
 
 
-def run_fixed_list(land: Landscape, seed: int, order: list[dict[str, Any]], trials: int,
-                   adaptive: Callable | None = None) -> Run:
+def run_fixed_list(
+    land: Landscape, seed: int, order: list[dict[str, Any]], trials: int, adaptive: Callable | None = None
+) -> Run:
     """Baselines: launch candidates in a given order (or as an adaptive function decides), then
     confirm the pick the way autotune does (a longer run of the leader; the next one if it dies),
     charged to the baseline's cost, so every policy is scored on a confirmed choice."""
     tracker = Tracker(land, simple_executor(land, seed))
-    rule = StopRule(warmup=land.recipe.warmup_steps, measure=land.recipe.measure_steps, adaptive=False,
-                    prune=False)
+    rule = StopRule(
+        warmup=land.recipe.warmup_steps, measure=land.recipe.measure_steps, adaptive=False, prune=False
+    )
     measured: list[tuple[float, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
+
         def launch(params: dict[str, Any]) -> Outcome:
             n = len(tracker.run.values)
             outcome = tracker(params, Path(tmp) / str(n), n, TrialControl(rule))
@@ -264,10 +290,16 @@ def policy_grid(land: Landscape, seed: int, trials: int) -> Run:
     """A hand-written sweep: ZeRO stage x micro-batch x checkpointing x vLLM fraction, nested."""
     space = land.context.space
     order = []
-    for stage, bs, gc, frac in itertools.product((3, 2, 1), space.params["per_device_train_batch_size"].choices,
-                                                 (True, False), (0.3, 0.5, 0.7)):
-        cand = defaults_with(land, zero_stage=stage, per_device_train_batch_size=bs, gradient_checkpointing=gc,
-                             vllm_gpu_memory_utilization=frac)
+    for stage, bs, gc, frac in itertools.product(
+        (3, 2, 1), space.params["per_device_train_batch_size"].choices, (True, False), (0.3, 0.5, 0.7)
+    ):
+        cand = defaults_with(
+            land,
+            zero_stage=stage,
+            per_device_train_batch_size=bs,
+            gradient_checkpointing=gc,
+            vllm_gpu_memory_utilization=frac,
+        )
         if cand is not None and cand not in order:
             order.append(cand)
     return run_fixed_list(land, seed, order, trials)
@@ -315,8 +347,15 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     context = TrialContext(recipe, land.context.space, land.context.model, land.context.gpu)
     tracker = Tracker(land, TruthExecutor(SimRunner(context)))
     with tempfile.TemporaryDirectory() as tmp:
-        search = Search(recipe, StudyPaths(Path(tmp), recipe.name), context, Quiet(trials),
-                        execute=tracker, storage=optuna.storages.InMemoryStorage(), report=False)
+        search = Search(
+            recipe,
+            StudyPaths(Path(tmp), recipe.name),
+            context,
+            Quiet(trials),
+            execute=tracker,
+            storage=optuna.storages.InMemoryStorage(),
+            report=False,
+        )
         result = search.run()
     tracker.run.final = land.value(result.best.params if result.best else None)
     tracker.run.stopped = (result.stopped_reason or "").split(": ", 1)[-1]
@@ -369,9 +408,18 @@ def summarise(land: Landscape, runs: dict[str, list[Run]]) -> dict[str, dict[str
             "cost_median": statistics.median(cost(land, r) for r in rs),
             "ooms": statistics.fmean(r.ooms for r in rs),
             "launched": statistics.fmean(len(r.values) for r in rs),
-            "seeds": [{"at10": at(r, 10) / best, "at20": at(r, 20) / best, "at30": at(r, 30) / best,
-                       "final": r.final / best, "cost": cost(land, r), "launched": len(r.values),
-                       "stopped": r.stopped} for r in rs],
+            "seeds": [
+                {
+                    "at10": at(r, 10) / best,
+                    "at20": at(r, 20) / best,
+                    "at30": at(r, 30) / best,
+                    "final": r.final / best,
+                    "cost": cost(land, r),
+                    "launched": len(r.values),
+                    "stopped": r.stopped,
+                }
+                for r in rs
+            ],
         }
     return out
 
@@ -395,26 +443,45 @@ def main() -> int:
     for case in cases:
         land = build_landscape(case, args.trials)
         fitting = sum(1 for v in land.safe.values() if v > 0)
-        runs = {name: [policy(land, seed, args.trials) for seed in range(args.seeds)]
-                for name, policy in POLICIES.items()}
+        runs = {
+            name: [policy(land, seed, args.trials) for seed in range(args.seeds)]
+            for name, policy in POLICIES.items()
+        }
         summary = summarise(land, runs)
         results.append((case, land, fitting, summary))
-        print(f"{case.name}: best possible {land.best:.3f} completions/s; "
-              + "; ".join(f"{n} {s['at30']:.0%}@30" for n, s in summary.items()), flush=True)
+        print(
+            f"{case.name}: best possible {land.best:.3f} completions/s; "
+            + "; ".join(f"{n} {s['at30']:.0%}@30" for n, s in summary.items()),
+            flush=True,
+        )
     lines = write_report(results, args, time.time() - started)
     args.out.write_text("\n".join(lines) + "\n")
-    args.out.with_suffix(".json").write_text(json.dumps(
-        [{"case": c.name, "best_possible": land.best, "valid": len(land.candidates), "fitting": fit,
-          "policies": s} for c, land, fit, s in results], indent=2))
+    args.out.with_suffix(".json").write_text(
+        json.dumps(
+            [
+                {
+                    "case": c.name,
+                    "best_possible": land.best,
+                    "valid": len(land.candidates),
+                    "fitting": fit,
+                    "policies": s,
+                }
+                for c, land, fit, s in results
+            ],
+            indent=2,
+        )
+    )
     print(f"wrote {args.out}")
     return 0
 
 
 def write_report(results, args, seconds: float) -> list[str]:
     lines = [
-        "# Search benchmark", "",
+        "# Search benchmark",
+        "",
         f"Produced by `python scripts/bench_search.py --seeds {args.seeds} --trials {args.trials}` "
-        f"({seconds / 60:.1f} min on this machine).", "",
+        f"({seconds / 60:.1f} min on this machine).",
+        "",
         "Each case is a simulator landscape (autotune/sim/landscape.py). *best possible* is the fastest "
         "configuration in the whole valid grid that survives long runs (warm-up + 9 steps, three reference "
         "seeds, throughput averaged) with 5% memory headroom; a pick scores its averaged long-run "
@@ -427,38 +494,57 @@ def write_report(results, args, seconds: float) -> list[str]:
         "95%*: simulated GPU-hours until the exported configuration is within 5% of the best possible "
         "(median over the seeds that got there; *reached* says how many did). *OOMs*: OOM trials (mean). "
         "autotune may stop before --trials when it has converged; its last value then stands for the later "
-        "checkpoints.", "",
+        "checkpoints.",
+        "",
     ]
     ours = [(case, summary["autotune"]) for case, _, _, summary in results]
     finals = [seed["final"] for _, s in ours for seed in s["seeds"]]
     costs = [seed["cost"] for _, s in ours for seed in s["seeds"]]
     at20 = [seed["at20"] for _, s in ours for seed in s["seeds"]]
-    lines += ["## Targets (autotune, every case and seed)", "",
-              "| target | measured | met |", "|---|---|---|",
-              f"| final >= 95% of the best possible within {args.trials} launched trials | worst "
-              f"{min(finals):.1%}, {sum(f >= 0.95 for f in finals)}/{len(finals)} runs | "
-              f"{'yes' if min(finals) >= 0.95 else 'no'} |",
-              f"| median whole-search cost <= 15 trial-equivalents | {statistics.median(costs):.1f} | "
-              f"{'yes' if statistics.median(costs) <= 15 else 'no'} |",
-              f"| stretch: >= 98% within 20 launched trials | worst {min(at20):.1%}, "
-              f"{sum(v >= 0.98 for v in at20)}/{len(at20)} runs | {'yes' if min(at20) >= 0.98 else 'no'} |", ""]
+    lines += [
+        "## Targets (autotune, every case and seed)",
+        "",
+        "| target | measured | met |",
+        "|---|---|---|",
+        f"| final >= 95% of the best possible within {args.trials} launched trials | worst "
+        f"{min(finals):.1%}, {sum(f >= 0.95 for f in finals)}/{len(finals)} runs | "
+        f"{'yes' if min(finals) >= 0.95 else 'no'} |",
+        f"| median whole-search cost <= 15 trial-equivalents | {statistics.median(costs):.1f} | "
+        f"{'yes' if statistics.median(costs) <= 15 else 'no'} |",
+        f"| stretch: >= 98% within 20 launched trials | worst {min(at20):.1%}, "
+        f"{sum(v >= 0.98 for v in at20)}/{len(at20)} runs | {'yes' if min(at20) >= 0.98 else 'no'} |",
+        "",
+    ]
     for case, land, fitting, summary in results:
-        lines += [f"## {case.name}", "",
-                  f"{len(land.candidates)} valid candidates, {fitting} survive with headroom; best possible "
-                  f"{land.best:.3f} completions/s; one trial-equivalent is {land.trial_equivalent_s:.0f} "
-                  "simulated seconds.", "",
-                  "| policy | @10 | @20 | @30 | final | worst final | reached 95% | GPU-h to 95% | GPU-h total "
-                  "| cost | OOMs | launched |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {case.name}",
+            "",
+            f"{len(land.candidates)} valid candidates, {fitting} survive with headroom; best possible "
+            f"{land.best:.3f} completions/s; one trial-equivalent is {land.trial_equivalent_s:.0f} "
+            "simulated seconds.",
+            "",
+            "| policy | @10 | @20 | @30 | final | worst final | reached 95% | GPU-h to 95% | GPU-h total "
+            "| cost | OOMs | launched |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for name, s in summary.items():
-            lines.append(f"| {name} | {s['at10']:.0%} | {s['at20']:.0%} | {s['at30']:.0%} | {s['final']:.0%} | "
-                         f"{s['worst_final']:.0%} | {s['reached']} | {fmt_hours(s['hours_to_95'])} | "
-                         f"{s['hours_total']:.2f} | {s['cost_median']:.1f} | {s['ooms']:.1f} | {s['launched']:.0f} |")
-        lines += ["", "autotune per seed:", "", "| seed | @10 | @20 | @30 | final | cost | launched | stopped |",
-                  "|---|---|---|---|---|---|---|---|"]
+            lines.append(
+                f"| {name} | {s['at10']:.0%} | {s['at20']:.0%} | {s['at30']:.0%} | {s['final']:.0%} | "
+                f"{s['worst_final']:.0%} | {s['reached']} | {fmt_hours(s['hours_to_95'])} | "
+                f"{s['hours_total']:.2f} | {s['cost_median']:.1f} | {s['ooms']:.1f} | {s['launched']:.0f} |"
+            )
+        lines += [
+            "",
+            "autotune per seed:",
+            "",
+            "| seed | @10 | @20 | @30 | final | cost | launched | stopped |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
         for i, seed in enumerate(summary["autotune"]["seeds"]):
-            lines.append(f"| {i} | {seed['at10']:.0%} | {seed['at20']:.0%} | {seed['at30']:.0%} | {seed['final']:.0%} "
-                         f"| {seed['cost']:.1f} | {seed['launched']} | {seed['stopped']} |")
+            lines.append(
+                f"| {i} | {seed['at10']:.0%} | {seed['at20']:.0%} | {seed['at30']:.0%} | {seed['final']:.0%} "
+                f"| {seed['cost']:.1f} | {seed['launched']} | {seed['stopped']} |"
+            )
         lines.append("")
     return lines
 

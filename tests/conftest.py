@@ -24,8 +24,15 @@ def run_cli(*args, cwd=None, env=None, timeout=300, input=None):
     import subprocess
 
     full_env = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "autotune", *map(str, args)], cwd=cwd, env=full_env,
-                          capture_output=True, text=True, timeout=timeout, input=input)
+    return subprocess.run(
+        [sys.executable, "-m", "autotune", *map(str, args)],
+        cwd=cwd,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        input=input,
+    )
 
 
 def saved_activation_bytes(module, call) -> int:

@@ -19,11 +19,30 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (0, ("autotune", "autotune.errors", "autotune.units", "autotune.files")),
     (1, ("autotune.recipe", "autotune.hardware", "autotune.models")),
-    (2, ("autotune.search.space", "autotune.search.constraints", "autotune.search.memory",
-         "autotune.search.speed", "autotune.search.moves", "autotune.configs", "autotune.trial")),
+    (
+        2,
+        (
+            "autotune.search.space",
+            "autotune.search.constraints",
+            "autotune.search.memory",
+            "autotune.search.speed",
+            "autotune.search.moves",
+            "autotune.configs",
+            "autotune.trial",
+        ),
+    ),
     (3, ("autotune.runners", "autotune.worker", "autotune.study", "autotune.sim", "autotune.progress")),
-    (4, ("autotune.search.planner", "autotune.search.policy", "autotune.search.pruning",
-         "autotune.search.stopping", "autotune.search", "autotune.export")),
+    (
+        4,
+        (
+            "autotune.search.planner",
+            "autotune.search.policy",
+            "autotune.search.pruning",
+            "autotune.search.stopping",
+            "autotune.search",
+            "autotune.export",
+        ),
+    ),
     (5, ("autotune.search.loop", "autotune.search.confirm")),
     (6, ("autotune.commands", "autotune.doctor")),
     (7, ("autotune.cli", "autotune.__main__")),
@@ -43,7 +62,7 @@ MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
 
 
 def layer(name: str) -> int:
-    best: tuple[int, int] | None = None   # (prefix length, layer)
+    best: tuple[int, int] | None = None  # (prefix length, layer)
     for level, prefixes in LAYERS:
         for prefix in prefixes:
             if (name == prefix or name.startswith(prefix + ".")) and (best is None or len(prefix) > best[0]):
@@ -61,8 +80,10 @@ def imports(name: str) -> set[str]:
             targets = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             # `from autotune.search import constraints` imports a module, not a name
-            targets = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
-                       for alias in node.names]
+            targets = [
+                f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in MODULES else node.module
+                for alias in node.names
+            ]
         else:
             continue
         found.update(t for t in targets if t in MODULES and t != name)
@@ -84,7 +105,7 @@ def test_no_module_imports_a_higher_layer(name):
 
 
 def test_the_import_graph_has_no_cycle():
-    state: dict[str, int] = {}          # 1 = on the current path, 2 = done
+    state: dict[str, int] = {}  # 1 = on the current path, 2 = done
     path: list[str] = []
 
     def visit(node: str) -> None:
@@ -92,7 +113,7 @@ def test_the_import_graph_has_no_cycle():
         path.append(node)
         for nxt in sorted(GRAPH[node]):
             if state.get(nxt) == 1:
-                cycle = path[path.index(nxt):] + [nxt]
+                cycle = path[path.index(nxt) :] + [nxt]
                 pytest.fail("import cycle: " + " -> ".join(cycle))
             if nxt not in state:
                 visit(nxt)

@@ -15,7 +15,7 @@ from conftest import run_cli
 # each completion of the batch holds 160 MiB, really resident (written, not just reserved)
 MIB_PER_COMPLETION = 160
 
-TRAINER = textwrap.dedent(f'''
+TRAINER = textwrap.dedent(f"""
     import argparse, sys, time
     p = argparse.ArgumentParser()
     p.add_argument("--per_device_train_batch_size", type=int)
@@ -25,7 +25,7 @@ TRAINER = textwrap.dedent(f'''
         time.sleep(0.2)
         # no memory(GiB), no peak_memory_gib: the trainer says nothing about memory
         print({{"loss": 0.1, "step_time": 0.5, "epoch": step / 100}}, flush=True)
-''')
+""")
 
 SPACE = textwrap.dedent("""
     version: 1
@@ -40,9 +40,32 @@ def search(tmp_path, name, *extra):
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "space.yaml").write_text(SPACE)
     template = f"{sys.executable} trainer.py --per_device_train_batch_size {{per_device_train_batch_size}}"
-    res = run_cli("search", "--model", "tiny-qwen", "--gpus", "1", "--device", "cpu", "--command", template,
-                  "--space", "space.yaml", "--trials", "2", "--confirm", "0", "--warmup-steps", "1",
-                  "--measure-steps", "2", "--name", name, *extra, cwd=tmp_path, timeout=300)
+    res = run_cli(
+        "search",
+        "--model",
+        "tiny-qwen",
+        "--gpus",
+        "1",
+        "--device",
+        "cpu",
+        "--command",
+        template,
+        "--space",
+        "space.yaml",
+        "--trials",
+        "2",
+        "--confirm",
+        "0",
+        "--warmup-steps",
+        "1",
+        "--measure-steps",
+        "2",
+        "--name",
+        name,
+        *extra,
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     study = tmp_path / "runs" / name
     by_batch = {}

@@ -5,7 +5,6 @@ import json
 
 import pytest
 import yaml
-
 from conftest import run_cli
 
 SPACE = {
@@ -27,17 +26,46 @@ SPACE = {
 def test_real_cpu_search_meets_real_oom_exports_and_verifies(tmp_path):
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump(SPACE))
-    res = run_cli("search", "--model", "tiny-qwen", "--gpus", "1", "--device", "cpu", "--memory-limit", "3",
-                  "--runner", "trl", "--max-prompt-length", "32", "--max-completion-length", "16",
-                  "--space", space, "--trials", "2", "--warmup-steps", "1", "--measure-steps", "2",
-                  "--confirm", "1", "--name", "cpu", cwd=tmp_path, timeout=900)
+    res = run_cli(
+        "search",
+        "--model",
+        "tiny-qwen",
+        "--gpus",
+        "1",
+        "--device",
+        "cpu",
+        "--memory-limit",
+        "3",
+        "--runner",
+        "trl",
+        "--max-prompt-length",
+        "32",
+        "--max-completion-length",
+        "16",
+        "--space",
+        space,
+        "--trials",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--measure-steps",
+        "2",
+        "--confirm",
+        "1",
+        "--name",
+        "cpu",
+        cwd=tmp_path,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     study = tmp_path / "runs" / "cpu"
     outcomes = {int(p.parent.name): json.loads(p.read_text()) for p in study.glob("trials/*/outcome.json")}
     launched = {n: o for n, o in outcomes.items() if o["extra"].get("launched")}
     assert len(launched) == 2
-    by_batch = {json.loads((study / "trials" / str(n) / "params.json").read_text())["per_device_train_batch_size"]: o
-                for n, o in launched.items()}
+    by_batch = {
+        json.loads((study / "trials" / str(n) / "params.json").read_text())["per_device_train_batch_size"]: o
+        for n, o in launched.items()
+    }
     assert by_batch[64]["status"] == "oom" and by_batch[64]["oom_kind"] == "host"
     assert "DefaultCPUAllocator: can't allocate memory" in by_batch[64]["error_line"]
     assert by_batch[4]["status"] == "ok" and by_batch[4]["throughput"] > 0

@@ -22,12 +22,26 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 
 # the README's sim search (README.md, "Quick start"), time-compressed
-README_SEARCH = ["search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--runner", "sim",
-                 "--gpu-type", "A100-80GB", "--trials", "30", "--sim-time-scale", "0.0005", "--name", "readme"]
+README_SEARCH = [
+    "search",
+    "--model",
+    "Qwen2.5-7B-Instruct",
+    "--gpus",
+    "4",
+    "--runner",
+    "sim",
+    "--gpu-type",
+    "A100-80GB",
+    "--trials",
+    "30",
+    "--sim-time-scale",
+    "0.0005",
+    "--name",
+    "readme",
+]
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +66,15 @@ def get(url: str) -> dict:
 @pytest.fixture(scope="module")
 def server(study):
     """`autotune dashboard readme` as a user starts it, until the module's tests are done."""
-    pytest.importorskip("optuna_dashboard")   # in the test extra: CI has it
+    pytest.importorskip("optuna_dashboard")  # in the test extra: CI has it
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "autotune", "dashboard", "readme", "--port", str(port)],
-                            cwd=study, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotune", "dashboard", "readme", "--port", str(port)],
+        cwd=study,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -114,7 +133,7 @@ def test_constraints_and_outcomes_are_readable(study, server):
         a = attrs(t)
         statuses.add(a.get("status"))
         if t["state"] in ("Complete", "Pruned"):
-            assert len(t["constraints"]) == 1, t["number"]     # the dashboard reads the list
+            assert len(t["constraints"]) == 1, t["number"]  # the dashboard reads the list
             feasible = t["constraints"][0] <= 0
             assert feasible == (a["status"] == "ok" and not a["verdict"].startswith("passed over: peak")), a
         if a.get("status") == "oom":
@@ -125,10 +144,14 @@ def test_constraints_and_outcomes_are_readable(study, server):
     # Optuna's own best trial is still the constrained one (the dashboard's storage does not change it)
     import optuna
 
-    loaded = optuna.load_study(study_name="readme", storage=f"sqlite:///{study / 'runs' / 'readme' / 'study.db'}")
+    loaded = optuna.load_study(
+        study_name="readme", storage=f"sqlite:///{study / 'runs' / 'readme' / 'study.db'}"
+    )
     best = loaded.best_trial
     assert best.user_attrs["status"] == "ok" and all(v <= 0 for v in best.constraints.values())
-    assert all(v > 0 for t in loaded.trials if t.user_attrs.get("status") == "oom" for v in t.constraints.values())
+    assert all(
+        v > 0 for t in loaded.trials if t.user_attrs.get("status") == "oom" for v in t.constraints.values()
+    )
 
 
 def test_a_port_in_use_is_one_line(study, server):
@@ -156,8 +179,14 @@ WITHOUT_EXTRA = textwrap.dedent("""\
 
 
 def test_without_the_extra_the_command_names_it(study):
-    res = subprocess.run([sys.executable, "-I", "-c", WITHOUT_EXTRA, "dashboard", "readme"], cwd=study,
-                         capture_output=True, text=True, timeout=120, env={**os.environ})
+    res = subprocess.run(
+        [sys.executable, "-I", "-c", WITHOUT_EXTRA, "dashboard", "readme"],
+        cwd=study,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ},
+    )
     assert res.returncode == 2, res.stderr
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     assert "pip install 'autotune[dashboard]'" in res.stderr

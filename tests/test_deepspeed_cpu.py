@@ -15,7 +15,6 @@ import sys
 
 import pytest
 import yaml
-
 from conftest import run_cli
 
 pytest.importorskip("deepspeed", reason="DS_BUILD_OPS=0 pip install -e '.[test]' installs it")
@@ -31,9 +30,11 @@ pytestmark = pytest.mark.slow
 
 PROMPT, COMPLETION = 32, 16
 
-BUILD = ("from deepspeed.ops.op_builder import CPUAdamBuilder\n"
-         "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
-         "CPUAdamBuilder().load(); ShareMemCommBuilder().load(); print('built')\n")
+BUILD = (
+    "from deepspeed.ops.op_builder import CPUAdamBuilder\n"
+    "from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder\n"
+    "CPUAdamBuilder().load(); ShareMemCommBuilder().load(); print('built')\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -48,20 +49,44 @@ def engine_line(stdout: str) -> str:
     return line
 
 
-@pytest.mark.parametrize("stage,offload,processes", [
-    (3, "optimizer", 2),            # the seeds' setup: ZeRO-3 + CPU Adam, data parallel over gloo
-    (3, "optimizer+params", 1),
-    (2, "optimizer", 1),
-    (1, "none", 2),
-])
+@pytest.mark.parametrize(
+    "stage,offload,processes",
+    [
+        (3, "optimizer", 2),  # the seeds' setup: ZeRO-3 + CPU Adam, data parallel over gloo
+        (3, "optimizer+params", 1),
+        (2, "optimizer", 1),
+        (1, "none", 2),
+    ],
+)
 def test_real_zero_trial_on_cpu(deepspeed_ops, recipe_factory, tmp_path, stage, offload, processes):
-    recipe = recipe_factory(model="tiny-qwen", gpus=processes, runner="trl", device="cpu", max_prompt_length=PROMPT,
-                            max_completion_length=COMPLETION, warmup_steps=1, measure_steps=1)
-    runner = TrlRunner(TrialContext(recipe=recipe, space=load_space(), model=resolve_model(recipe.model),
-                                    gpu=find_gpu_type(recipe.gpu_type)))
+    recipe = recipe_factory(
+        model="tiny-qwen",
+        gpus=processes,
+        runner="trl",
+        device="cpu",
+        max_prompt_length=PROMPT,
+        max_completion_length=COMPLETION,
+        warmup_steps=1,
+        measure_steps=1,
+    )
+    runner = TrlRunner(
+        TrialContext(
+            recipe=recipe,
+            space=load_space(),
+            model=resolve_model(recipe.model),
+            gpu=find_gpu_type(recipe.gpu_type),
+        )
+    )
     runner.check()
-    params = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, num_generations=2,
-                  gradient_checkpointing=True, use_vllm=False, zero_stage=stage, offload=offload)
+    params = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        num_generations=2,
+        gradient_checkpointing=True,
+        use_vllm=False,
+        zero_stage=stage,
+        offload=offload,
+    )
     assert runner.forced() == {"use_vllm": False}
     assert all(rule(params) is None for rule in runner.rules())
     trial_dir = tmp_path / "trial"
@@ -71,28 +96,65 @@ def test_real_zero_trial_on_cpu(deepspeed_ops, recipe_factory, tmp_path, stage, 
     assert accelerate["distributed_type"] == "DEEPSPEED" and accelerate["use_cpu"] is True
     ds = json.loads((trial_dir / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == stage and "bf16" not in ds
-    result = launch(spec, on_line=lambda stream, line: None, should_stop=lambda: None,
-                    trial_timeout_s=400, hang_timeout_s=300, grace_s=5)
+    result = launch(
+        spec,
+        on_line=lambda stream, line: None,
+        should_stop=lambda: None,
+        trial_timeout_s=400,
+        hang_timeout_s=300,
+        grace_s=5,
+    )
     stdout = (trial_dir / "stdout.log").read_text()
     assert result.returncode == 0, result.stderr_tail[-3000:]
     # what really trained, as DeepSpeed's engine reports it
     adam = "DeepSpeedCPUAdam" if offload != "none" else "AdamW"
     assert engine_line(stdout) == (
         f"autotune: engine: deepspeed 0.19.8, ZeRO stage {stage}, optimizer {adam}, offload optimizer="
-        f"{offload != 'none'} params={offload == 'optimizer+params'}, backend gloo, world {processes}")
+        f"{offload != 'none'} params={offload == 'optimizer+params'}, backend gloo, world {processes}"
+    )
     lines = [json.loads(t) for t in (trial_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [1, 2, 3, 4]                      # rank 0 only, every step
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]  # rank 0 only, every step
     assert all(m["samples"] == 2 * processes and m["step_time"] > 0 for m in lines)
     assert all(m["memory_kind"] == "host_rss" and m["peak_memory_gib"] > 0.3 for m in lines)
     assert len(re.findall(r"^\{'loss'", stdout, flags=re.M)) == 4
 
 
 def test_real_cpu_search_pinned_to_zero3_with_optimizer_offload(deepspeed_ops, tmp_path):
-    res = run_cli("search", "--model", "tiny-qwen", "--gpus", "1", "--device", "cpu", "--runner", "trl",
-                  "--max-prompt-length", str(PROMPT), "--max-completion-length", str(COMPLETION),
-                  "--set", "zero_stage=3", "--set", "offload=optimizer", "--set", "num_generations=2",
-                  "--set", "gradient_accumulation_steps=1", "--trials", "2", "--confirm", "0",
-                  "--warmup-steps", "1", "--measure-steps", "2", "--name", "ds", cwd=tmp_path, timeout=900)
+    res = run_cli(
+        "search",
+        "--model",
+        "tiny-qwen",
+        "--gpus",
+        "1",
+        "--device",
+        "cpu",
+        "--runner",
+        "trl",
+        "--max-prompt-length",
+        str(PROMPT),
+        "--max-completion-length",
+        str(COMPLETION),
+        "--set",
+        "zero_stage=3",
+        "--set",
+        "offload=optimizer",
+        "--set",
+        "num_generations=2",
+        "--set",
+        "gradient_accumulation_steps=1",
+        "--trials",
+        "2",
+        "--confirm",
+        "0",
+        "--warmup-steps",
+        "1",
+        "--measure-steps",
+        "2",
+        "--name",
+        "ds",
+        cwd=tmp_path,
+        timeout=900,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     study = tmp_path / "runs" / "ds"
     launched = []
@@ -106,8 +168,9 @@ def test_real_cpu_search_pinned_to_zero3_with_optimizer_offload(deepspeed_ops, t
         assert outcome["extra"]["peak_source"] == "trainer" and outcome["peak_memory_gib"] > 0.3
         params = json.loads((trial_dir / "params.json").read_text())
         assert params["zero_stage"] == 3 and params["offload"] == "optimizer"
-        assert "ZeRO stage 3, optimizer DeepSpeedCPUAdam, offload optimizer=True" in \
-            engine_line((trial_dir / "stdout.log").read_text())
+        assert "ZeRO stage 3, optimizer DeepSpeedCPUAdam, offload optimizer=True" in engine_line(
+            (trial_dir / "stdout.log").read_text()
+        )
     ds = json.loads((study / "best" / "ds_config.json").read_text())
     assert ds["zero_optimization"]["stage"] == 3
     assert ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": False}

@@ -21,25 +21,48 @@ import yaml
 
 from autotune import configs as lc
 from autotune.export import write_best
-from autotune.study import TrialRow
 from autotune.recipe import Recipe
+from autotune.study import TrialRow
 
-VALID_ZERO = [(0, "none"), (1, "none"), (2, "none"), (2, "optimizer"),
-              (3, "none"), (3, "optimizer"), (3, "optimizer+params")]
+VALID_ZERO = [
+    (0, "none"),
+    (1, "none"),
+    (2, "none"),
+    (2, "optimizer"),
+    (3, "none"),
+    (3, "optimizer"),
+    (3, "optimizer+params"),
+]
 
 
 def recipe(**kw) -> Recipe:
-    base = dict(model="Qwen/Qwen2.5-7B", gpus=4, gpu_type="H100", gpu_memory_gib=80.0,
-                max_prompt_length=512, max_completion_length=1024, name="q7")
+    base = dict(
+        model="Qwen/Qwen2.5-7B",
+        gpus=4,
+        gpu_type="H100",
+        gpu_memory_gib=80.0,
+        max_prompt_length=512,
+        max_completion_length=1024,
+        name="q7",
+    )
     base.update(kw)
     return Recipe(**base)
 
 
 def params(**kw) -> dict:
-    base = dict(per_device_train_batch_size=4, gradient_accumulation_steps=2, num_generations=8,
-                zero_stage=3, offload="none", gradient_checkpointing=True, use_vllm=True,
-                vllm_mode="colocate", vllm_gpu_memory_utilization=0.45, vllm_enable_sleep_mode=True,
-                vllm_tensor_parallel_size=2)
+    base = dict(
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        num_generations=8,
+        zero_stage=3,
+        offload="none",
+        gradient_checkpointing=True,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.45,
+        vllm_enable_sleep_mode=True,
+        vllm_tensor_parallel_size=2,
+    )
     base.update(kw)
     return base
 
@@ -50,7 +73,7 @@ def grpo(kwargs: dict, **extra):
 
     merged = {**kwargs, "use_cpu": True, "bf16": False, "report_to": [], **extra}
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)   # transformers 5: gradient_checkpointing alias
+        warnings.simplefilter("ignore", FutureWarning)  # transformers 5: gradient_checkpointing alias
         return trl.GRPOConfig(**merged)
 
 
@@ -66,11 +89,23 @@ class Args:
 
 def rows_for(best_params: dict) -> list[TrialRow]:
     return [
-        TrialRow(0, params(per_device_train_batch_size=8), "oom", oom_kind="cuda",
-                 error_line="CUDA out of memory", wall_time_s=60),
+        TrialRow(
+            0,
+            params(per_device_train_batch_size=8),
+            "oom",
+            oom_kind="cuda",
+            error_line="CUDA out of memory",
+            wall_time_s=60,
+        ),
         TrialRow(1, best_params, "ok", throughput=12.5, peak_memory_gib=70.2, wall_time_s=300),
-        TrialRow(2, params(per_device_train_batch_size=2, gradient_accumulation_steps=4), "ok",
-                 throughput=10.0, peak_memory_gib=55.0, wall_time_s=280),
+        TrialRow(
+            2,
+            params(per_device_train_batch_size=2, gradient_accumulation_steps=4),
+            "ok",
+            throughput=10.0,
+            peak_memory_gib=55.0,
+            wall_time_s=280,
+        ),
         TrialRow(3, params(offload="optimizer"), "ok", throughput=6.0, peak_memory_gib=40.0),
         TrialRow(4, params(num_generations=3), "invalid", reason="generation batch not divisible"),
         TrialRow(5, params(vllm_gpu_memory_utilization=0.2), "oom", oom_kind="vllm_kv"),
@@ -93,7 +128,7 @@ def test_trl_defaults_table_matches_installed_trl():
         assert defaults[name] == value, name
     for name in lc.TRL_PASSTHROUGH:
         assert name in defaults, f"{name} is not a GRPOConfig field"
-    assert "max_prompt_length" not in defaults   # removed in TRL 1.x: we must not emit it
+    assert "max_prompt_length" not in defaults  # removed in TRL 1.x: we must not emit it
 
 
 @pytest.mark.parametrize("mode", ["colocate", "server"])
@@ -110,7 +145,7 @@ def test_grpo_kwargs_accepted_by_real_grpoconfig(mode):
         assert kwargs["vllm_tensor_parallel_size"] == 2 and kwargs["vllm_enable_sleep_mode"] is True
     else:
         assert "vllm_gpu_memory_utilization" not in kwargs and "vllm_max_model_length" not in kwargs
-    config = grpo(kwargs, output_dir="/tmp/autotune-test-out")   # vllm is not installed: still builds
+    config = grpo(kwargs, output_dir="/tmp/autotune-test-out")  # vllm is not installed: still builds
     assert config.use_vllm and config.vllm_mode == mode
     assert config.per_device_train_batch_size == 4 and config.gradient_accumulation_steps == 2
     assert config.num_generations == 8 and config.max_completion_length == 1024
@@ -120,7 +155,7 @@ def test_grpo_kwargs_accepted_by_real_grpoconfig(mode):
 def test_grpo_kwargs_missing_params_take_trl_defaults_and_global_batch():
     r = recipe(gpus=2, global_batch=64)
     kwargs = lc.grpo_config_kwargs({"per_device_train_batch_size": 4}, r)
-    assert kwargs["gradient_accumulation_steps"] == 8          # 64 / (4 x 2)
+    assert kwargs["gradient_accumulation_steps"] == 8  # 64 / (4 x 2)
     assert kwargs["num_generations"] == 8 and kwargs["use_vllm"] is False
     assert kwargs["gradient_checkpointing"] is True and kwargs["bf16"] is True
     grpo(kwargs, output_dir="/tmp/autotune-test-out")
@@ -188,8 +223,14 @@ def test_schema_check_catches_mistakes():
     broken["zero_optimization"]["unknown_knob"] = 1
     broken["train_batch_size"] = 3.5
     problems = " | ".join(lc.deepspeed_schema_problems(broken))
-    for text in ("stage-3 key", "offload_param needs ZeRO stage 3", "overlap_comm", "device 'gpu'",
-                 "unknown_knob", "train_batch_size"):
+    for text in (
+        "stage-3 key",
+        "offload_param needs ZeRO stage 3",
+        "overlap_comm",
+        "device 'gpu'",
+        "unknown_knob",
+        "train_batch_size",
+    ):
         assert text in problems
 
 
@@ -204,8 +245,10 @@ def test_deepspeed_own_config_classes_accept_it(stage, offload, monkeypatch):
     r = recipe(gpus=4)
     p = params(zero_stage=stage, offload=offload, vllm_tensor_parallel_size=1)
     hf = HfTrainerDeepSpeedConfig(lc.deepspeed_config(p, r))
-    args = Args(grpo(lc.grpo_config_kwargs(p, r), output_dir="/tmp/autotune-test-out", bf16=True),
-                world_size=r.dp_gpus(p))
+    args = Args(
+        grpo(lc.grpo_config_kwargs(p, r), output_dir="/tmp/autotune-test-out", bf16=True),
+        world_size=r.dp_gpus(p),
+    )
     hf.trainer_config_process(args)
     model = types.SimpleNamespace(config=types.SimpleNamespace(hidden_size=64))
     hf.trainer_config_finalize(args, model, num_training_steps=10)
@@ -280,18 +323,23 @@ def test_accelerate_rejects_mixed_precision_next_to_a_json(tmp_path, monkeypatch
         DeepSpeedPlugin()
 
 
-@pytest.mark.parametrize("gpus,mode,device,kind,procs", [
-    (1, "colocate", "cuda", "NO", 1),
-    (4, "colocate", "cuda", "MULTI_GPU", 4),
-    (4, "server", "cuda", "MULTI_GPU", 2),
-    (2, "server", "cuda", "NO", 1),
-    (1, "colocate", "cpu", "NO", 1),
-])
+@pytest.mark.parametrize(
+    "gpus,mode,device,kind,procs",
+    [
+        (1, "colocate", "cuda", "NO", 1),
+        (4, "colocate", "cuda", "MULTI_GPU", 4),
+        (4, "server", "cuda", "MULTI_GPU", 2),
+        (2, "server", "cuda", "NO", 1),
+        (1, "colocate", "cpu", "NO", 1),
+    ],
+)
 def test_accelerate_without_deepspeed(gpus, mode, device, kind, procs, tmp_path):
     from accelerate.commands.config.config_args import load_config_from_file
 
     r = recipe(gpus=gpus, device=device)
-    p = params(zero_stage=0, vllm_mode=mode, vllm_tensor_parallel_size=2 if mode == "server" and gpus == 4 else 1)
+    p = params(
+        zero_stage=0, vllm_mode=mode, vllm_tensor_parallel_size=2 if mode == "server" and gpus == 4 else 1
+    )
     cfg = lc.accelerate_config(p, r, None)
     path = tmp_path / "a.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -299,7 +347,7 @@ def test_accelerate_without_deepspeed(gpus, mode, device, kind, procs, tmp_path)
     assert loaded.distributed_type.value == kind and loaded.num_processes == procs
     assert loaded.mixed_precision == ("no" if device == "cpu" else "bf16")
     assert loaded.use_cpu == (device == "cpu")
-    if device == "cpu":   # ZeRO on CPU goes through DeepSpeed too (its CPU accelerator, gloo)
+    if device == "cpu":  # ZeRO on CPU goes through DeepSpeed too (its CPU accelerator, gloo)
         zero = lc.accelerate_config(params(zero_stage=3), r, "x.json")
         assert zero["distributed_type"] == "DEEPSPEED" and zero["use_cpu"] is True
 
@@ -312,10 +360,18 @@ def _flags(argv: list[str]) -> dict[str, str]:
     return {argv[i]: argv[i + 1] for i in range(len(argv) - 1) if argv[i].startswith("--")}
 
 
-@pytest.mark.parametrize("stage,offload,expect", [
-    (0, "none", None), (1, "none", "zero1"), (2, "none", "zero2"), (2, "optimizer", "zero2_offload"),
-    (3, "none", "zero3"), (3, "optimizer+params", "zero3_offload"), (3, "optimizer", "JSON"),
-])
+@pytest.mark.parametrize(
+    "stage,offload,expect",
+    [
+        (0, "none", None),
+        (1, "none", "zero1"),
+        (2, "none", "zero2"),
+        (2, "optimizer", "zero2_offload"),
+        (3, "none", "zero3"),
+        (3, "optimizer+params", "zero3_offload"),
+        (3, "optimizer", "JSON"),
+    ],
+)
 def test_swift_command_flags(stage, offload, expect):
     r = recipe(gpus=4, beta=0.04, lora_rank=16)
     p = params(zero_stage=stage, offload=offload)
@@ -340,8 +396,13 @@ def test_swift_command_flags(stage, offload, expect):
 
 def test_swift_server_mode_and_defaults():
     r = recipe(gpus=4)
-    p = {"per_device_train_batch_size": 2, "use_vllm": True, "vllm_mode": "server",
-         "vllm_tensor_parallel_size": 1, "zero_stage": 2}
+    p = {
+        "per_device_train_batch_size": 2,
+        "use_vllm": True,
+        "vllm_mode": "server",
+        "vllm_tensor_parallel_size": 1,
+        "zero_stage": 2,
+    }
     f = _flags(lc.swift_command(p, r, "m"))
     assert f["--vllm_mode"] == "server" and f["--vllm_server_port"] == "8000"
     assert "--vllm_gpu_memory_utilization" not in f and "--sleep_level" not in f
@@ -372,8 +433,15 @@ def test_write_best_zero3(tmp_path):
     out = tmp_path / "runs" / "q7" / "best"
     written = write_best(out, rows[1], r, rows, notes=["trial 9 passed over: too close to capacity"])
     names = {p.name for p in written}
-    assert names == {"params.json", "grpo_config.yaml", "ds_config.json", "accelerate_config.yaml",
-                     "launch.sh", "swift.sh", "summary.md"}
+    assert names == {
+        "params.json",
+        "grpo_config.yaml",
+        "ds_config.json",
+        "accelerate_config.yaml",
+        "launch.sh",
+        "swift.sh",
+        "summary.md",
+    }
     assert all(p.parent == out.resolve() and p.exists() for p in written)
 
     assert json.loads((out / "params.json").read_text()) == best_params
@@ -448,24 +516,37 @@ def test_launch_sh_runs_from_any_cwd(tmp_path):
     env.pop("CUDA_VISIBLE_DEVICES", None)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    done = subprocess.run(["bash", str(out / "launch.sh"), "my_train.py", "--seed", "1"], cwd=elsewhere,
-                          env=env, capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        ["bash", str(out / "launch.sh"), "my_train.py", "--seed", "1"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     args = done.stdout.splitlines()
-    assert args[0] == "launch" and args[args.index("--config_file") + 1] == str(out / "accelerate_config.yaml")
-    for flag, name in (("--config_file", "accelerate_config.yaml"), ("--deepspeed_config_file", "ds_config.json"),
-                       ("--config", "grpo_config.yaml")):
+    assert args[0] == "launch" and args[args.index("--config_file") + 1] == str(
+        out / "accelerate_config.yaml"
+    )
+    for flag, name in (
+        ("--config_file", "accelerate_config.yaml"),
+        ("--deepspeed_config_file", "ds_config.json"),
+        ("--config", "grpo_config.yaml"),
+    ):
         assert Path(args[args.index(flag) + 1]).is_file(), name
     assert "my_train.py" in args and args[-2:] == ["--seed", "1"]
     # no script and no default: a usage line and exit 2
-    missing = subprocess.run(["bash", str(out / "launch.sh")], cwd=elsewhere, env=env,
-                             capture_output=True, text=True)
+    missing = subprocess.run(
+        ["bash", str(out / "launch.sh")], cwd=elsewhere, env=env, capture_output=True, text=True
+    )
     assert missing.returncode == 2 and "usage:" in missing.stderr
 
 
 def test_write_best_single_gpu_without_deepspeed_and_server_mode(tmp_path):
     r = recipe(gpus=1)
-    best = TrialRow(0, params(zero_stage=0, vllm_tensor_parallel_size=1), "ok", throughput=2.0,
-                    peak_memory_gib=30.0)
+    best = TrialRow(
+        0, params(zero_stage=0, vllm_tensor_parallel_size=1), "ok", throughput=2.0, peak_memory_gib=30.0
+    )
     written = write_best(tmp_path / "best", best, r, [best])
     assert "ds_config.json" not in {p.name for p in written}
     from accelerate.commands.config.config_args import load_config_from_file
@@ -476,12 +557,16 @@ def test_write_best_single_gpu_without_deepspeed_and_server_mode(tmp_path):
     assert "No other trial finished ok." in (tmp_path / "best" / "summary.md").read_text()
 
     r4 = recipe(gpus=4)
-    server = TrialRow(1, params(zero_stage=3, vllm_mode="server", vllm_tensor_parallel_size=2), "ok",
-                      throughput=5.0)
+    server = TrialRow(
+        1, params(zero_stage=3, vllm_mode="server", vllm_tensor_parallel_size=2), "ok", throughput=5.0
+    )
     write_best(tmp_path / "srv", server, r4, [server])
     launch = (tmp_path / "srv" / "launch.sh").read_text()
     assert "CUDA_VISIBLE_DEVICES:-0,1}" in launch
-    assert "#   CUDA_VISIBLE_DEVICES=2,3 trl vllm-serve --model Qwen/Qwen2.5-7B --tensor_parallel_size 2" in launch
+    assert (
+        "#   CUDA_VISIBLE_DEVICES=2,3 trl vllm-serve --model Qwen/Qwen2.5-7B --tensor_parallel_size 2"
+        in launch
+    )
     assert "--max_model_len 1536" in launch
     swift = (tmp_path / "srv" / "swift.sh").read_text()
     assert "export NPROC_PER_NODE=2" in swift and "swift rollout" in swift
@@ -493,8 +578,9 @@ def test_write_best_single_gpu_without_deepspeed_and_server_mode(tmp_path):
 
 def test_write_best_replaces_atomically(tmp_path, monkeypatch):
     r = recipe()
-    first = TrialRow(1, params(per_device_train_batch_size=2, gradient_accumulation_steps=4), "ok",
-                     throughput=4.0)
+    first = TrialRow(
+        1, params(per_device_train_batch_size=2, gradient_accumulation_steps=4), "ok", throughput=4.0
+    )
     second = TrialRow(2, params(zero_stage=0), "ok", throughput=9.0)
     out = tmp_path / "best"
     write_best(out, first, r, [first])
@@ -503,7 +589,7 @@ def test_write_best_replaces_atomically(tmp_path, monkeypatch):
     assert json.loads((out / "params.json").read_text()) == second.params
     # autotune's stale file goes (ZeRO 0 uses no DeepSpeed); the user's file stays
     assert (out / "stray.txt").read_text() == "from an older export" and not (out / "ds_config.json").exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["best"]        # no temp or old folders left
+    assert [p.name for p in tmp_path.iterdir()] == ["best"]  # no temp or old folders left
 
     # a crash while writing leaves the previous best/ untouched and no temp folder behind
     import autotune.export.writer as export
@@ -530,14 +616,21 @@ def test_write_best_cpu_device(tmp_path, stage):
     import trl
 
     r = recipe(gpus=1, device="cpu")
-    best = TrialRow(0, params(zero_stage=stage, offload="optimizer" if stage else "none", use_vllm=False), "ok",
-                    throughput=1.0, peak_memory_gib=2.0)
+    best = TrialRow(
+        0,
+        params(zero_stage=stage, offload="optimizer" if stage else "none", use_vllm=False),
+        "ok",
+        throughput=1.0,
+        peak_memory_gib=2.0,
+    )
     written = write_best(tmp_path / "best", best, r, [best])
     assert ("ds_config.json" in {p.name for p in written}) == (stage > 0)
     if stage:
         ds = json.loads((tmp_path / "best" / "ds_config.json").read_text())
-        assert "bf16" not in ds and ds["zero_optimization"]["offload_optimizer"] == {"device": "cpu",
-                                                                                     "pin_memory": False}
+        assert "bf16" not in ds and ds["zero_optimization"]["offload_optimizer"] == {
+            "device": "cpu",
+            "pin_memory": False,
+        }
     kwargs = yaml.safe_load((tmp_path / "best" / "grpo_config.yaml").read_text())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
@@ -556,11 +649,11 @@ def test_export_into_a_folder_that_holds_other_things_deletes_nothing(tmp_path):
     (project / "src").mkdir(parents=True)
     (project / "src" / "train.py").write_text("print('mine')\n")
     (project / "notes.md").write_text("my notes\n")
-    (project / "params.json").write_text("{}\n")                  # an older export's file
+    (project / "params.json").write_text("{}\n")  # an older export's file
     best = TrialRow(3, params(zero_stage=2), "ok", throughput=5.0, peak_memory_gib=60.0)
     written = write_best(project, best, recipe(), [best])
     assert (project / "src" / "train.py").read_text() == "print('mine')\n"
     assert (project / "notes.md").read_text() == "my notes\n"
     assert json.loads((project / "params.json").read_text()) == best.params
     assert {p.name for p in written} <= {p.name for p in project.iterdir()}
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]   # no temp folder left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left

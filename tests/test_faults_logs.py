@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
+from test_telemetry import ReplayNvml
 
 from autotune.recipe import Recipe
 from autotune.trial.cleanup import read_baseline
@@ -26,18 +28,18 @@ from autotune.trial.execute import execute
 from autotune.trial.launch import LaunchSpec
 from autotune.trial.logparse import parse_log_dicts
 from autotune.trial.outcome import Outcome
-from conftest import run_cli
-from test_telemetry import ReplayNvml
 
 PARAMS = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4, "num_generations": 4}
 
 # Real texts (see the module docstring).
-CUDA_OOM = ("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0 has a total "
-            "capacity of 79.18 GiB of which 20.19 MiB is free. Including non-PyTorch memory, this process has "
-            "79.15 GiB memory in use. Of the allocated memory 76.18 GiB is allocated by PyTorch, and 2.21 GiB "
-            "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
-            "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
-            "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)")
+CUDA_OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0 has a total "
+    "capacity of 79.18 GiB of which 20.19 MiB is free. Including non-PyTorch memory, this process has "
+    "79.15 GiB memory in use. Of the allocated memory 76.18 GiB is allocated by PyTorch, and 2.21 GiB "
+    "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+    "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
 RANK0_TRACEBACK = [
     "[rank0]: Traceback (most recent call last):",
     '[rank0]:   File "/workspace/train_grpo.py", line 91, in <module>',
@@ -86,8 +88,10 @@ Root Cause (first observed failure):
   error_file: <N/A>
   traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
 ============================================================"""
-VLLM_KV = ("(EngineCore_DP0 pid=245) ERROR 07-11 06:23:05 [core.py:700] ValueError: No available memory for "
-           "the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine.")
+VLLM_KV = (
+    "(EngineCore_DP0 pid=245) ERROR 07-11 06:23:05 [core.py:700] ValueError: No available memory for "
+    "the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine."
+)
 VLLM_WRAPPER = """\
 Traceback (most recent call last):
   File "/usr/local/lib/python3.12/dist-packages/vllm/v1/engine/utils.py", line 1209, in wait_for_engine_startup
@@ -99,8 +103,14 @@ def noise(lines: int) -> list[str]:
     return [TEARDOWN[i % len(TEARDOWN)].format(r=1 + i % 7, n=i) for i in range(lines)]
 
 
-def trainer(stderr: list[str], *, stdout: list[str] = (), exit_code: int = 1, metrics: list[dict] = (),
-            sleep_s: float = 0.0) -> str:
+def trainer(
+    stderr: list[str],
+    *,
+    stdout: list[str] = (),
+    exit_code: int = 1,
+    metrics: list[dict] = (),
+    sleep_s: float = 0.0,
+) -> str:
     """A Python script that writes these metrics lines and log lines, then exits with ``exit_code``."""
     return textwrap.dedent(f"""\
         import json, os, sys, time
@@ -123,13 +133,31 @@ def run_trial(tmp_path: Path, script: str, *, timeout_s: float = 60.0, name: str
     trial_dir = tmp_path / "trials" / name
     trial_dir.mkdir(parents=True)
     (tmp_path / f"trainer{name}.py").write_text(script)
-    recipe = Recipe(model="Qwen2.5-0.5B", gpus=1, gpu_type="A10G", device="cpu",
-                    trial_timeout_s=timeout_s, hang_timeout_s=60.0)
-    spec = LaunchSpec(argv=[sys.executable, str(tmp_path / f"trainer{name}.py")], trial_dir=trial_dir,
-                      env={"AUTOTUNE_TRIAL_DIR": str(trial_dir), "PYTHONUNBUFFERED": "1",
-                           "AUTOTUNE_METRICS_FILE": str(trial_dir / "metrics.jsonl")})
-    outcome = execute(spec, PARAMS, recipe, TrialControl(StopRule.searching(recipe)), monitors_gpus=False,
-                      services=contextlib.nullcontext())
+    recipe = Recipe(
+        model="Qwen2.5-0.5B",
+        gpus=1,
+        gpu_type="A10G",
+        device="cpu",
+        trial_timeout_s=timeout_s,
+        hang_timeout_s=60.0,
+    )
+    spec = LaunchSpec(
+        argv=[sys.executable, str(tmp_path / f"trainer{name}.py")],
+        trial_dir=trial_dir,
+        env={
+            "AUTOTUNE_TRIAL_DIR": str(trial_dir),
+            "PYTHONUNBUFFERED": "1",
+            "AUTOTUNE_METRICS_FILE": str(trial_dir / "metrics.jsonl"),
+        },
+    )
+    outcome = execute(
+        spec,
+        PARAMS,
+        recipe,
+        TrialControl(StopRule.searching(recipe)),
+        monitors_gpus=False,
+        services=contextlib.nullcontext(),
+    )
     assert Outcome.read(trial_dir / "outcome.json").status == outcome.status
     return outcome
 
@@ -140,11 +168,15 @@ def run_trial(tmp_path: Path, script: str, *, timeout_s: float = 60.0, name: str
 def test_cuda_oom_followed_by_teardown_noise_and_child_failed_is_oom(tmp_path: Path) -> None:
     outcome = run_trial(tmp_path, trainer(RANK0_TRACEBACK + noise(2000) + CHILD_FAILED.splitlines()))
     assert (outcome.status, outcome.oom_kind) == ("oom", "cuda"), outcome
-    assert outcome.error_line.startswith("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 256.00 MiB")
+    assert outcome.error_line.startswith(
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 256.00 MiB"
+    )
 
 
 def test_vllm_kv_oom_on_stdout_wrapped_by_engine_core_failure_is_oom(tmp_path: Path) -> None:
-    outcome = run_trial(tmp_path, trainer(noise(1500) + VLLM_WRAPPER.splitlines(), stdout=[VLLM_KV] + noise(1500)))
+    outcome = run_trial(
+        tmp_path, trainer(noise(1500) + VLLM_WRAPPER.splitlines(), stdout=[VLLM_KV] + noise(1500))
+    )
     assert (outcome.status, outcome.oom_kind) == ("oom", "vllm_kv"), outcome
     assert "No available memory for the cache blocks" in outcome.error_line
 
@@ -159,8 +191,11 @@ def test_first_memory_error_wins_in_a_long_log(tmp_path: Path) -> None:
 
 
 def test_a_plain_crash_behind_noise_is_still_a_crash_with_its_own_error(tmp_path: Path) -> None:
-    crash = ["[rank0]: Traceback (most recent call last):", '[rank0]:   File "/w/t.py", line 3, in <module>',
-             "[rank0]: KeyError: 'format'"]
+    crash = [
+        "[rank0]: Traceback (most recent call last):",
+        '[rank0]:   File "/w/t.py", line 3, in <module>',
+        "[rank0]: KeyError: 'format'",
+    ]
     outcome = run_trial(tmp_path, trainer(crash + noise(2000) + CHILD_FAILED.splitlines()))
     assert outcome.status == "crash" and outcome.error_line == "KeyError: 'format'", outcome
 
@@ -168,9 +203,27 @@ def test_a_plain_crash_behind_noise_is_still_a_crash_with_its_own_error(tmp_path
 @pytest.mark.slow
 def test_search_with_oom_behind_noise_learns_oom_and_does_not_stop_as_a_crash(tmp_path: Path) -> None:
     (tmp_path / "t.py").write_text(trainer(RANK0_TRACEBACK + noise(2000) + CHILD_FAILED.splitlines()))
-    res = run_cli("search", "--model", "Qwen2.5-0.5B", "--gpus", "1", "--gpu-type", "A10G", "--device", "cpu",
-                  "--command", f"{sys.executable} t.py {{per_device_train_batch_size}}",
-                  "--trials", "4", "--confirm", "0", "--name", "noisy", cwd=tmp_path, timeout=120)
+    res = run_cli(
+        "search",
+        "--model",
+        "Qwen2.5-0.5B",
+        "--gpus",
+        "1",
+        "--gpu-type",
+        "A10G",
+        "--device",
+        "cpu",
+        "--command",
+        f"{sys.executable} t.py {{per_device_train_batch_size}}",
+        "--trials",
+        "4",
+        "--confirm",
+        "0",
+        "--name",
+        "noisy",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert "same crash" not in res.stderr, res.stderr
     got = [json.loads(p.read_text()) for p in (tmp_path / "runs" / "noisy").glob("trials/*/outcome.json")]
     launched = [o for o in got if o["extra"].get("launched")]
@@ -179,16 +232,21 @@ def test_search_with_oom_behind_noise_learns_oom_and_does_not_stop_as_a_crash(tm
 
 # --- fault 5: a good run is misread as OOM ----------------------------------------------------
 
-MEASURED = [{"step": s, "step_time": 0.5, "samples": 64} for s in range(1, 4)]   # warm-up 2, one measured
+MEASURED = [{"step": s, "step_time": 0.5, "samples": 64} for s in range(1, 4)]  # warm-up 2, one measured
 
 
-@pytest.mark.parametrize("mention", [
-    "RuntimeError: CUDA error: out of memory (caught; retrying with a smaller chunk)",
-    "torch.OutOfMemoryError",
-    "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. (recovered: batch halved)",
-    "MemoryError: none",
-])
-def test_a_run_that_exits_0_with_steps_measured_is_ok_whatever_its_log_mentions(tmp_path: Path, mention: str) -> None:
+@pytest.mark.parametrize(
+    "mention",
+    [
+        "RuntimeError: CUDA error: out of memory (caught; retrying with a smaller chunk)",
+        "torch.OutOfMemoryError",
+        "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. (recovered: batch halved)",
+        "MemoryError: none",
+    ],
+)
+def test_a_run_that_exits_0_with_steps_measured_is_ok_whatever_its_log_mentions(
+    tmp_path: Path, mention: str
+) -> None:
     outcome = run_trial(tmp_path, trainer([mention], stdout=[mention], exit_code=0, metrics=MEASURED))
     assert outcome.status == "ok" and outcome.throughput == pytest.approx(128.0), outcome
     assert outcome.extra.get("memory_mention"), outcome.extra
@@ -210,8 +268,12 @@ def test_a_run_that_exits_nonzero_with_an_oom_after_measuring_is_oom(tmp_path: P
 
 @pytest.mark.parametrize("size", [30_000, 1_000_000])
 def test_nested_braces_parse_in_linear_time(size: int) -> None:
-    for line in ("{" * (size // 2) + "}" * (size // 2), '{"a": ' * (size // 6) + "1" + "}" * (size // 6),
-                 "x{" * (size // 2), "{'loss': 0.1, 'step_time': 0.2} " + "{" * (size // 2)):
+    for line in (
+        "{" * (size // 2) + "}" * (size // 2),
+        '{"a": ' * (size // 6) + "1" + "}" * (size // 6),
+        "x{" * (size // 2),
+        "{'loss': 0.1, 'step_time': 0.2} " + "{" * (size // 2),
+    ):
         started = time.monotonic()
         parse_log_dicts(line)
         assert time.monotonic() - started < 1.0, line[:40]
@@ -241,7 +303,10 @@ def test_lines_of_nested_braces_do_not_delay_the_trial_timeout(tmp_path: Path) -
 
 
 def test_rejected_measurements_say_why_in_outcome_json(tmp_path: Path) -> None:
-    metrics = [{"step": 1, "step_time": 1e-300, "samples": 64}, {"step": 2, "step_time": 0.5, "samples": 1e308}]
+    metrics = [
+        {"step": 1, "step_time": 1e-300, "samples": 64},
+        {"step": 2, "step_time": 0.5, "samples": 1e308},
+    ]
     metrics += [{"step": s, "step_time": 0.5, "samples": 64} for s in range(1, 7)]
     outcome = run_trial(tmp_path, trainer([], exit_code=0, metrics=metrics, sleep_s=30))
     assert outcome.status == "ok" and outcome.throughput == pytest.approx(128.0)
@@ -265,14 +330,15 @@ def test_leftover_memory_at_the_start_of_a_trial_is_measured_in_gib() -> None:
     from autotune.trial.execute import leftover_gib
 
     baseline = read_baseline([0, 1], nvml=ReplayNvml({0: [(0, 0.5)], 1: [(0, 0.5)]}))
-    now = ReplayNvml({0: [(0, 0.9)], 1: [(0, 12.5)]})     # GPU 1 still holds 12 GiB of the last trial
+    now = ReplayNvml({0: [(0, 0.9)], 1: [(0, 12.5)]})  # GPU 1 still holds 12 GiB of the last trial
     assert leftover_gib([0, 1], baseline, nvml=now) == pytest.approx(12.0, abs=0.01)
-    clean = ReplayNvml({0: [(0, 1.2)], 1: [(0, 0.5)]})      # within the 1 GiB tolerance
+    clean = ReplayNvml({0: [(0, 1.2)], 1: [(0, 0.5)]})  # within the 1 GiB tolerance
     assert leftover_gib([0, 1], baseline, nvml=clean) is None
     # the previous cleanup gave up: the amount read now is recorded even within tolerance
-    assert leftover_gib([0, 1], baseline, nvml=ReplayNvml({0: [(0, 1.2)], 1: [(0, 0.5)]}),
-                        previous_failed=True) == pytest.approx(0.7, abs=0.01)
-    assert leftover_gib([0, 1], None, nvml=now) is None   # no baseline, nothing to compare
+    assert leftover_gib(
+        [0, 1], baseline, nvml=ReplayNvml({0: [(0, 1.2)], 1: [(0, 0.5)]}), previous_failed=True
+    ) == pytest.approx(0.7, abs=0.01)
+    assert leftover_gib([0, 1], None, nvml=now) is None  # no baseline, nothing to compare
 
 
 # --- reading whole log files ------------------------------------------------------------------
@@ -282,15 +348,18 @@ FIXTURES = sorted((Path(__file__).parent / "data" / "logs").glob("*.log"))
 
 @pytest.mark.parametrize("fixture", FIXTURES, ids=[p.name for p in FIXTURES])
 @pytest.mark.parametrize("returncode", [1, -9])
-def test_reading_the_file_judges_every_fixture_as_its_whole_text_does(tmp_path: Path, fixture: Path,
-                                                                       returncode: int) -> None:
+def test_reading_the_file_judges_every_fixture_as_its_whole_text_does(
+    tmp_path: Path, fixture: Path, returncode: int
+) -> None:
     """The file reader keeps only the lines that can decide (and their context): it must never
     change a verdict the whole text gives."""
     from autotune.trial.classify import diagnose, diagnose_files
 
     text = fixture.read_text(encoding="utf-8", errors="replace")
     (tmp_path / "stderr.log").write_text(text)
-    assert diagnose_files(returncode, [tmp_path / "stderr.log", tmp_path / "stdout.log"]) == diagnose(returncode, text)
+    assert diagnose_files(returncode, [tmp_path / "stderr.log", tmp_path / "stdout.log"]) == diagnose(
+        returncode, text
+    )
 
 
 @pytest.mark.slow
@@ -302,7 +371,7 @@ def test_a_capped_64_mib_log_is_read_whole_and_quickly(tmp_path: Path) -> None:
         out.write(("\n".join(noise(50)) + "\n").encode())
         while out.tell() < 40 * 2**20:
             out.write(block)
-        out.write(("\n".join(RANK0_TRACEBACK) + "\n").encode())      # the OOM deep inside the log
+        out.write(("\n".join(RANK0_TRACEBACK) + "\n").encode())  # the OOM deep inside the log
         while out.tell() < 64 * 2**20:
             out.write(block)
         out.write((CHILD_FAILED + "\n").encode())

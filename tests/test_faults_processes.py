@@ -14,7 +14,6 @@ from pathlib import Path
 
 import psutil
 import pytest
-
 from conftest import run_cli
 
 from autotune.trial.launch import LaunchSpec, launch
@@ -60,8 +59,11 @@ def wait_for(path: Path, timeout_s: float = 10) -> int:
 
 
 def sleeper(env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                            env={**os.environ, **env}, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={**os.environ, **env},
+        start_new_session=True,
+    )
 
 
 @pytest.fixture
@@ -86,47 +88,61 @@ def daemon_spec(tmp_path: Path, then: float) -> tuple[LaunchSpec, Path]:
     script = tmp_path / "daemon.py"
     script.write_text(DAEMON)
     pid_file = tmp_path / "daemon.pid"
-    return LaunchSpec(argv=[sys.executable, str(script), str(pid_file), str(then)],
-                      env={TRIAL_ENV: str(trial)}, trial_dir=trial), pid_file
+    return LaunchSpec(
+        argv=[sys.executable, str(script), str(pid_file), str(then)],
+        env={TRIAL_ENV: str(trial)},
+        trial_dir=trial,
+    ), pid_file
 
 
 @pytest.mark.parametrize("then, timeout_s", [(0.0, 60.0), (600.0, 1.0)], ids=["exits", "times-out"])
 def test_setsid_daemon_is_ended_with_its_trial(tmp_path, reap, then, timeout_s):
     """Fault 3: the daemon held the pipes (each trial ran on past its end) and lived on for good."""
-    foreign = sleeper({TRIAL_ENV: str(tmp_path / "trials" / "1")})    # another trial's: not ours
+    foreign = sleeper({TRIAL_ENV: str(tmp_path / "trials" / "1")})  # another trial's: not ours
     unmarked = sleeper({})
     reap += [foreign, unmarked]
     spec, pid_file = daemon_spec(tmp_path, then)
     seen: list[str] = []
     try:
-        result = launch(spec, on_line=lambda s, line: seen.append(line), should_stop=lambda: None,
-                        trial_timeout_s=timeout_s, hang_timeout_s=60, grace_s=1)
+        result = launch(
+            spec,
+            on_line=lambda s, line: seen.append(line),
+            should_stop=lambda: None,
+            trial_timeout_s=timeout_s,
+            hang_timeout_s=60,
+            grace_s=1,
+        )
     finally:
         if pid_file.exists():
             reap.append(int(pid_file.read_text()))
     daemon = int(pid_file.read_text())
     assert "step 1" in seen
     assert result.stopped == (None if then == 0 else "timeout")
-    assert result.wall_time_s < timeout_s + 4, result.wall_time_s     # not held by the open pipes
+    assert result.wall_time_s < timeout_s + 4, result.wall_time_s  # not held by the open pipes
     deadline = time.monotonic() + 3
     while not gone(daemon) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone(daemon), "the setsid'd daemon outlived its trial"
-    assert foreign.poll() is None and unmarked.poll() is None        # never touch what is not ours
+    assert foreign.poll() is None and unmarked.poll() is None  # never touch what is not ours
 
 
 def test_kill_stale_finds_a_setsid_daemon_after_a_controller_crash(tmp_path, reap):
     """Fault 3 on resume: the dead controller's trial leader is gone; its daemon is in no group of it."""
     spec, pid_file = daemon_spec(tmp_path, 600)
-    leader = subprocess.Popen(spec.argv, env={**os.environ, **spec.env}, cwd=spec.trial_dir,
-                              start_new_session=True, stdout=subprocess.DEVNULL)
+    leader = subprocess.Popen(
+        spec.argv,
+        env={**os.environ, **spec.env},
+        cwd=spec.trial_dir,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+    )
     reap.append(leader)
     daemon = wait_for(pid_file)
     reap.append(daemon)
     foreign = sleeper({TRIAL_ENV: str(tmp_path / "trials" / "1")})
     reap.append(foreign)
     (spec.trial_dir / "pid").write_text(str(leader.pid))
-    leader.kill()          # what PDEATHSIG does when the controller is SIGKILLed
+    leader.kill()  # what PDEATHSIG does when the controller is SIGKILLed
     leader.wait()
     assert kill_stale(spec.trial_dir) is True
     assert gone(daemon) and foreign.poll() is None
@@ -169,15 +185,38 @@ def server_runner(recipe_factory, monkeypatch):
     from autotune.search.space import load_space
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    recipe = recipe_factory(model="tiny-qwen", gpus=2, runner="trl", device="cuda", max_prompt_length=32,
-                            max_completion_length=16, warmup_steps=1, measure_steps=2, hang_timeout_s=20)
-    return TrlRunner(TrialContext(recipe=recipe, space=load_space(), model=resolve_model(recipe.model),
-                                  gpu=find_gpu_type(recipe.gpu_type)))
+    recipe = recipe_factory(
+        model="tiny-qwen",
+        gpus=2,
+        runner="trl",
+        device="cuda",
+        max_prompt_length=32,
+        max_completion_length=16,
+        warmup_steps=1,
+        measure_steps=2,
+        hang_timeout_s=20,
+    )
+    return TrlRunner(
+        TrialContext(
+            recipe=recipe,
+            space=load_space(),
+            model=resolve_model(recipe.model),
+            gpu=find_gpu_type(recipe.gpu_type),
+        )
+    )
 
 
-SERVER_PARAMS = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=2,
-                     gradient_checkpointing=True, use_vllm=True, vllm_mode="server", vllm_tensor_parallel_size=1,
-                     zero_stage=0, offload="none")
+SERVER_PARAMS = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    num_generations=2,
+    gradient_checkpointing=True,
+    use_vllm=True,
+    vllm_mode="server",
+    vllm_tensor_parallel_size=1,
+    zero_stage=0,
+    offload="none",
+)
 
 
 def test_each_trial_has_its_own_server_port_and_its_trainer_uses_it(server_runner, tmp_path):
@@ -189,16 +228,19 @@ def test_each_trial_has_its_own_server_port_and_its_trainer_uses_it(server_runne
         port = int(side.argv[side.argv.index("--port") + 1])
         trainer = json.loads((spec.trial_dir / "trial_spec.json").read_text())["grpo_config"]
         assert trainer["vllm_server_port"] == port and side.port == port
-        assert side.env[TRIAL_ENV] == str(spec.trial_dir)        # the trial's marker
+        assert side.env[TRIAL_ENV] == str(spec.trial_dir)  # the trial's marker
         ports.append(port)
     assert 8000 not in ports and ports[0] != ports[1]
 
 
 def fake_sidecar(tmp_path: Path, fake_server: Path, port: int, *args: str) -> LaunchSpec:
     trial = tmp_path / "runs" / "s" / "trials" / "0"
-    side = LaunchSpec(argv=[sys.executable, str(fake_server), "--port", str(port), *args],
-                      env={TRIAL_ENV: str(trial)}, trial_dir=trial / "vllm_server")
-    side.port = port          # set, not passed: this file also runs against the code before the field
+    side = LaunchSpec(
+        argv=[sys.executable, str(fake_server), "--port", str(port), *args],
+        env={TRIAL_ENV: str(trial)},
+        trial_dir=trial / "vllm_server",
+    )
+    side.port = port  # set, not passed: this file also runs against the code before the field
     return side
 
 
@@ -242,7 +284,7 @@ def test_recovery_finds_the_sidecar_of_a_crashed_controller(tmp_path, fake_serve
     paths = StudyPaths(tmp_path / "runs", "s")
     paths.root.mkdir(parents=True)
     study = optuna.create_study(storage=f"sqlite:///{paths.root / 'study.db'}", study_name="s")
-    study.ask()                                                # trial 0 is RUNNING when the controller dies
+    study.ask()  # trial 0 is RUNNING when the controller dies
     side = fake_sidecar(tmp_path, fake_server, free_port())
     assert side.trial_dir.parent == paths.trial_dir(0)
     proc = start_sidecar(side)
@@ -294,21 +336,48 @@ def test_sigterm_and_sighup_to_the_controller_act_like_ctrl_c(tmp_path, sig):
     trainer, flag = tmp_path / "trainer.py", tmp_path / "run-properly"
     trainer.write_text(SLOW_TRAINER)
     template = f"{sys.executable} {trainer} {flag} {{per_device_train_batch_size}}"
-    args = ["search", "--model", "Qwen2.5-0.5B", "--gpus", "1", "--gpu-type", "A10G", "--command", template,
-            "--trials", "1", "--confirm", "0", "--name", "t"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]),
-                                                                      os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=tmp_path, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    args = [
+        "search",
+        "--model",
+        "Qwen2.5-0.5B",
+        "--gpus",
+        "1",
+        "--gpu-type",
+        "A10G",
+        "--command",
+        template,
+        "--trials",
+        "1",
+        "--confirm",
+        "0",
+        "--name",
+        "t",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])
+        ),
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "autotune", *args],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     study = tmp_path / "runs" / "t"
     try:
         deadline = time.monotonic() + 60
-        while not ((study / "trials" / "0" / "stdout.log").exists()
-                   and "loading" in (study / "trials" / "0" / "stdout.log").read_text()):
+        while not (
+            (study / "trials" / "0" / "stdout.log").exists()
+            and "loading" in (study / "trials" / "0" / "stdout.log").read_text()
+        ):
             assert proc.poll() is None, proc.stderr.read()
             assert time.monotonic() < deadline, "the trial never started"
             time.sleep(0.05)
-        assert len(marked_under(study)) >= 2          # the trainer and its daemon
+        assert len(marked_under(study)) >= 2  # the trainer and its daemon
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=30)
     finally:

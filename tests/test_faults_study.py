@@ -17,18 +17,33 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 from test_bad_input import one_line_error
 
-SIM = ["search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--runner", "sim", "--gpu-type", "A100-80GB",
-       "--sim-time-scale", "0.0005", "--confirm", "0"]
+SIM = [
+    "search",
+    "--model",
+    "Qwen2.5-7B-Instruct",
+    "--gpus",
+    "4",
+    "--runner",
+    "sim",
+    "--gpu-type",
+    "A100-80GB",
+    "--sim-time-scale",
+    "0.0005",
+    "--confirm",
+    "0",
+]
 
 
 def snapshot(root: Path) -> dict[str, str]:
     """Every file under ``root`` with a digest of its bytes: what 'nothing changed' means."""
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +74,14 @@ def test_resume_refuses_a_missing_or_empty_study_db(study, tmp_path, damage):
     before = snapshot(study)
     trials = len([p for p in (study / "trials").iterdir() if p.name.isdigit()])
     word = "missing" if damage == "missing" else "empty"
-    for args in (["resume", "s"], ["resume", "s", "--trials", "5"], ["show", "s"], ["show", "s", "--json"],
-                 ["export", "s"], ["verify", "s"]):
+    for args in (
+        ["resume", "s"],
+        ["resume", "s", "--trials", "5"],
+        ["show", "s"],
+        ["show", "s", "--json"],
+        ["export", "s"],
+        ["verify", "s"],
+    ):
         one_line_error(run_cli(*args, cwd=tmp_path), "study.db", word, f"{trials} trials", "--name")
     # the same flags under the same name must not start over on top of the old trials either
     one_line_error(run_cli(*SIM, "--trials", "2", "--name", "s", cwd=tmp_path), "study.db", word, "--name")
@@ -111,7 +132,9 @@ def small_disk(tmp_path):
     """A 2 MiB tmpfs mounted at tmp_path/disk; skipped where mounting is not allowed."""
     mnt = tmp_path / "disk"
     mnt.mkdir()
-    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    res = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)], capture_output=True, text=True
+    )
     if res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here (needs root / CAP_SYS_ADMIN): {res.stderr.strip()}")
     try:
@@ -163,7 +186,7 @@ def test_resume_on_a_full_disk_says_so(study, tmp_path, small_disk):
     # the plots (report.html carries plotly.js, ~5 MB) would not fit on the 2 MiB disk themselves
     shutil.copytree(study.parent, runs, ignore=shutil.ignore_patterns("report.html"))
     trials_before = snapshot(runs / "s" / "trials")
-    fill(small_disk, leave_pages=1)       # recipe.yaml can be rewritten; SQLite cannot grow
+    fill(small_disk, leave_pages=1)  # recipe.yaml can be rewritten; SQLite cannot grow
     res = run_cli("resume", "s", "--trials", "4", "--runs-dir", runs, cwd=tmp_path)
     no_space_error(res, "--runs-dir")
     assert "StorageInternalError" not in res.stderr
@@ -204,10 +227,14 @@ def test_trial_killed_mid_suggest_reruns_its_whole_configuration(study, tmp_path
     storage = f"sqlite:///{study / 'study.db'}"
     done = optuna.load_study(study_name="s", storage=storage)
     seeds = done.user_attrs["seeds"]
-    candidate = seeds[-1]                        # a seed the policy would not reach in this resume
+    candidate = seeds[-1]  # a seed the policy would not reach in this resume
     assert candidate not in [t.user_attrs.get("candidate") for t in done.trials]
-    res = subprocess.run([sys.executable, "-c", KILL_MID_SUGGEST, str(study), json.dumps(candidate)],
-                         capture_output=True, text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-c", KILL_MID_SUGGEST, str(study), json.dumps(candidate)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0, res.stderr
     killed = int(res.stdout.strip())
     left = optuna.load_study(study_name="s", storage=storage).trials[killed]
@@ -217,7 +244,9 @@ def test_trial_killed_mid_suggest_reruns_its_whole_configuration(study, tmp_path
     assert out.returncode == 0, out.stderr
     after = optuna.load_study(study_name="s", storage=storage)
     assert after.trials[killed].state == optuna.trial.TrialState.FAIL
-    assert after.trials[killed].user_attrs["candidate"] == candidate, "show lists the whole interrupted config"
+    assert after.trials[killed].user_attrs["candidate"] == candidate, (
+        "show lists the whole interrupted config"
+    )
     rerun = after.trials[killed + 1]
     ran = rerun.user_attrs["candidate"]
     assert {k: ran[k] for k in candidate} == candidate, "the whole configuration comes back, not half of it"

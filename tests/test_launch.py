@@ -23,17 +23,26 @@ FAMILY = textwrap.dedent("""
 def spec(tmp_path, code, **kw):
     script = tmp_path / "trial.py"
     script.write_text(code)
-    return LaunchSpec(argv=[sys.executable, str(script)], env={"AUTOTUNE_TRIAL_DIR": str(tmp_path)},
-                      trial_dir=tmp_path, **kw)
+    return LaunchSpec(
+        argv=[sys.executable, str(script)],
+        env={"AUTOTUNE_TRIAL_DIR": str(tmp_path)},
+        trial_dir=tmp_path,
+        **kw,
+    )
 
 
 def test_stop_kills_whole_group_and_tees_output(tmp_path):
     seen = []
-    result = launch(spec(tmp_path, FAMILY), on_line=lambda s, l: seen.append(l),
-                    should_stop=lambda: "measured" if sum(l.startswith("step") for l in seen) >= 5 else None,
-                    trial_timeout_s=60, hang_timeout_s=30, grace_s=2)
+    result = launch(
+        spec(tmp_path, FAMILY),
+        on_line=lambda s, line: seen.append(line),
+        should_stop=lambda: "measured" if sum(line.startswith("step") for line in seen) >= 5 else None,
+        trial_timeout_s=60,
+        hang_timeout_s=30,
+        grace_s=2,
+    )
     assert result.stopped == "measured"
-    child_pid = int(next(l for l in seen if l.startswith("child")).split()[1])
+    child_pid = int(next(line for line in seen if line.startswith("child")).split()[1])
     time.sleep(0.2)
     assert not psutil.pid_exists(child_pid) or psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
     log = (tmp_path / "stdout.log").read_text()
@@ -41,47 +50,79 @@ def test_stop_kills_whole_group_and_tees_output(tmp_path):
 
 
 def test_trial_timeout(tmp_path):
-    result = launch(spec(tmp_path, FAMILY), on_line=lambda s, l: None, should_stop=lambda: None,
-                    trial_timeout_s=1.0, hang_timeout_s=30, grace_s=1)
+    result = launch(
+        spec(tmp_path, FAMILY),
+        on_line=lambda s, line: None,
+        should_stop=lambda: None,
+        trial_timeout_s=1.0,
+        hang_timeout_s=30,
+        grace_s=1,
+    )
     assert result.stopped == "timeout" and 1.0 <= result.wall_time_s < 10
 
 
 def test_hang_is_silence(tmp_path):
     code = "import time\nprint('loading', flush=True)\ntime.sleep(600)\n"
-    result = launch(spec(tmp_path, code), on_line=lambda s, l: None, should_stop=lambda: None,
-                    trial_timeout_s=60, hang_timeout_s=1.0, grace_s=1)
+    result = launch(
+        spec(tmp_path, code),
+        on_line=lambda s, line: None,
+        should_stop=lambda: None,
+        trial_timeout_s=60,
+        hang_timeout_s=1.0,
+        grace_s=1,
+    )
     assert result.stopped == "hang" and result.wall_time_s < 10
 
 
 def test_sigterm_ignored_gets_sigkill(tmp_path):
-    code = ("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-            "print('up', flush=True)\ntime.sleep(600)\n")
-    result = launch(spec(tmp_path, code), on_line=lambda s, l: None,
-                    should_stop=lambda: "measured" if (tmp_path / "stdout.log").read_text() else None,
-                    trial_timeout_s=60, hang_timeout_s=60, grace_s=0.5)
+    code = (
+        "import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "print('up', flush=True)\ntime.sleep(600)\n"
+    )
+    result = launch(
+        spec(tmp_path, code),
+        on_line=lambda s, line: None,
+        should_stop=lambda: "measured" if (tmp_path / "stdout.log").read_text() else None,
+        trial_timeout_s=60,
+        hang_timeout_s=60,
+        grace_s=0.5,
+    )
     assert result.returncode == -9
 
 
 def test_exit_code_and_stderr_tail(tmp_path):
     code = "import sys\nprint('boom', file=sys.stderr)\nsys.exit(3)\n"
-    result = launch(spec(tmp_path, code), on_line=lambda s, l: None, should_stop=lambda: None,
-                    trial_timeout_s=60, hang_timeout_s=60)
+    result = launch(
+        spec(tmp_path, code),
+        on_line=lambda s, line: None,
+        should_stop=lambda: None,
+        trial_timeout_s=60,
+        hang_timeout_s=60,
+    )
     assert result.returncode == 3 and result.stopped is None
     assert "boom" in result.stderr_tail and (tmp_path / "stderr.log").read_text() == "boom\n"
 
 
 def test_memory_limit_causes_real_allocation_failure(tmp_path):
     code = "x = bytearray(3 * 2**30)\nprint('allocated')\n"
-    result = launch(spec(tmp_path, code, memory_limit_gib=1.0), on_line=lambda s, l: None,
-                    should_stop=lambda: None, trial_timeout_s=60, hang_timeout_s=60)
+    result = launch(
+        spec(tmp_path, code, memory_limit_gib=1.0),
+        on_line=lambda s, line: None,
+        should_stop=lambda: None,
+        trial_timeout_s=60,
+        hang_timeout_s=60,
+    )
     assert result.returncode != 0 and "MemoryError" in result.stderr_tail
 
 
 def test_kill_stale_only_kills_its_own_trial(tmp_path):
     import subprocess
 
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"],
-                            env={**os.environ, "AUTOTUNE_TRIAL_DIR": str(tmp_path)}, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(600)"],
+        env={**os.environ, "AUTOTUNE_TRIAL_DIR": str(tmp_path)},
+        start_new_session=True,
+    )
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     try:
         # the pid file names a foreign process: it is left alone, while the process that carries
@@ -102,11 +143,18 @@ def test_kill_stale_kills_the_group_when_the_leader_is_gone(tmp_path):
     import subprocess
 
     leader = subprocess.Popen(
-        [sys.executable, "-c", "import subprocess, sys, time\n"
-         "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-         "print(c.pid, flush=True)\ntime.sleep(600)\n"],
-        env={**os.environ, "AUTOTUNE_TRIAL_DIR": str(tmp_path)}, start_new_session=True,
-        stdout=subprocess.PIPE, text=True)
+        [
+            sys.executable,
+            "-c",
+            "import subprocess, sys, time\n"
+            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            "print(c.pid, flush=True)\ntime.sleep(600)\n",
+        ],
+        env={**os.environ, "AUTOTUNE_TRIAL_DIR": str(tmp_path)},
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     worker = int(leader.stdout.readline())
     (tmp_path / "pid").write_text(str(leader.pid))
     leader.kill()

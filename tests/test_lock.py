@@ -25,7 +25,7 @@ def test_a_lock_never_stamped_goes_stale(storage):
     broken ``stale_s`` after it was first seen, not waited on forever."""
     from autotune.study.lock import StudyLock
 
-    storage.create_new_study([StudyDirection.MAXIMIZE], "s:lock:claim")     # the dead holder's, no stamp
+    storage.create_new_study([StudyDirection.MAXIMIZE], "s:lock:claim")  # the dead holder's, no stamp
     lock = StudyLock(storage, "s", "claim", stale_s=0.5, poll_s=0.05)
     started = time.monotonic()
     assert lock.acquire(timeout_s=3) is True
@@ -63,7 +63,7 @@ def test_a_stalled_holder_does_not_release_the_next_holders_lock(storage):
 
     a, b = StudyLock(storage, "s", "finish"), StudyLock(storage, "s", "finish")
     assert a.try_acquire()
-    storage.delete_study(a.lock_id)                  # broken as stale by a third controller
+    storage.delete_study(a.lock_id)  # broken as stale by a third controller
     assert b.try_acquire()
     assert b.lock_id == a.lock_id, "precondition: SQLite gave B's lock A's old id"
     a.release()

@@ -23,7 +23,8 @@ def test_doc_is_current(tmp_path):
     out = tmp_path / "memory-model.md"
     mod.write(out)
     assert out.read_text() == DOC.read_text(), (
-        "docs/memory-model.md is stale: run `.venv/bin/python scripts/memory_datapoints.py`")
+        "docs/memory-model.md is stale: run `.venv/bin/python scripts/memory_datapoints.py`"
+    )
 
 
 def test_headline_matches_the_model():
@@ -32,8 +33,7 @@ def test_headline_matches_the_model():
     text = DOC.read_text()
     assert result["n_peaks"] > 0 and result["n_verdicts"] > 0
     assert f"median absolute relative error **{mod._pct(result['median_abs_error'])}**" in text
-    assert (f"the model's verdict agrees on **{result['verdicts_agree']} of "
-            f"{result['n_verdicts']}**") in text
+    assert (f"the model's verdict agrees on **{result['verdicts_agree']} of {result['n_verdicts']}**") in text
     # one table row per predicted datapoint
     table_ids = re.findall(r"^\| ([\w.-]+) \| ", text, flags=re.M)
     assert table_ids[1:] == [r["dp"]["id"] for r in result["rows"]]
@@ -43,9 +43,26 @@ def test_datapoints_are_complete():
     mod = _load()
     ids = [dp["id"] for dp in mod.DATAPOINTS]
     assert len(ids) == len(set(ids))
-    need = {"id", "source", "model", "gpus", "gpu", "prompt", "completion", "per_device_batch",
-            "grad_accum", "num_generations", "zero_stage", "offload", "grad_ckpt", "vllm",
-            "reported", "framework", "measured", "assumed"}
+    need = {
+        "id",
+        "source",
+        "model",
+        "gpus",
+        "gpu",
+        "prompt",
+        "completion",
+        "per_device_batch",
+        "grad_accum",
+        "num_generations",
+        "zero_stage",
+        "offload",
+        "grad_ckpt",
+        "vllm",
+        "reported",
+        "framework",
+        "measured",
+        "assumed",
+    }
     for dp in mod.DATAPOINTS:
         assert need <= dp.keys(), (dp["id"], need - dp.keys())
         rep = dp["reported"]

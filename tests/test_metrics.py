@@ -70,11 +70,17 @@ def test_a_real_tiny_grpo_run_on_cpu():
     """Run TRL for real (3 steps, ~5 s) and read its stdout+stderr as a trial's log would be read."""
     pytest.importorskip("trl")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(TINY_GRPO)], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=180, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(TINY_GRPO)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=180,
+        env=env,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:]
-    history_line = next(l for l in proc.stdout.splitlines() if l.startswith("LOG_HISTORY "))
-    history = json.loads(history_line[len("LOG_HISTORY "):])
+    history_line = next(line for line in proc.stdout.splitlines() if line.startswith("LOG_HISTORY "))
+    history = json.loads(history_line[len("LOG_HISTORY ") :])
     steps = [h for h in history if "step_time" in h]
 
     parser = LogParser()
@@ -103,7 +109,9 @@ def test_trl_fixture_with_progress_bars_and_wall_clock():
     assert parser.final["train_runtime"] == 0.2281
     assert parser.final["train_samples_per_second"] > 0
     # 4 completions per device x 2 accumulation steps per optimizer step; the wall clock is used
-    assert steady_throughput(records, warmup_steps=1, samples_per_step=8) == pytest.approx(8 * 3 / (0.2279 - 0.1036))
+    assert steady_throughput(records, warmup_steps=1, samples_per_step=8) == pytest.approx(
+        8 * 3 / (0.2279 - 0.1036)
+    )
     # without the clock, TRL's step_time (which leaves out the optimizer step) is what there is
     no_clock = [StepRecord(r.step, r.step_time) for r in records]
     assert steady_throughput(no_clock, 1, 8) == pytest.approx(8 * 3 / (0.04409 + 0.0404 + 0.02956))
@@ -111,8 +119,10 @@ def test_trl_fixture_with_progress_bars_and_wall_clock():
 
 def test_hf_dicts_in_older_and_numpy_forms():
     parser = LogParser()
-    assert parser.feed("[rank0]: {'loss': np.float64(0.5), 'grad_norm': tensor(0.25, device='cuda:0'), "
-                       "'learning_rate': 1e-06, 'step_time': 2.0, 'epoch': 0.1}") == StepRecord(step=1, step_time=2.0)
+    assert parser.feed(
+        "[rank0]: {'loss': np.float64(0.5), 'grad_norm': tensor(0.25, device='cuda:0'), "
+        "'learning_rate': 1e-06, 'step_time': 2.0, 'epoch': 0.1}"
+    ) == StepRecord(step=1, step_time=2.0)
     assert parser.feed("{'loss': nan, 'step_time': np.float32(3.0), 'epoch': 0.2}").step_time == 3.0
     assert parser.feed("[transformers] Updated tokens: {'eos_token_id': 2}.") is None
     assert parser.feed("{'eval_loss': 0.1, 'eval_runtime': 3.2, 'epoch': 0.2}") is None
@@ -134,7 +144,9 @@ def test_logging_steps_counts_steps_between_dicts():
 
 def test_metrics_json_lines_on_stdout_are_read_too():
     parser = LogParser()
-    record = parser.feed('{"step": 3, "step_time": 41.2, "samples": 256, "tokens": 393216, "peak_memory_gib": 71.3}')
+    record = parser.feed(
+        '{"step": 3, "step_time": 41.2, "samples": 256, "tokens": 393216, "peak_memory_gib": 71.3}'
+    )
     assert record == StepRecord(step=3, step_time=41.2, samples=256, tokens=393216, peak_memory_gib=71.3)
 
 
@@ -153,18 +165,44 @@ def test_python_repr_values_that_real_logs_print():
     )
     assert d is not None
     assert math.isnan(d.pop("a"))
-    assert d == {"b": -math.inf, "c": math.inf, "d": -math.inf, "e": math.inf, "f": None, "g": None,
-                 "h": True, "i": False, "j": 0.1, "k": 0.5, "l": [1, -2.5e-06], "m": [1.0, 2.0], "n": 3,
-                 "7": "seven", "o": {"p": []}}
+    assert d == {
+        "b": -math.inf,
+        "c": math.inf,
+        "d": -math.inf,
+        "e": math.inf,
+        "f": None,
+        "g": None,
+        "h": True,
+        "i": False,
+        "j": 0.1,
+        "k": 0.5,
+        "l": [1, -2.5e-06],
+        "m": [1.0, 2.0],
+        "n": 3,
+        "7": "seven",
+        "o": {"p": []},
+    }
     # JSON first (NaN, Infinity), and a text that is JSON but not a dict is no dict
     assert parse_mapping('{"x": Infinity, "y": -Infinity}') == {"x": math.inf, "y": -math.inf}
     assert parse_mapping("[1, 2]") is None
 
 
 def test_only_plain_data_is_read():
-    for text in ("{'a': foo}", "{'a': __import__('os').getcwd()}", "{'a': 1 + 2}", "{'a': x.y}",
-                 "{'a': [i for i in 'ab']}", "{**other}", "{'a': {1, 2}}", "{'a': -'x'}",
-                 "{'a': lambda: 1}", "{'a': f'{1}'}", "{'a': b'x'}", "{['a']: 1}", "{'a': 1"):
+    for text in (
+        "{'a': foo}",
+        "{'a': __import__('os').getcwd()}",
+        "{'a': 1 + 2}",
+        "{'a': x.y}",
+        "{'a': [i for i in 'ab']}",
+        "{**other}",
+        "{'a': {1, 2}}",
+        "{'a': -'x'}",
+        "{'a': lambda: 1}",
+        "{'a': f'{1}'}",
+        "{'a': b'x'}",
+        "{['a']: 1}",
+        "{'a': 1",
+    ):
         assert parse_mapping(text) is None, text
 
 
@@ -185,8 +223,17 @@ def test_malformed_or_deeply_nested_lines_give_no_dict():
     deep = "{'a': " + "[" * 5000 + "]" * 5000 + "}"
     deep_calls = "{'a': " + "f(" * 5000 + "1" + ")" * 5000 + "}"
     deep_dicts = "{'a': " * 400 + "1" + "}" * 400
-    for text in (deep, deep_calls, "{'a': " + "-" * 5000 + "1}", "{'a': 1,, 'b': 2}", "{'a' 1}",
-                 "{'a': '\\x'}", "{'a': 1\x00}", "{'a': 007}", "{'a': 1 2}"):
+    for text in (
+        deep,
+        deep_calls,
+        "{'a': " + "-" * 5000 + "1}",
+        "{'a': 1,, 'b': 2}",
+        "{'a' 1}",
+        "{'a': '\\x'}",
+        "{'a': 1\x00}",
+        "{'a': 007}",
+        "{'a': 1 2}",
+    ):
         assert parse_mapping(text) is None, text[:40]
         assert parse_log_dicts(text) == [], text[:40]
         assert LogParser().feed(text) is None
@@ -245,16 +292,27 @@ def test_swift4_seconds_per_iteration_and_eval_lines():
 
 def test_swift_without_speed_falls_back_to_elapsed_time():
     parser = LogParser()
-    parser.feed("{'loss': 0.1, 'global_step/max_steps': '2/10', 'elapsed_time': '1m 40s', 'memory(GiB)': 30.0}")
-    parser.feed("{'loss': 0.1, 'global_step/max_steps': '4/10', 'elapsed_time': '3m 0s', 'memory(GiB)': 29.0}")
-    assert [(r.step, r.step_time, r.peak_memory_gib) for r in parser.records] == [(2, 50.0, 30.0), (4, 40.0, 30.0)]
+    parser.feed(
+        "{'loss': 0.1, 'global_step/max_steps': '2/10', 'elapsed_time': '1m 40s', 'memory(GiB)': 30.0}"
+    )
+    parser.feed(
+        "{'loss': 0.1, 'global_step/max_steps': '4/10', 'elapsed_time': '3m 0s', 'memory(GiB)': 29.0}"
+    )
+    assert [(r.step, r.step_time, r.peak_memory_gib) for r in parser.records] == [
+        (2, 50.0, 30.0),
+        (4, 40.0, 30.0),
+    ]
 
 
 def test_swift_elapsed_time_formats():
     """ms-swift's format_time output, read by units.duration_seconds."""
     assert duration_seconds("2d 16h 57m 8s") == 2 * 86400 + 16 * 3600 + 57 * 60 + 8
     assert duration_seconds("1m 5s") == 65 and duration_seconds("34s") == 34 and duration_seconds("0s") == 0
-    assert duration_seconds("soon") is None and duration_seconds(None) is None and duration_seconds("3 apples 4s") is None
+    assert (
+        duration_seconds("soon") is None
+        and duration_seconds(None) is None
+        and duration_seconds("3 apples 4s") is None
+    )
 
 
 def test_swift_elapsed_time_without_units_is_not_a_clock():
@@ -321,7 +379,7 @@ def test_metrics_tail_reads_only_complete_lines(tmp_path):
 @settings(max_examples=60, deadline=None)
 @given(
     step=st.integers(min_value=0, max_value=10**6),
-    step_time=st.none() | st.floats(min_value=1e-3, max_value=1e6),   # the plausible range
+    step_time=st.none() | st.floats(min_value=1e-3, max_value=1e6),  # the plausible range
     samples=st.none() | st.integers(min_value=0, max_value=10**6),
     tokens=st.none() | st.integers(min_value=0, max_value=10**12),
     peak=st.none() | st.floats(min_value=0, max_value=1e4),
@@ -333,18 +391,23 @@ def test_metrics_line_round_trip(step, step_time, samples, tokens, peak):
     assert parse_metrics_line(line) == record
 
 
-@pytest.mark.parametrize("line, dropped", [
-    ('{"step": 3, "step_time": ' + "9" * 400 + ', "samples": 64}', "step_time"),   # OverflowError before
-    ('{"step": 3, "step_time": 1.0, "samples": 1e308}', "samples"),                  # inf in outcome.json
-    ('{"step": 3, "step_time": 1e-300, "samples": 64}', "step_time"),                # 6.4e301 completions/s
-    ('{"step": 3, "step_time": 2.0, "peak_memory_gib": 1e30}', "peak_memory_gib"),
-])
+@pytest.mark.parametrize(
+    "line, dropped",
+    [
+        ('{"step": 3, "step_time": ' + "9" * 400 + ', "samples": 64}', "step_time"),  # OverflowError before
+        ('{"step": 3, "step_time": 1.0, "samples": 1e308}', "samples"),  # inf in outcome.json
+        ('{"step": 3, "step_time": 1e-300, "samples": 64}', "step_time"),  # 6.4e301 completions/s
+        ('{"step": 3, "step_time": 2.0, "peak_memory_gib": 1e30}', "peak_memory_gib"),
+    ],
+)
 def test_implausible_metrics_values_are_dropped_not_trusted(line, dropped):
     record = parse_metrics_line(line)
     assert record is not None and record.step == 3 and getattr(record, dropped) is None
     parser = LogParser()
     parser.feed(str({"loss": "0.1", "step_time": "1e-300"}))
-    assert [(r.step, r.step_time) for r in parser.records] == [(1, None)]   # the step counts, its time does not
+    assert [(r.step, r.step_time) for r in parser.records] == [
+        (1, None)
+    ]  # the step counts, its time does not
 
 
 # --------------------------------------------------------------------------------------------
@@ -353,7 +416,9 @@ def test_implausible_metrics_values_are_dropped_not_trusted(line, dropped):
 
 
 def test_steady_throughput_excludes_warmup():
-    records = [StepRecord(1, step_time=30.0, samples=100)] + [StepRecord(s, step_time=10.0, samples=100) for s in range(2, 6)]
+    records = [StepRecord(1, step_time=30.0, samples=100)] + [
+        StepRecord(s, step_time=10.0, samples=100) for s in range(2, 6)
+    ]
     assert steady_throughput(records, warmup_steps=1, samples_per_step=None) == pytest.approx(10.0)
     assert steady_throughput(records, warmup_steps=0, samples_per_step=None) == pytest.approx(500 / 70)
 
@@ -370,15 +435,20 @@ def test_steady_throughput_sample_fallback_and_not_enough_data():
 
 
 def test_steady_throughput_uses_the_last_record_of_a_repeated_step():
-    records = [StepRecord(2, step_time=100.0, samples=10), StepRecord(3, step_time=5.0, samples=10),
-               StepRecord(2, step_time=5.0, samples=10)]
+    records = [
+        StepRecord(2, step_time=100.0, samples=10),
+        StepRecord(3, step_time=5.0, samples=10),
+        StepRecord(2, step_time=5.0, samples=10),
+    ]
     assert steady_throughput(records, 1, None) == pytest.approx(2.0)
 
 
 def test_steady_throughput_weights_spans():
     records = [StepRecord(5, step_time=2.0, span=4), StepRecord(10, step_time=4.0, span=5)]
     # warm-up ends at step 3: two of the first record's four steps count
-    assert steady_throughput(records, 3, samples_per_step=10) == pytest.approx((2 * 10 + 5 * 10) / (2 * 2.0 + 5 * 4.0))
+    assert steady_throughput(records, 3, samples_per_step=10) == pytest.approx(
+        (2 * 10 + 5 * 10) / (2 * 2.0 + 5 * 4.0)
+    )
 
 
 def test_steady_throughput_prefers_a_wall_clock():
@@ -388,4 +458,3 @@ def test_steady_throughput_prefers_a_wall_clock():
     # a record without the clock after warm-up: back to step times
     records[3] = StepRecord(4, step_time=1.0)
     assert steady_throughput(records, 1, samples_per_step=10) == pytest.approx(10.0)
-

@@ -51,9 +51,7 @@ EXPECTED_CARDS = {
 
 
 @pytest.fixture(autouse=True)
-def _empty_hf_cache(
-    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _empty_hf_cache(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
     """Point every cache variable at an empty folder so a developer's real cache cannot leak in."""
     empty = tmp_path_factory.mktemp("empty-hf")
     monkeypatch.setenv("HF_HUB_CACHE", str(empty / "hub"))
@@ -78,9 +76,7 @@ def _real_param_count(spec: ModelSpec) -> int:
 
 def _largest_module_params(spec: ModelSpec) -> int:
     model = _build_meta(spec)
-    return max(
-        sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()
-    )
+    return max(sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules())
 
 
 # -- the cards ------------------------------------------------------------------------------
@@ -101,7 +97,7 @@ def test_card_is_a_valid_transformers_config(name: str) -> None:
     cfg = spec.transformers_config()
     assert type(cfg) is type(transformers.AutoConfig.for_model(spec.model_type))
     tied = cfg.tie_word_embeddings
-    cfg = cfg.get_text_config()   # the decoder's part (the config itself for text-only models)
+    cfg = cfg.get_text_config()  # the decoder's part (the config itself for text-only models)
     assert cfg.hidden_size == spec.hidden_size
     assert cfg.num_hidden_layers == spec.num_layers
     assert cfg.vocab_size == spec.vocab_size
@@ -212,9 +208,7 @@ def test_unknown_model_error_is_one_line_and_lists_cards() -> None:
         resolve_model("Mistral-7B-v0.3")
     message = str(info.value)
     assert "\n" not in message
-    assert message.startswith(
-        "unknown model 'Mistral-7B-v0.3': use a local directory with config.json"
-    )
+    assert message.startswith("unknown model 'Mistral-7B-v0.3': use a local directory with config.json")
     for name in ALL_CARDS:
         assert name in message
 
@@ -251,9 +245,7 @@ def test_local_directory_without_weights(tmp_path: Path) -> None:
     assert spec.source == "path" and not spec.has_weights
 
 
-def test_local_directory_wins_over_card_name(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_local_directory_wins_over_card_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A directory named like a card is the user's checkpoint, not the card."""
     monkeypatch.chdir(tmp_path)
     tiny = dict(resolve_model("tiny-qwen").config)
@@ -350,7 +342,11 @@ def test_vision_tower_shapes_and_params_equal_transformers(name: str, out_hidden
     tower = spec.vision
     assert (tower.depth, tower.hidden, tower.intermediate, tower.heads) == (32, 1280, 3420, 16)
     assert (tower.patch_size, tower.spatial_merge_size, tower.temporal_patch_size, tower.out_hidden) == (
-        14, 2, 2, out_hidden)
+        14,
+        2,
+        2,
+        out_hidden,
+    )
     visual = _build_meta(spec).model.visual
     assert tower.num_params == sum(p.numel() for p in visual.parameters())
     assert 0.66e9 < tower.num_params < 0.68e9
@@ -373,7 +369,9 @@ def test_local_vl_config_keeps_its_vision_tower(tmp_path: Path) -> None:
 
 
 def test_unknown_vision_tower_is_refused_not_ignored(tmp_path: Path) -> None:
-    config = dict(resolve_model("Qwen2.5-3B").config, model_type="llava_next", vision_config={"hidden_size": 1024})
+    config = dict(
+        resolve_model("Qwen2.5-3B").config, model_type="llava_next", vision_config={"hidden_size": 1024}
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UsageError) as info:
         resolve_model(str(tmp_path))

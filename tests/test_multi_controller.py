@@ -17,14 +17,21 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-pytestmark = pytest.mark.filterwarnings("ignore:Heartbeat of storage is supposed")   # ask/tell use heartbeats too
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Heartbeat of storage is supposed"
+)  # ask/tell use heartbeats too
 
 SIM = ["--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--gpu-type", "A100-80GB", "--runner", "sim"]
 
 
 def _start(*args: str, cwd) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "autotune", *args], cwd=cwd, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "autotune", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 @pytest.mark.slow
@@ -70,11 +77,14 @@ def test_a_killed_controller_is_taken_over_by_the_live_one(tmp_path):
     time.sleep(2)
     storage = f"sqlite:///{tmp_path / 'runs/k/study.db'}"
     running = None
-    while running is None and time.monotonic() < deadline:   # one of the doomed controller's, just launched
+    while running is None and time.monotonic() < deadline:  # one of the doomed controller's, just launched
         for t in optuna.load_study(study_name="k", storage=storage).get_trials(states=(TrialState.RUNNING,)):
             log = tmp_path / "runs/k/trials" / str(t.number) / "stdout.log"
-            if (t.system_attrs.get("autotune:owner", "").endswith(f":{doomed.pid}") and log.exists()
-                    and "step" not in log.read_text()):        # starting up: far from its result
+            if (
+                t.system_attrs.get("autotune:owner", "").endswith(f":{doomed.pid}")
+                and log.exists()
+                and "step" not in log.read_text()
+            ):  # starting up: far from its result
                 running = log.parent
         if running is None:
             time.sleep(0.1)
@@ -94,7 +104,7 @@ def test_a_killed_controller_is_taken_over_by_the_live_one(tmp_path):
     assert len(launched) == 6
     keys = [t.user_attrs["key"] for t in launched]
     assert len(keys) == len(set(keys))
-    assert not (running / "pid").exists()          # its orphaned trial process was killed and cleaned up
+    assert not (running / "pid").exists()  # its orphaned trial process was killed and cleaned up
 
 
 # -- unit checks of the pieces above: claims, heartbeats, recovery, the scheduler's exits ---------------
@@ -110,8 +120,12 @@ def _heartbeat_study(tmp_path, grace: int = 1):
     paths.root.mkdir(parents=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        storage = optuna.storages.RDBStorage(f"sqlite:///{paths.db}", heartbeat_interval=1, grace_period=grace,
-                                             heartbeat_stale_trial_callback=RetryInterrupted(paths))
+        storage = optuna.storages.RDBStorage(
+            f"sqlite:///{paths.db}",
+            heartbeat_interval=1,
+            grace_period=grace,
+            heartbeat_stale_trial_callback=RetryInterrupted(paths),
+        )
     return optuna.create_study(study_name="s", storage=storage, direction="maximize"), paths
 
 
@@ -129,7 +143,7 @@ def test_a_claim_is_refused_for_a_configuration_told_meanwhile(tmp_path):
     mine = study.ask()
     refused = claim(study, mine, {"a": 1}, "K", limit=10)
     assert not refused.granted and refused.why == "measured" and refused.other == 0
-    assert claim(study, mine, {"a": 2}, "S", limit=10).granted      # a memory-model skip is asked again
+    assert claim(study, mine, {"a": 2}, "S", limit=10).granted  # a memory-model skip is asked again
 
 
 class _Stop:
@@ -213,7 +227,7 @@ def test_held_candidates_are_dropped_once_the_search_stopped(tmp_path):
     heartbeat = get_heartbeat_thread(trial._trial_id, study._storage)
     heartbeat.start()
     scheduler = Scheduler(search, study, [None])
-    scheduler.waiting.append(Asked(trial, {"a": 1}, "k", heartbeat))   # its twin is no longer running
+    scheduler.waiting.append(Asked(trial, {"a": 1}, "k", heartbeat))  # its twin is no longer running
     try:
         stopped = scheduler.run()
     finally:
@@ -232,7 +246,9 @@ def test_a_trial_is_seen_from_another_machine_from_the_moment_it_is_owned(tmp_pa
     study, paths = _heartbeat_study(tmp_path)
     trial = study.ask({"a": optuna.distributions.IntDistribution(0, 9)})
     claim_owner(study, trial)
-    study._storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, "elsewhere:1")   # as seen from another node
+    study._storage.set_trial_system_attr(
+        trial._trial_id, OWNER_ATTR, "elsewhere:1"
+    )  # as seen from another node
     time.sleep(2.5)
     recover_interrupted(study, paths)
     after = study.get_trials(deepcopy=False)
@@ -265,12 +281,15 @@ def test_a_late_heartbeat_of_a_live_controller_here_kills_nothing(tmp_path):
 
     study, paths = _heartbeat_study(tmp_path)
     trial = study.ask()
-    claim_owner(study, trial)                               # this process: alive, on this machine
-    study._storage.record_heartbeat(trial._trial_id)        # its last beat before the thread died
+    claim_owner(study, trial)  # this process: alive, on this machine
+    study._storage.record_heartbeat(trial._trial_id)  # its last beat before the thread died
     trial_dir = paths.trial_dir(trial.number)
     trial_dir.mkdir(parents=True)
-    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
-                            env={**os.environ, TRIAL_ENV: str(trial_dir)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        start_new_session=True,
+        env={**os.environ, TRIAL_ENV: str(trial_dir)},
+    )
     try:
         (trial_dir / PID_FILE).write_text(str(proc.pid))
         time.sleep(2.5)
@@ -339,7 +358,7 @@ def test_the_scheduler_answers_a_claim_refused_as_measured(tmp_path):
     class Racing(_FakeSearch):
         def gate(self, number, params, previous):
             looks.append(previous)
-            if len(looks) == 1 or previous is None:       # the look from before K was told
+            if len(looks) == 1 or previous is None:  # the look from before K was told
                 return None, None
             return Outcome(status="ok", throughput=1.0, detail="same configuration"), None
 

@@ -29,7 +29,11 @@ def run_python(code: str, timeout: float = 120, **kwargs) -> subprocess.Complete
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, timeout=timeout, env=env, **kwargs,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        **kwargs,
     )
 
 
@@ -39,26 +43,104 @@ def run_python(code: str, timeout: float = 120, **kwargs) -> subprocess.Complete
 
 CASES = [
     # file, returncode, status, oom_kind, text the error line must contain
-    ("cuda_oom_new_format.log", 1, "oom", "cuda", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.14 GiB"),
-    ("cuda_oom_old_format.log", 1, "oom", "cuda", "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.35 GiB total capacity"),
+    (
+        "cuda_oom_new_format.log",
+        1,
+        "oom",
+        "cuda",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a total capacity of 79.14 GiB",
+    ),
+    (
+        "cuda_oom_old_format.log",
+        1,
+        "oom",
+        "cuda",
+        "RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.35 GiB total capacity",
+    ),
     ("cuda_error_out_of_memory.log", 1, "oom", "cuda", "RuntimeError: CUDA error: out of memory"),
-    ("cuda_error_out_of_memory_accelerator_error.log", 1, "oom", "cuda", "torch.AcceleratorError: CUDA error: out of memory"),
-    ("cublas_alloc_failed.log", 1, "oom", "cuda", "CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
+    (
+        "cuda_error_out_of_memory_accelerator_error.log",
+        1,
+        "oom",
+        "cuda",
+        "torch.AcceleratorError: CUDA error: out of memory",
+    ),
+    (
+        "cublas_alloc_failed.log",
+        1,
+        "oom",
+        "cuda",
+        "CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`",
+    ),
     ("nccl_cuda_failure_oom.log", 1, "oom", "cuda", "NCCL WARN Cuda failure 'out of memory'"),
-    ("vllm_cumem_sleep_oom.log", 1, "oom", "cuda", "CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:139"),
-    ("multirank_cuda_oom_then_nccl_watchdog.log", 1, "oom", "cuda", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 130.00 MiB"),
-    ("vllm_kv_no_cache_blocks.log", 1, "oom", "vllm_kv", "ValueError: No available memory for the cache blocks."),
-    ("vllm_kv_cache_needed.log", 1, "oom", "vllm_kv", "(24.00 GiB KV cache is needed, which is larger than the available KV cache memory (8.68 GiB)"),
-    ("vllm_kv_max_tokens_v0.log", 1, "oom", "vllm_kv", "is larger than the maximum number of tokens that can be stored in KV cache (13456)"),
-    ("vllm_startup_free_memory.log", 1, "oom", "vllm_startup", "Free memory on device cuda:0 (12.18/23.56 GiB) on startup is less than desired GPU memory utilization (0.92, 21.67 GiB)"),
-    ("torchrun_rank0_host_oom_gloo.log", 1, "oom", "host", "DefaultCPUAllocator: can't allocate memory: you tried to allocate 100000000000 bytes"),
+    (
+        "vllm_cumem_sleep_oom.log",
+        1,
+        "oom",
+        "cuda",
+        "CUDA Error: out of memory at /workspace/csrc/cumem_allocator.cpp:139",
+    ),
+    (
+        "multirank_cuda_oom_then_nccl_watchdog.log",
+        1,
+        "oom",
+        "cuda",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 130.00 MiB",
+    ),
+    (
+        "vllm_kv_no_cache_blocks.log",
+        1,
+        "oom",
+        "vllm_kv",
+        "ValueError: No available memory for the cache blocks.",
+    ),
+    (
+        "vllm_kv_cache_needed.log",
+        1,
+        "oom",
+        "vllm_kv",
+        "(24.00 GiB KV cache is needed, which is larger than the available KV cache memory (8.68 GiB)",
+    ),
+    (
+        "vllm_kv_max_tokens_v0.log",
+        1,
+        "oom",
+        "vllm_kv",
+        "is larger than the maximum number of tokens that can be stored in KV cache (13456)",
+    ),
+    (
+        "vllm_startup_free_memory.log",
+        1,
+        "oom",
+        "vllm_startup",
+        "Free memory on device cuda:0 (12.18/23.56 GiB) on startup is less than desired GPU memory utilization (0.92, 21.67 GiB)",
+    ),
+    (
+        "torchrun_rank0_host_oom_gloo.log",
+        1,
+        "oom",
+        "host",
+        "DefaultCPUAllocator: can't allocate memory: you tried to allocate 100000000000 bytes",
+    ),
     ("pin_memory_host_oom.log", 1, "oom", "host", "RuntimeError: CUDA error: out of memory"),
     ("torchrun_rank1_sigkill.log", 1, "oom", "host", "Signal 9 (SIGKILL) received by PID"),
     ("accelerate_sigkill.log", 1, "oom", "host", "died with <Signals.SIGKILL: 9>"),
     ("torchrun_rank0_keyerror.log", 1, "crash", None, "KeyError: 'format'"),
-    ("deepspeed_batch_assertion.log", 1, "crash", None, "AssertionError: Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 16 != 2 * 4 * 1"),
+    (
+        "deepspeed_batch_assertion.log",
+        1,
+        "crash",
+        None,
+        "AssertionError: Check batch related parameters. train_batch_size is not equal to micro_batch_per_gpu * gradient_acc_step * world_size 16 != 2 * 4 * 1",
+    ),
     ("harmless_warnings_then_crash.log", 1, "crash", None, "IndexError: list index out of range"),
-    ("vllm_engine_wraps_config_error.log", 1, "crash", None, "ValueError: User-specified max_model_len (65536) is greater than the derived max_model_len"),
+    (
+        "vllm_engine_wraps_config_error.log",
+        1,
+        "crash",
+        None,
+        "ValueError: User-specified max_model_len (65536) is greater than the derived max_model_len",
+    ),
 ]
 
 
@@ -73,7 +155,9 @@ def test_real_failure_texts_are_classified(name, rc, status, kind, needle):
 
 def test_every_fixture_is_covered():
     covered = {c[0] for c in CASES} | {
-        "trl_grpo_cpu_merged.log", "swift_sft_iter_per_s.log", "swift_grpo_iter_per_s.log",
+        "trl_grpo_cpu_merged.log",
+        "swift_sft_iter_per_s.log",
+        "swift_grpo_iter_per_s.log",
         "swift4_s_per_it_constructed.log",
     }
     assert {p.name for p in LOGS.glob("*.log")} == covered
@@ -128,8 +212,14 @@ def test_real_sigkill_without_traceback_is_host():
 
 def test_real_sigkill_through_a_shell_is_host():
     proc = subprocess.run(
-        ["bash", "-c", f"{sys.executable} -c 'import os, signal; os.kill(os.getpid(), signal.SIGKILL)'; exit $?"],
-        capture_output=True, text=True, timeout=60,
+        [
+            "bash",
+            "-c",
+            f"{sys.executable} -c 'import os, signal; os.kill(os.getpid(), signal.SIGKILL)'; exit $?",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert proc.returncode == 137
     assert " Killed " in proc.stderr  # bash: line 1:  1234 Killed  ...
@@ -146,7 +236,11 @@ def test_real_plain_python_error_is_a_crash_with_its_exception_line():
         reward(["a"])
         """
     )
-    assert classify_failure(proc.returncode, proc.stderr) == ("crash", None, "ZeroDivisionError: division by zero")
+    assert classify_failure(proc.returncode, proc.stderr) == (
+        "crash",
+        None,
+        "ZeroDivisionError: division by zero",
+    )
 
 
 def test_real_trl_config_errors_are_invalid():
@@ -175,7 +269,10 @@ def test_real_trl_config_errors_are_invalid():
     assert [r[:2] for r in results] == [("invalid", None)] * 3
     assert results[0][2] == "ValueError: generation_batch_size (3) must be divisible by num_generations (2)."
     assert results[1][2].startswith("ValueError: GRPO requires at least 2 generations per prompt")
-    assert results[2][2] == "ValueError: generation_batch_size (6) must be divisible by the global batch size (4)."
+    assert (
+        results[2][2]
+        == "ValueError: generation_batch_size (6) must be divisible by the global batch size (4)."
+    )
 
 
 def test_vllm_tensor_parallel_refusal_is_invalid():
@@ -185,7 +282,11 @@ def test_vllm_tensor_parallel_refusal_is_invalid():
         "[rank0]: ValueError: tensor_parallel_size (2) must divide world size (3) evenly.\n"
         "[rank1]: RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:4210\n"
     )
-    assert classify_failure(1, text) == ("invalid", None, "ValueError: tensor_parallel_size (2) must divide world size (3) evenly.")
+    assert classify_failure(1, text) == (
+        "invalid",
+        None,
+        "ValueError: tensor_parallel_size (2) must divide world size (3) evenly.",
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -253,7 +354,11 @@ def test_advice_about_memory_is_not_an_oom():
         "If you see std-out advice about MemoryError handling, ignore it\n"
         "ValueError: reward function returned 3 values for 4 completions\n"
     )
-    assert classify_failure(1, text) == ("crash", None, "ValueError: reward function returned 3 values for 4 completions")
+    assert classify_failure(1, text) == (
+        "crash",
+        None,
+        "ValueError: reward function returned 3 values for 4 completions",
+    )
 
 
 def test_progress_bars_and_colours_do_not_hide_the_error():
@@ -300,12 +405,18 @@ def test_last_error_line_skips_consequences():
         "During handling of the above exception, another exception occurred:\n"
         "\n"
         "Traceback (most recent call last):\n"
-        "  File \"train.py\", line 9, in <module>\n"
+        '  File "train.py", line 9, in <module>\n'
         "datasets.exceptions.DatasetGenerationError: An error occurred while generating the dataset\n"
     )
-    assert last_error_line(chained) == "datasets.exceptions.DatasetGenerationError: An error occurred while generating the dataset"
+    assert (
+        last_error_line(chained)
+        == "datasets.exceptions.DatasetGenerationError: An error occurred while generating the dataset"
+    )
     only_consequences = "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n======\n"
-    assert last_error_line(only_consequences) == "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+    assert (
+        last_error_line(only_consequences)
+        == "torch.distributed.elastic.multiprocessing.errors.ChildFailedError"
+    )
     assert last_error_line("\n\n") is None
     long = "ValueError: " + "x" * 1000
     assert len(last_error_line(long)) == 300
@@ -328,8 +439,15 @@ def test_diagnose_gives_a_detail_line():
 
 def test_outcome_round_trip(tmp_path):
     outcome = Outcome(
-        status="oom", oom_kind="cuda", peak_memory_gib=78.9, error_line="torch.OutOfMemoryError: CUDA out of memory.",
-        steps=2, step_times=[41.2, 40.8], wall_time_s=312.5, returncode=1, detail=describe("oom", "cuda"),
+        status="oom",
+        oom_kind="cuda",
+        peak_memory_gib=78.9,
+        error_line="torch.OutOfMemoryError: CUDA out of memory.",
+        steps=2,
+        step_times=[41.2, 40.8],
+        wall_time_s=312.5,
+        returncode=1,
+        detail=describe("oom", "cuda"),
         extra={"figures": {"tried_gib": 2.0}},
     )
     path = tmp_path / "trials" / "3" / "outcome.json"

@@ -8,10 +8,19 @@ from pathlib import Path
 
 import optuna
 import pytest
-
 from conftest import run_cli
 
-SIM = ["search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "2", "--gpu-type", "A100-80GB", "--runner", "sim"]
+SIM = [
+    "search",
+    "--model",
+    "Qwen2.5-7B-Instruct",
+    "--gpus",
+    "2",
+    "--gpu-type",
+    "A100-80GB",
+    "--runner",
+    "sim",
+]
 
 
 class TopologyNvml:
@@ -34,11 +43,11 @@ class TopologyNvml:
         return index
 
     def nvmlDeviceGetP2PStatus(self, a: int, b: int, caps: int) -> int:
-        assert caps == 2                                  # NVML_P2P_CAPS_INDEX_NVLINK
-        return 0 if frozenset((a, b)) in self.nvlink else 4   # OK / NOT_SUPPORTED
+        assert caps == 2  # NVML_P2P_CAPS_INDEX_NVLINK
+        return 0 if frozenset((a, b)) in self.nvlink else 4  # OK / NOT_SUPPORTED
 
     def nvmlDeviceGetTopologyCommonAncestor(self, a: int, b: int) -> int:
-        return 40 if self.numa[a] == self.numa[b] else 50     # NODE / SYSTEM
+        return 40 if self.numa[a] == self.numa[b] else 50  # NODE / SYSTEM
 
 
 def test_gpu_sets_follow_nvlink(monkeypatch):
@@ -66,15 +75,18 @@ def test_without_topology_sets_are_consecutive():
 
     assert plan_slots(2, None, 8, need_visible=False) == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert plan_slots(3, None, 8, need_visible=False) == [[0, 1, 2], [3, 4, 5]]
-    assert plan_slots(2, None, None, need_visible=False) == [None]          # no node known: one default slot
+    assert plan_slots(2, None, None, need_visible=False) == [None]  # no node known: one default slot
 
 
-@pytest.mark.parametrize("flags, words", [
-    (["--node-gpus", "8", "--parallel", "5"], "--parallel 5 needs 10 GPUs"),
-    (["--node-gpus", "1"], "--node-gpus 1 is smaller than --gpus 2"),
-    (["--parallel", "3"], "give --node-gpus"),
-    (["--node-gpus", "8", "--parallel", "0"], "--parallel must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--node-gpus", "8", "--parallel", "5"], "--parallel 5 needs 10 GPUs"),
+        (["--node-gpus", "1"], "--node-gpus 1 is smaller than --gpus 2"),
+        (["--parallel", "3"], "give --node-gpus"),
+        (["--node-gpus", "8", "--parallel", "0"], "--parallel must be at least 1"),
+    ],
+)
 def test_bad_parallel_flags_are_one_line(tmp_path, flags, words):
     r = run_cli(*SIM, "--trials", "2", *flags, "--name", "bad", "--runs-dir", tmp_path, timeout=120)
     assert r.returncode == 2, r.stderr
@@ -93,8 +105,22 @@ def test_four_trials_at_once_on_disjoint_gpus(tmp_path):
     is its own configuration's, and no configuration is measured twice."""
     from autotune.sim.landscape import evaluate
 
-    r = run_cli(*SIM, "--trials", "10", "--node-gpus", "8", "--sim-time-scale", "0.003", "--confirm", "1",
-                "--name", "par", "--runs-dir", tmp_path, timeout=400)
+    r = run_cli(
+        *SIM,
+        "--trials",
+        "10",
+        "--node-gpus",
+        "8",
+        "--sim-time-scale",
+        "0.003",
+        "--confirm",
+        "1",
+        "--name",
+        "par",
+        "--runs-dir",
+        tmp_path,
+        timeout=400,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     root = tmp_path / "par"
     study = optuna.load_study(study_name="par", storage=f"sqlite:///{root / 'study.db'}")
@@ -172,5 +198,5 @@ def test_cleanup_and_leftovers_look_only_at_the_trials_own_gpus():
     assert wait_for_baseline([0, 1], baseline, timeout_s=5, settle_s=1, nvml=nvml, poll_s=0.05)
     assert time.monotonic() - started < 1 and 2 not in nvml.listed and 3 not in nvml.listed
     assert leftover_gib([0, 1], baseline, nvml=nvml) is None
-    nvml.used_gib[1] = 9.0                                   # now a real leftover on the trial's own GPU
+    nvml.used_gib[1] = 9.0  # now a real leftover on the trial's own GPU
     assert leftover_gib([0, 1], baseline, nvml=nvml) == pytest.approx(8.5, abs=0.01)

@@ -6,21 +6,30 @@ from pathlib import Path
 
 import pytest
 
-from autotune.search import constraints
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
-from autotune.search.planner import Planner, neighbors
 from autotune.recipe import Recipe
 from autotune.runners import TrialContext
 from autotune.runners.sim import SimRunner
-from autotune.sim.landscape import evaluate
+from autotune.search import constraints
+from autotune.search.planner import Planner, neighbors
 from autotune.search.space import load_space
-from autotune.study import choose_best
-from autotune.study import TrialRow
+from autotune.sim.landscape import evaluate
+from autotune.study import TrialRow, choose_best
 
-BASE = dict(per_device_train_batch_size=4, gradient_accumulation_steps=4, num_generations=8, zero_stage=3,
-            offload="none", gradient_checkpointing=True, use_vllm=True, vllm_mode="colocate",
-            vllm_gpu_memory_utilization=0.4, vllm_enable_sleep_mode=False, vllm_tensor_parallel_size=1)
+BASE = dict(
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=4,
+    num_generations=8,
+    zero_stage=3,
+    offload="none",
+    gradient_checkpointing=True,
+    use_vllm=True,
+    vllm_mode="colocate",
+    vllm_gpu_memory_utilization=0.4,
+    vllm_enable_sleep_mode=False,
+    vllm_tensor_parallel_size=1,
+)
 
 
 def setup(model="Qwen2.5-7B-Instruct", gpus=4, gpu="A100-80GB", **kw):
@@ -43,11 +52,17 @@ def test_dominance_skips_what_needs_more_than_an_oom():
     assert not planner.verdict({**BASE, "offload": "optimizer"}).skip
     # vLLM start-up: a larger fraction fails the same way, a smaller one may not
     planner.observe(8, {**BASE, "vllm_gpu_memory_utilization": 0.6}, "oom", "vllm_startup", None)
-    assert planner.verdict({**BASE, "per_device_train_batch_size": 1, "vllm_gpu_memory_utilization": 0.7}).skip
-    assert not planner.verdict({**BASE, "per_device_train_batch_size": 1, "vllm_gpu_memory_utilization": 0.3}).skip
+    assert planner.verdict(
+        {**BASE, "per_device_train_batch_size": 1, "vllm_gpu_memory_utilization": 0.7}
+    ).skip
+    assert not planner.verdict(
+        {**BASE, "per_device_train_batch_size": 1, "vllm_gpu_memory_utilization": 0.3}
+    ).skip
     # KV cache too small: smaller fractions fail too
     planner.observe(9, {**BASE, "vllm_gpu_memory_utilization": 0.2}, "oom", "vllm_kv", None)
-    assert planner.verdict({**BASE, "per_device_train_batch_size": 1, "vllm_gpu_memory_utilization": 0.2}).skip
+    assert planner.verdict(
+        {**BASE, "per_device_train_batch_size": 1, "vllm_gpu_memory_utilization": 0.2}
+    ).skip
 
 
 def test_host_oom_dominance_depends_on_the_device():
@@ -125,8 +140,11 @@ def test_neighbors_are_valid_and_one_or_two_knobs_away():
     for cand in found:
         assert not constraints.violations(cand, recipe)
         # a knob that stops mattering (vLLM settings without vLLM) drops out; it is not a move
-        changed = [k for k in space.params if k != "gradient_accumulation_steps" and k in cand
-                   and cand.get(k) != start.get(k)]
+        changed = [
+            k
+            for k in space.params
+            if k != "gradient_accumulation_steps" and k in cand and cand.get(k) != start.get(k)
+        ]
         assert 1 <= len(changed) <= 2, changed
 
 
@@ -137,8 +155,10 @@ def test_confirmation_rejects_a_near_limit_candidate():
     # before confirmation the fast one leads
     assert choose_best([fast, slow], recipe)[0].number == 1
     # its longer run crept to 77.9 GiB (inside the 5% headroom of 79.3): passed over, with the reason
-    confirmed = {1: {"status": "ok", "throughput": 5.1, "peak_memory_gib": 77.9, "steps": 11},
-                 2: {"status": "ok", "throughput": 4.1, "peak_memory_gib": 61.0, "steps": 11}}
+    confirmed = {
+        1: {"status": "ok", "throughput": 5.1, "peak_memory_gib": 77.9, "steps": 11},
+        2: {"status": "ok", "throughput": 4.1, "peak_memory_gib": 61.0, "steps": 11},
+    }
     best, notes = choose_best([fast, slow], recipe, confirmed)
     assert best.number == 2 and any("trial 1" in n and "77.9" in n for n in notes)
     # one that dies in its confirmation is passed over too
@@ -172,7 +192,9 @@ def test_a_measured_success_beats_an_oom_it_contradicts():
     planner = Planner(model, recipe, gpu)
     planner.observe(1, {**BASE, "per_device_train_batch_size": 4}, "oom", "cuda", None)
     planner.observe(2, {**BASE, "per_device_train_batch_size": 8}, "ok", None, 60.0, 3.0)
-    assert not planner.verdict({**BASE, "per_device_train_batch_size": 4, "gradient_checkpointing": True}).skip
+    assert not planner.verdict(
+        {**BASE, "per_device_train_batch_size": 4, "gradient_checkpointing": True}
+    ).skip
 
 
 def test_an_oom_that_started_on_dirty_gpus_vetoes_nothing():
@@ -201,9 +223,9 @@ def test_accumulation_raises_memory_without_vllm():
 def test_fewer_training_gpus_in_server_mode_need_more_memory_each():
     recipe, model, gpu = setup()
     planner = Planner(model, recipe, gpu)
-    server = {**BASE, "vllm_mode": "server", "vllm_tensor_parallel_size": 2}      # trains on 2 of 4
+    server = {**BASE, "vllm_mode": "server", "vllm_tensor_parallel_size": 2}  # trains on 2 of 4
     planner.observe(1, server, "oom", "cuda", None)
-    assert not planner.verdict({**server, "vllm_tensor_parallel_size": 1}).skip   # trains on 3: smaller shards
+    assert not planner.verdict({**server, "vllm_tensor_parallel_size": 1}).skip  # trains on 3: smaller shards
     planner.observe(2, {**server, "vllm_tensor_parallel_size": 1}, "oom", "cuda", None)
     assert planner.verdict({**server, "vllm_tensor_parallel_size": 2}).skip
 
@@ -212,18 +234,35 @@ def test_each_failure_kind_is_dominated_over_its_own_knobs():
     recipe, model, gpu = setup()
     planner = Planner(model, recipe, gpu)
     # KV cache: fraction minus the weights (a smaller TP holds more weights per GPU); not the batch
-    planner.observe(1, {**BASE, "vllm_gpu_memory_utilization": 0.3, "vllm_tensor_parallel_size": 2}, "oom",
-                    "vllm_kv", None)
-    assert planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.3, "vllm_tensor_parallel_size": 1,
-                            "per_device_train_batch_size": 1}).skip
-    assert not planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.3, "vllm_tensor_parallel_size": 4}).skip
+    planner.observe(
+        1,
+        {**BASE, "vllm_gpu_memory_utilization": 0.3, "vllm_tensor_parallel_size": 2},
+        "oom",
+        "vllm_kv",
+        None,
+    )
+    assert planner.verdict(
+        {
+            **BASE,
+            "vllm_gpu_memory_utilization": 0.3,
+            "vllm_tensor_parallel_size": 1,
+            "per_device_train_batch_size": 1,
+        }
+    ).skip
+    assert not planner.verdict(
+        {**BASE, "vllm_gpu_memory_utilization": 0.3, "vllm_tensor_parallel_size": 4}
+    ).skip
     # vLLM start-up: the fraction and what the trainer holds (ZeRO stage, offload), not the batch
-    planner.observe(2, {**BASE, "vllm_gpu_memory_utilization": 0.7, "zero_stage": 2}, "oom", "vllm_startup", None)
-    assert planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.8, "zero_stage": 1,
-                            "per_device_train_batch_size": 1}).skip
+    planner.observe(
+        2, {**BASE, "vllm_gpu_memory_utilization": 0.7, "zero_stage": 2}, "oom", "vllm_startup", None
+    )
+    assert planner.verdict(
+        {**BASE, "vllm_gpu_memory_utilization": 0.8, "zero_stage": 1, "per_device_train_batch_size": 1}
+    ).skip
     assert not planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.8, "zero_stage": 3}).skip
-    assert not planner.verdict({**BASE, "vllm_gpu_memory_utilization": 0.75, "zero_stage": 2,
-                                "offload": "optimizer"}).skip
+    assert not planner.verdict(
+        {**BASE, "vllm_gpu_memory_utilization": 0.75, "zero_stage": 2, "offload": "optimizer"}
+    ).skip
 
 
 def test_when_nothing_has_fit_the_next_proposal_walks_from_the_nearest_oom():
@@ -233,9 +272,19 @@ def test_when_nothing_has_fit_the_next_proposal_walks_from_the_nearest_oom():
     space = load_space()
     planner = Planner(model, recipe, gpu)
     tried = set()
-    big = space.normalize({**space.defaults(), **BASE, "per_device_train_batch_size": 16, "zero_stage": 2,
-                           "gradient_checkpointing": False, "vllm_gpu_memory_utilization": 0.5})
-    near = space.normalize({**big, "per_device_train_batch_size": 4, "zero_stage": 3, "gradient_checkpointing": True})
+    big = space.normalize(
+        {
+            **space.defaults(),
+            **BASE,
+            "per_device_train_batch_size": 16,
+            "zero_stage": 2,
+            "gradient_checkpointing": False,
+            "vllm_gpu_memory_utilization": 0.5,
+        }
+    )
+    near = space.normalize(
+        {**big, "per_device_train_batch_size": 4, "zero_stage": 3, "gradient_checkpointing": True}
+    )
     for n, params in enumerate((big, near)):
         planner.observe(n, params, "oom", "cuda", None)
         tried.add(repr(sorted(params.items())))

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 
 MODEL = ["--model", "Qwen2.5-7B-Instruct", "--gpus", "2", "--gpu-type", "A100-80GB", "--runner", "sim"]
@@ -55,7 +54,7 @@ def postgres_url():
         _unavailable("PostgreSQL's initdb/pg_ctl are not installed (apt-get install postgresql)")
     prefix: list[str] = []
     folder = Path(tempfile.mkdtemp(prefix="autotune-pg-"))
-    if os.geteuid() == 0:               # initdb refuses root: run the server as the postgres user
+    if os.geteuid() == 0:  # initdb refuses root: run the server as the postgres user
         try:
             user = pwd.getpwnam("postgres")
         except KeyError:
@@ -63,18 +62,37 @@ def postgres_url():
         prefix = ["runuser", "-u", "postgres", "--"]
         os.chown(folder, user.pw_uid, user.pw_gid)
     data, port = folder / "data", _free_port()
-    subprocess.run([*prefix, initdb, "-D", str(data), "-U", "postgres", "-A", "trust"], check=True,
-                   capture_output=True, timeout=120)
-    started = subprocess.run([*prefix, pg_ctl, "-D", str(data), "-l", str(folder / "server.log"), "-o",
-                              f"-p {port} -k {folder} -h 127.0.0.1", "-w", "start"], capture_output=True,
-                             text=True, timeout=120)
+    subprocess.run(
+        [*prefix, initdb, "-D", str(data), "-U", "postgres", "-A", "trust"],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
+    started = subprocess.run(
+        [
+            *prefix,
+            pg_ctl,
+            "-D",
+            str(data),
+            "-l",
+            str(folder / "server.log"),
+            "-o",
+            f"-p {port} -k {folder} -h 127.0.0.1",
+            "-w",
+            "start",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     if started.returncode != 0:
         pytest.fail(f"pg_ctl start failed: {started.stdout}{started.stderr}")
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
-        subprocess.run([*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True,
-                       timeout=120)
+        subprocess.run(
+            [*prefix, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True, timeout=120
+        )
         shutil.rmtree(folder, ignore_errors=True)
 
 
@@ -87,8 +105,20 @@ def _study(url: str, name: str):
 
 
 def _search(url: str, name: str, runs: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "autotune", "search", *MODEL, "--storage", url, "--name", name,
-            "--runs-dir", str(runs), *extra]
+    return [
+        sys.executable,
+        "-m",
+        "autotune",
+        "search",
+        *MODEL,
+        "--storage",
+        url,
+        "--name",
+        name,
+        "--runs-dir",
+        str(runs),
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -103,11 +133,21 @@ def test_two_workers_one_killed_mid_trial(postgres_url, tmp_path):
     env = {**os.environ, "AUTOTUNE_HEARTBEAT_S": "1"}
     args = ["--trials", str(trials), "--sim-time-scale", "0.004", "--confirm", "1"]
     a_runs, b_runs = tmp_path / "node-a", tmp_path / "node-b"
-    a = subprocess.Popen(_search(postgres_url, name, a_runs, *args), env={**env, "AUTOTUNE_NODE": "node-a"},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    a = subprocess.Popen(
+        _search(postgres_url, name, a_runs, *args),
+        env={**env, "AUTOTUNE_NODE": "node-a"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     time.sleep(2)
-    b = subprocess.Popen(_search(postgres_url, name, b_runs, *args), env={**env, "AUTOTUNE_NODE": "node-b"},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    b = subprocess.Popen(
+        _search(postgres_url, name, b_runs, *args),
+        env={**env, "AUTOTUNE_NODE": "node-b"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     killed_number = None
     try:
         deadline = time.monotonic() + 120
@@ -143,37 +183,76 @@ def test_two_workers_one_killed_mid_trial(postgres_url, tmp_path):
     assert len(retry) == 1 and retry[0].user_attrs.get("launched"), "the killed trial was not run again"
     assert retry[0].user_attrs["candidate"] == killed.user_attrs["candidate"]
     launched = [t for t in all_trials if t.user_attrs.get("launched")]
-    assert len(launched) == trials                                  # the study's total, both workers together
+    assert len(launched) == trials  # the study's total, both workers together
     started = [p for runs in (a_runs, b_runs) for p in runs.glob(f"{name}/trials/*/command.txt")]
-    assert len(started) == trials + 1                               # ... plus the killed one's re-run
+    assert len(started) == trials + 1  # ... plus the killed one's re-run
     keys = [t.user_attrs["key"] for t in launched]
     assert len(keys) == len(set(keys)), "a configuration was measured twice"
     owners = {t.system_attrs.get("autotune:owner", "").split(":")[0] for t in launched}
-    assert owners == {"node-a", "node-b"}, owners                   # both took part
+    assert owners == {"node-a", "node-b"}, owners  # both took part
     best = b_runs / name / "best" / "params.json"
     assert best.exists() and json.loads(best.read_text())
     assert out.count("confirming trial") >= 1
-    print(f"two workers: {len(started)} launched for --trials {trials} (killed trial {killed_number}, "
-          f"re-run as {retry[0].number}), {len(all_trials)} Optuna trials, {len(set(keys))} distinct configs")
+    print(
+        f"two workers: {len(started)} launched for --trials {trials} (killed trial {killed_number}, "
+        f"re-run as {retry[0].number}), {len(all_trials)} Optuna trials, {len(set(keys))} distinct configs"
+    )
 
 
 def test_a_node_joining_with_another_recipe_is_refused(postgres_url, tmp_path):
-    first = run_cli("search", *MODEL, "--storage", postgres_url, "--name", "recipes", "--trials", "1",
-                    "--confirm", "0", "--runs-dir", tmp_path / "a", timeout=300)
+    first = run_cli(
+        "search",
+        *MODEL,
+        "--storage",
+        postgres_url,
+        "--name",
+        "recipes",
+        "--trials",
+        "1",
+        "--confirm",
+        "0",
+        "--runs-dir",
+        tmp_path / "a",
+        timeout=300,
+    )
     assert first.returncode == 0, first.stderr[-2000:]
     other = ["--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--gpu-type", "A100-80GB", "--runner", "sim"]
-    second = run_cli("search", *other, "--storage", postgres_url, "--name", "recipes", "--trials", "1",
-                     "--runs-dir", tmp_path / "b", timeout=300)
+    second = run_cli(
+        "search",
+        *other,
+        "--storage",
+        postgres_url,
+        "--name",
+        "recipes",
+        "--trials",
+        "1",
+        "--runs-dir",
+        tmp_path / "b",
+        timeout=300,
+    )
     assert second.returncode == 2
     lines = second.stderr.strip().splitlines()
     assert len(lines) == 1 and "different recipe" in lines[0] and "gpus" in lines[0], second.stderr
-    assert not (tmp_path / "b").exists()                            # refused before anything was written
+    assert not (tmp_path / "b").exists()  # refused before anything was written
 
 
 def test_show_and_export_from_the_storage(postgres_url, tmp_path):
     """A study on PostgreSQL is read back by show and export (the trials live in the server)."""
-    done = run_cli("search", *MODEL, "--storage", postgres_url, "--name", "readback", "--trials", "2",
-                   "--confirm", "0", "--runs-dir", tmp_path, timeout=300)
+    done = run_cli(
+        "search",
+        *MODEL,
+        "--storage",
+        postgres_url,
+        "--name",
+        "readback",
+        "--trials",
+        "2",
+        "--confirm",
+        "0",
+        "--runs-dir",
+        tmp_path,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     shown = run_cli("show", "readback", "--json", "--runs-dir", tmp_path, timeout=120)
     assert shown.returncode == 0 and len(json.loads(shown.stdout)) >= 2
@@ -188,10 +267,25 @@ def test_a_node_that_never_ran_the_search_shows_exports_and_resumes_it(postgres_
     space = tmp_path / "mine" / "space.yaml"
     space.parent.mkdir()
     space.write_text((Path(__file__).parents[1] / "search_spaces" / "grpo.yaml").read_text())
-    done = run_cli("search", *MODEL, "--storage", postgres_url, "--name", "adopted", "--trials", "2",
-                   "--confirm", "0", "--space", space, "--runs-dir", tmp_path / "node-a", timeout=300)
+    done = run_cli(
+        "search",
+        *MODEL,
+        "--storage",
+        postgres_url,
+        "--name",
+        "adopted",
+        "--trials",
+        "2",
+        "--confirm",
+        "0",
+        "--space",
+        space,
+        "--runs-dir",
+        tmp_path / "node-a",
+        timeout=300,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
-    space.unlink()                                       # node B has no such file
+    space.unlink()  # node B has no such file
     node_b = tmp_path / "node-b"
     lost = run_cli("show", "adopted", "--runs-dir", node_b, timeout=120)
     assert lost.returncode == 2 and "no study 'adopted'" in lost.stderr
@@ -200,19 +294,36 @@ def test_a_node_that_never_ran_the_search_shows_exports_and_resumes_it(postgres_
     assert len(json.loads(shown.stdout)) >= 2
     assert (node_b / "adopted" / "recipe.yaml").exists() and (node_b / "adopted" / "space.yaml").exists()
     exported = run_cli("export", "adopted", "--runs-dir", node_b, timeout=120)
-    assert exported.returncode == 0 and (node_b / "adopted" / "best" / "params.json").exists(), exported.stderr
+    assert exported.returncode == 0 and (node_b / "adopted" / "best" / "params.json").exists(), (
+        exported.stderr
+    )
     resumed = run_cli("resume", "adopted", "--trials", "3", "--runs-dir", node_b, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a = json.loads(run_cli("show", "adopted", "--json", "--runs-dir", tmp_path / "node-a", timeout=120).stdout)
-    assert sum(1 for r in a if r.get("launched")) == 3      # node A sees node B's trial
+    a = json.loads(
+        run_cli("show", "adopted", "--json", "--runs-dir", tmp_path / "node-a", timeout=120).stdout
+    )
+    assert sum(1 for r in a if r.get("launched")) == 3  # node A sees node B's trial
     other = run_cli("show", "nosuch", "--runs-dir", node_b, "--storage", postgres_url, timeout=120)
-    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1 and "no study 'nosuch'" in other.stderr
+    assert (
+        other.returncode == 2
+        and len(other.stderr.strip().splitlines()) == 1
+        and "no study 'nosuch'" in other.stderr
+    )
 
 
 def test_unreachable_server_is_one_line(tmp_path):
     port = _free_port()
-    r = run_cli("search", *MODEL, "--storage", f"postgresql://u:secret@127.0.0.1:{port}/db", "--name", "x",
-                "--runs-dir", tmp_path, timeout=120)
+    r = run_cli(
+        "search",
+        *MODEL,
+        "--storage",
+        f"postgresql://u:secret@127.0.0.1:{port}/db",
+        "--name",
+        "x",
+        "--runs-dir",
+        tmp_path,
+        timeout=120,
+    )
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "cannot reach the study storage" in lines[0], r.stderr
@@ -225,8 +336,18 @@ def test_missing_driver_names_the_extra(tmp_path):
     for module in ("psycopg", "psycopg2"):
         (shadow / module).mkdir(parents=True)
         (shadow / module / "__init__.py").write_text(f"raise ImportError('no {module} here')\n")
-    r = run_cli("search", *MODEL, "--storage", "postgresql://u@127.0.0.1:5/db", "--name", "x",
-                "--runs-dir", tmp_path / "runs", env={"PYTHONPATH": str(shadow)}, timeout=120)
+    r = run_cli(
+        "search",
+        *MODEL,
+        "--storage",
+        "postgresql://u@127.0.0.1:5/db",
+        "--name",
+        "x",
+        "--runs-dir",
+        tmp_path / "runs",
+        env={"PYTHONPATH": str(shadow)},
+        timeout=120,
+    )
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "pip install 'autotune[postgres]'" in lines[0], r.stderr
@@ -252,13 +373,17 @@ def test_a_node_killed_inside_ask_and_its_unstamped_lock_are_taken_over(postgres
     paths.root.mkdir(parents=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        storage = optuna.storages.RDBStorage(driver_url(postgres_url), heartbeat_interval=1, grace_period=1,
-                                             heartbeat_stale_trial_callback=RetryInterrupted(paths))
+        storage = optuna.storages.RDBStorage(
+            driver_url(postgres_url),
+            heartbeat_interval=1,
+            grace_period=1,
+            heartbeat_stale_trial_callback=RetryInterrupted(paths),
+        )
         study = optuna.create_study(study_name="askdeath", storage=storage, direction="maximize")
         trial = study.ask({"a": optuna.distributions.IntDistribution(0, 9)})
     claim_owner(study, trial)
     study._storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, "node-gone:1")
-    storage.create_new_study([StudyDirection.MAXIMIZE], "askdeath:lock:claim")   # never stamped
+    storage.create_new_study([StudyDirection.MAXIMIZE], "askdeath:lock:claim")  # never stamped
     lock = StudyLock(study._storage, "askdeath", "claim", stale_s=1.0, poll_s=0.05)
     assert lock.acquire(timeout_s=5)
     lock.release()

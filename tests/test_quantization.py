@@ -15,24 +15,52 @@ import yaml
 
 from autotune.errors import UsageError
 from autotune.models import ModelSpec, Quantization, resolve_model
-from autotune.search.memory import (base_quantization, dequant_workspace_bytes, estimate, vllm_weight_bytes,
-                                    weight_bytes)
+from autotune.search.memory import (
+    base_quantization,
+    dequant_workspace_bytes,
+    estimate,
+    vllm_weight_bytes,
+    weight_bytes,
+)
 from autotune.units import GIB
 
 #: Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4's quantization_config (as the checkpoint ships it).
-GPTQ_INT4 = {"bits": 4, "group_size": 128, "damp_percent": 0.01, "desc_act": False, "quant_method": "gptq",
-             "static_groups": False, "sym": True, "true_sequential": True}
+GPTQ_INT4 = {
+    "bits": 4,
+    "group_size": 128,
+    "damp_percent": 0.01,
+    "desc_act": False,
+    "quant_method": "gptq",
+    "static_groups": False,
+    "sym": True,
+    "true_sequential": True,
+}
 
 
 def gptq_7b() -> ModelSpec:
     base = resolve_model("Qwen2.5-7B")
-    return ModelSpec(name="Qwen2.5-7B-Instruct-GPTQ-Int4", config=dict(base.config, quantization_config=GPTQ_INT4),
-                     source="path", path=None, has_weights=False)
+    return ModelSpec(
+        name="Qwen2.5-7B-Instruct-GPTQ-Int4",
+        config=dict(base.config, quantization_config=GPTQ_INT4),
+        source="path",
+        path=None,
+        has_weights=False,
+    )
 
 
-PARAMS = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, num_generations=2, zero_stage=0,
-              offload="none", gradient_checkpointing=True, use_vllm=True, vllm_mode="colocate",
-              vllm_gpu_memory_utilization=0.2, vllm_enable_sleep_mode=False, vllm_tensor_parallel_size=1)
+PARAMS = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=1,
+    num_generations=2,
+    zero_stage=0,
+    offload="none",
+    gradient_checkpointing=True,
+    use_vllm=True,
+    vllm_mode="colocate",
+    vllm_gpu_memory_utilization=0.2,
+    vllm_enable_sleep_mode=False,
+    vllm_tensor_parallel_size=1,
+)
 
 
 def test_gptq_checkpoint_is_read_from_config_json():
@@ -51,7 +79,7 @@ def test_gptq_weight_bytes_by_hand():
     g_idx = sum(4 * i * n for i, _, n in model.decoder_linear_shapes())
     expected = linear * per_weight + g_idx + 2 * (model.num_params - linear)
     assert weight_bytes(model, quant) == pytest.approx(expected, rel=1e-9)
-    assert 5.0 < weight_bytes(model, quant) / GIB < 5.5        # vs 14.2 GiB in bf16
+    assert 5.0 < weight_bytes(model, quant) / GIB < 5.5  # vs 14.2 GiB in bf16
     # vLLM loads a GPTQ checkpoint as stored
     assert vllm_weight_bytes(model, quant, 1) == weight_bytes(model, quant)
 
@@ -60,8 +88,15 @@ def test_write_up_001_fits_with_room_for_the_kv_cache():
     """shared/seeds/001: GPTQ-int4 Qwen2.5-7B, QLoRA, 2 x A100-40GB, vLLM colocate at 0.2 with
     max_model_len 2500, batch 2, 2 generations: it trained. Before quantization was modelled the
     estimate counted 14.8 GiB of bf16 states and said not one 2500-token sequence fits vLLM."""
-    est = estimate(gptq_7b(), PARAMS, gpus=2, capacity_gib=39.4, max_prompt_length=500,
-                   max_completion_length=2000, lora_rank=16)
+    est = estimate(
+        gptq_7b(),
+        PARAMS,
+        gpus=2,
+        capacity_gib=39.4,
+        max_prompt_length=500,
+        max_completion_length=2000,
+        lora_rank=16,
+    )
     assert est.fits and est.vllm_problem is None
     assert est.model_states_gib < 6.5
     assert est.vllm_gib == pytest.approx(0.2 * 39.4)
@@ -71,10 +106,25 @@ def test_write_up_001_fits_with_room_for_the_kv_cache():
 
 def test_bitsandbytes_4bit_flag_shrinks_the_states_and_vllm_loads_4bit():
     model = resolve_model("Qwen2.5-7B")
-    plain = estimate(model, PARAMS, gpus=1, capacity_gib=79.3, max_prompt_length=512, max_completion_length=1024,
-                     lora_rank=16)
-    nf4 = estimate(model, PARAMS, gpus=1, capacity_gib=79.3, max_prompt_length=512, max_completion_length=1024,
-                   lora_rank=16, quantization="4bit")
+    plain = estimate(
+        model,
+        PARAMS,
+        gpus=1,
+        capacity_gib=79.3,
+        max_prompt_length=512,
+        max_completion_length=1024,
+        lora_rank=16,
+    )
+    nf4 = estimate(
+        model,
+        PARAMS,
+        gpus=1,
+        capacity_gib=79.3,
+        max_prompt_length=512,
+        max_completion_length=1024,
+        lora_rank=16,
+        quantization="4bit",
+    )
     assert plain.model_states_gib - nf4.model_states_gib > 8
     quant = base_quantization(model, "4bit", 16)
     assert quant.method == "nf4" and quant.double_quant
@@ -84,18 +134,29 @@ def test_bitsandbytes_4bit_flag_shrinks_the_states_and_vllm_loads_4bit():
 
 
 def test_8bit_with_colocated_vllm_is_refused_like_trl():
-    est = estimate(resolve_model("Qwen2.5-7B"), PARAMS, gpus=1, capacity_gib=79.3, max_prompt_length=512,
-                   max_completion_length=1024, lora_rank=16, quantization="8bit")
+    est = estimate(
+        resolve_model("Qwen2.5-7B"),
+        PARAMS,
+        gpus=1,
+        capacity_gib=79.3,
+        max_prompt_length=512,
+        max_completion_length=1024,
+        lora_rank=16,
+        quantization="8bit",
+    )
     assert not est.fits and est.vllm_problem == "invalid"
     assert any("in-flight 8-bit" in note for note in est.notes)
 
 
-@pytest.mark.parametrize(("model", "flag", "lora", "needle"), [
-    (resolve_model("Qwen2.5-7B"), "4bit", None, "add --lora-rank"),
-    (gptq_7b(), None, None, "add --lora-rank"),
-    (gptq_7b(), "4bit", 16, "already quantized"),
-    (resolve_model("Qwen2.5-7B"), "2bit", 16, "use 4bit"),
-])
+@pytest.mark.parametrize(
+    ("model", "flag", "lora", "needle"),
+    [
+        (resolve_model("Qwen2.5-7B"), "4bit", None, "add --lora-rank"),
+        (gptq_7b(), None, None, "add --lora-rank"),
+        (gptq_7b(), "4bit", 16, "already quantized"),
+        (resolve_model("Qwen2.5-7B"), "2bit", 16, "use 4bit"),
+    ],
+)
 def test_refusals_are_one_line(model, flag, lora, needle):
     with pytest.raises(UsageError) as info:
         base_quantization(model, flag, lora)
@@ -104,8 +165,13 @@ def test_refusals_are_one_line(model, flag, lora, needle):
 
 def test_unknown_quant_method_is_refused_not_ignored():
     base = resolve_model("Qwen2.5-7B")
-    odd = ModelSpec(name="fp8", config=dict(base.config, quantization_config={"quant_method": "fp8"}),
-                    source="path", path=None, has_weights=False)
+    odd = ModelSpec(
+        name="fp8",
+        config=dict(base.config, quantization_config={"quant_method": "fp8"}),
+        source="path",
+        path=None,
+        has_weights=False,
+    )
     with pytest.raises(UsageError, match="not modelled"):
         _ = odd.quantization
 
@@ -120,8 +186,13 @@ def _tiny_saved(tmp_path):
     from autotune.models import write_config_dir
 
     spec = resolve_model("tiny-qwen")
-    spec = ModelSpec(name="tiny", config=dict(spec.config, vocab_size=512, intermediate_size=256), source="card",
-                     path=None, has_weights=False)
+    spec = ModelSpec(
+        name="tiny",
+        config=dict(spec.config, vocab_size=512, intermediate_size=256),
+        source="card",
+        path=None,
+        has_weights=False,
+    )
     cfg = transformers.AutoConfig.from_pretrained(str(write_config_dir(spec, tmp_path / "cfg")))
     transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path / "w"))
     return spec, tmp_path / "w"
@@ -137,11 +208,12 @@ def test_weight_bytes_equal_what_bitsandbytes_allocates(tmp_path, flag):
     spec, path = _tiny_saved(tmp_path)
     recipe = Recipe(model="tiny", gpus=1, device="cpu", quantization=flag, lora_rank=4)
     model = transformers.AutoModelForCausalLM.from_pretrained(
-        str(path), dtype=torch.bfloat16, quantization_config=quantization_config(recipe))
+        str(path), dtype=torch.bfloat16, quantization_config=quantization_config(recipe)
+    )
     real, seen = 0, set()
     for module in model.modules():
         for tensor in list(module.parameters(recurse=False)) + list(module.buffers(recurse=False)):
-            if id(tensor) not in seen:   # tied embeddings: one tensor, two modules
+            if id(tensor) not in seen:  # tied embeddings: one tensor, two modules
                 seen.add(id(tensor))
                 real += tensor.numel() * tensor.element_size()
         weight = getattr(module, "weight", None)
@@ -174,11 +246,15 @@ def test_export_carries_bitsandbytes_config_that_trl_loads(tmp_path):
     kwargs = yaml.safe_load(text)
     init = kwargs["model_init_kwargs"]
     assert init["quantization_config"]["load_in_4bit"] and init["dtype"] == "bfloat16"
-    config = GRPOConfig(output_dir=str(tmp_path / "o"), use_cpu=True, bf16=False, **{k: v for k, v in kwargs.items()
-                                                                                  if k not in ("bf16",)})
+    config = GRPOConfig(
+        output_dir=str(tmp_path / "o"),
+        use_cpu=True,
+        bf16=False,
+        **{k: v for k, v in kwargs.items() if k not in ("bf16",)},
+    )
     loaded = create_model_from_path(str(path), **config.model_init_kwargs)
     assert loaded.is_loaded_in_4bit
-    assert json.dumps(init)   # plain data, as TrlParser reads it
+    assert json.dumps(init)  # plain data, as TrlParser reads it
 
 
 @pytest.mark.slow
@@ -188,7 +264,9 @@ def test_real_qlora_grpo_trial_on_cpu(recipe_factory, tmp_path, monkeypatch):
     from test_worker import params, run_trial
 
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))
-    result, trial_dir, lines = run_trial(recipe_factory, tmp_path, params(2, 1, 2), quantization="4bit", lora_rank=4)
+    result, trial_dir, lines = run_trial(
+        recipe_factory, tmp_path, params(2, 1, 2), quantization="4bit", lora_rank=4
+    )
     assert result.returncode == 0, result.stderr_tail[-3000:]
     assert not any((trial_dir / "model").glob("*.safetensors"))
     assert len(list((tmp_path / "cache" / "quantized-bases").glob("tiny-qwen-float32-*/*.safetensors"))) >= 1

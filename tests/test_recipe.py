@@ -5,8 +5,10 @@ from autotune.hardware import GPU_TYPES, find_gpu_type, resolve_hardware
 from autotune.recipe import Recipe, default_study_name, parse_duration
 
 
-@pytest.mark.parametrize("text,seconds", [("8h", 28800), ("90m", 5400), ("45s", 45), ("1h30m", 5400),
-                                          ("120", 120), ("1.5d", 129600)])
+@pytest.mark.parametrize(
+    "text,seconds",
+    [("8h", 28800), ("90m", 5400), ("45s", 45), ("1h30m", 5400), ("120", 120), ("1.5d", 129600)],
+)
 def test_durations(text, seconds):
     assert parse_duration(text) == seconds
 
@@ -23,7 +25,7 @@ def test_recipe_roundtrip_and_identity(tmp_path, recipe_factory):
     loaded = Recipe.load(tmp_path / "recipe.yaml")
     assert loaded == recipe
     more = Recipe.load(tmp_path / "recipe.yaml")
-    more.trials = 100                     # not part of identity: resume may raise it
+    more.trials = 100  # not part of identity: resume may raise it
     assert recipe.differences(more) == []
     more.gpus = 8
     assert recipe.differences(more) == ["gpus"]

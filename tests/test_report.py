@@ -8,17 +8,39 @@ import shutil
 import subprocess
 
 import pytest
-
 from conftest import run_cli
 
-FIGURES = ("best-so-far", "throughput-memory", "oom-boundary", "oom-boundary-vllm", "utilization", "memory-model")
+FIGURES = (
+    "best-so-far",
+    "throughput-memory",
+    "oom-boundary",
+    "oom-boundary-vllm",
+    "utilization",
+    "memory-model",
+)
 
 
 @pytest.fixture(scope="module")
 def study(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("report")
-    res = run_cli("search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--gpu-type", "A100-80GB",
-                  "--runner", "sim", "--trials", "8", "--sim-time-scale", "0.0005", "--name", "r", cwd=cwd)
+    res = run_cli(
+        "search",
+        "--model",
+        "Qwen2.5-7B-Instruct",
+        "--gpus",
+        "4",
+        "--gpu-type",
+        "A100-80GB",
+        "--runner",
+        "sim",
+        "--trials",
+        "8",
+        "--sim-time-scale",
+        "0.0005",
+        "--name",
+        "r",
+        cwd=cwd,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     return cwd
 
@@ -26,7 +48,7 @@ def study(tmp_path_factory):
 def test_the_search_writes_a_self_contained_report(study):
     html = (study / "runs" / "r" / "report.html").read_text()
     for name in FIGURES:
-        assert f"id=\"plot-{name}\"" in html or f"id='plot-{name}'" in html or f'"plot-{name}"' in html, name
+        assert f'id="plot-{name}"' in html or f"id='plot-{name}'" in html or f'"plot-{name}"' in html, name
     assert "<h2>Winner: trial" in html and "per_device_train_batch_size" in html
     assert "stopped after" in html
     assert not re.search(r"<script[^>]+src=[\"']https?:", html), "the report must not need the network"
@@ -36,7 +58,7 @@ def test_report_command_writes_where_asked_and_refuses_a_folder(study):
     out = study / "elsewhere.html"
     res = run_cli("report", "r", "--out", out, cwd=study)
     assert res.returncode == 0 and res.stdout.strip() == str(out)
-    assert out.stat().st_size > 1_000_000                     # plotly.js is inside
+    assert out.stat().st_size > 1_000_000  # plotly.js is inside
     bad = run_cli("report", "r", "--out", study, cwd=study)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--out" in bad.stderr
 
@@ -48,9 +70,22 @@ def test_the_report_renders_in_headless_chromium(study):
             pytest.fail("chromium is not installed, but this run requires the browser test")
         pytest.skip("chromium is not installed (CI installs it)")
     report = study / "runs" / "r" / "report.html"
-    res = subprocess.run([browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
-                          "--v=0", "--virtual-time-budget=15000", "--dump-dom", report.as_uri()],
-                         capture_output=True, text=True, timeout=180)
+    res = subprocess.run(
+        [
+            browser,
+            "--headless=new",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            "--virtual-time-budget=15000",
+            "--dump-dom",
+            report.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     errors = [line for line in res.stderr.splitlines() if "CONSOLE" in line and "Uncaught" in line]
     assert not errors, errors
@@ -73,8 +108,11 @@ def test_show_marks_the_exported_trial_and_why_others_were_passed_over(study):
     best = json.loads((study / "runs" / "r" / "best" / "params.json").read_text())
     assert exported[0]["params"] == best
     # every trial measured faster than the exported one says why it was not exported
-    faster = [t for t in shown if t["status"] == "ok" and not t["pruned"]
-              and (t["throughput"] or 0) > exported[0]["throughput"]]
+    faster = [
+        t
+        for t in shown
+        if t["status"] == "ok" and not t["pruned"] and (t["throughput"] or 0) > exported[0]["throughput"]
+    ]
     for t in faster:
         assert t["verdict"].startswith(("passed over: ", "confirmed ")), t
     table = run_cli("show", "r", cwd=study)
@@ -85,27 +123,36 @@ def test_the_report_shows_the_low_utilization_trials_and_their_timelines(tmp_pat
     """A study told as the controller tells it (real SQLite, trial folders with gpu.csv): the busy
     winner and a swinging offload trial; the report names the diagnosis and plots both timelines."""
     import optuna
+    from test_utilization_swings import BUSY_CSV, SWING_CSV
 
     from autotune.export.report import report_html
     from autotune.study import StudyPaths, candidate_key, record
     from autotune.trial.execute import add_monitor_summary
     from autotune.trial.outcome import Outcome
     from autotune.trial.utilization import summarize_file
-    from test_utilization_swings import BUSY_CSV, SWING_CSV
 
     paths = StudyPaths(tmp_path / "runs", "u")
     paths.root.mkdir(parents=True)
     study = optuna.create_study(study_name="u", storage=f"sqlite:///{paths.db}", direction="maximize")
     recipe = recipe_factory(min_util=0.5)
-    for number, (csv_text, params, throughput) in enumerate([
+    for number, (csv_text, params, throughput) in enumerate(
+        [
             (BUSY_CSV, {"zero_stage": 2, "offload": "none", "per_device_train_batch_size": 4}, 4.0),
-            (SWING_CSV, {"zero_stage": 3, "offload": "optimizer+params", "per_device_train_batch_size": 4}, 2.0)]):
+            (
+                SWING_CSV,
+                {"zero_stage": 3, "offload": "optimizer+params", "per_device_train_batch_size": 4},
+                2.0,
+            ),
+        ]
+    ):
         folder = paths.trial_dir(number)
         folder.mkdir(parents=True)
         (folder / "gpu.csv").write_text(csv_text)
         outcome = Outcome(status="ok", throughput=throughput, peak_memory_gib=60.0, steps=6)
         add_monitor_summary(outcome, summarize_file(folder / "gpu.csv", params=params), "cuda")
-        record(study, study.ask(), params, outcome, launched=True, key=candidate_key(params), trial_dir=folder)
+        record(
+            study, study.ask(), params, outcome, launched=True, key=candidate_key(params), trial_dir=folder
+        )
     html = report_html(study, recipe, paths)
     assert "<h2>Winner: trial 0" in html and "The winner left its GPUs idle" not in html
     low = html.split("<ul class='low-util'>", 1)[1].split("</ul>", 1)[0]

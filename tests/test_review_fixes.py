@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import run_cli
 from test_bad_input import one_line_error
 
@@ -22,20 +21,43 @@ from autotune.recipe import Recipe
 from autotune.runners.base import TrialContext
 from autotune.search.space import load_space
 
-SWIFT_PARAMS = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_generations": 8,
-                "zero_stage": 3, "offload": "none", "gradient_checkpointing": True, "use_vllm": False}
+SWIFT_PARAMS = {
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+    "num_generations": 8,
+    "zero_stage": 3,
+    "offload": "none",
+    "gradient_checkpointing": True,
+    "use_vllm": False,
+}
 
 
 def swift_runner(**kw):
     from autotune.configs.swift import SwiftVersion
     from autotune.runners.swift import SwiftRunner
 
-    recipe = Recipe(**{**dict(model="Qwen2.5-7B-Instruct", gpus=2, gpu_type="A100-80GB", gpu_memory_gib=79.3,
-                              runner="swift"), **kw})
-    runner = SwiftRunner(TrialContext(recipe=recipe, space=load_space(lc.swift_space_path()),
-                                      model=resolve_model(recipe.model), gpu=None))
+    recipe = Recipe(
+        **{
+            **dict(
+                model="Qwen2.5-7B-Instruct", gpus=2, gpu_type="A100-80GB", gpu_memory_gib=79.3, runner="swift"
+            ),
+            **kw,
+        }
+    )
+    runner = SwiftRunner(
+        TrialContext(
+            recipe=recipe,
+            space=load_space(lc.swift_space_path()),
+            model=resolve_model(recipe.model),
+            gpu=None,
+        )
+    )
     # what check() finds on a machine with ms-swift; no swift is run by these tests
-    runner.program, runner.python, runner.version = Path("/usr/bin/swift"), sys.executable, SwiftVersion(4, 6, 0)
+    runner.program, runner.python, runner.version = (
+        Path("/usr/bin/swift"),
+        sys.executable,
+        SwiftVersion(4, 6, 0),
+    )
     return runner
 
 
@@ -61,16 +83,24 @@ def test_command_trials_get_master_port_in_env_and_placeholder(recipe_factory, t
     from autotune.runners.command import CommandRunner
     from autotune.study.record import TrialRow
 
-    template = f"{sys.executable} -c pass --nproc {{num_processes}} --master_port {{master_port}} --x {{beta}}"
+    template = (
+        f"{sys.executable} -c pass --nproc {{num_processes}} --master_port {{master_port}} --x {{beta}}"
+    )
     recipe = recipe_factory(command=template, runner="command", gpus=2)
-    runner = CommandRunner(TrialContext(recipe=recipe, space=load_space(), model=resolve_model(recipe.model),
-                                        gpu=GpuType("A100-80GB", 79.3, 100.0, 1.0, 32)))
-    runner.check()          # {master_port} is a known placeholder
+    runner = CommandRunner(
+        TrialContext(
+            recipe=recipe,
+            space=load_space(),
+            model=resolve_model(recipe.model),
+            gpu=GpuType("A100-80GB", 79.3, 100.0, 1.0, 32),
+        )
+    )
+    runner.check()  # {master_port} is a known placeholder
     specs = [runner.prepare({}, tmp_path / f"t{i}", i) for i in range(2)]
     ports = [spec.env["MASTER_PORT"] for spec in specs]
     assert ports[0] != ports[1] and all(p.isdigit() for p in ports)
     for spec, port in zip(specs, ports):
-        assert spec.argv[spec.argv.index("--master_port") + 1] == port   # the same port in both
+        assert spec.argv[spec.argv.index("--master_port") + 1] == port  # the same port in both
     # best/command.sh runs alone on its node: torch's default port
     script = command_sh({}, recipe, TrialRow(number=0, status="ok", params={}))
     assert "--master_port 29500" in script
@@ -126,15 +156,21 @@ def test_quantized_base_is_cached_by_content_and_built_once(tmp_path, monkeypatc
 
     def counting(*a, **k):
         built.append(1)
-        time.sleep(0.2)          # the other threads arrive while the first builds
+        time.sleep(0.2)  # the other threads arrive while the first builds
         return real(*a, **k)
 
     monkeypatch.setattr(wm, "_random_model", counting)
     tiny = resolve_model("tiny-qwen")
     info = {"name": tiny.name, "config": dict(tiny.config), "source": "card"}
     out: list[Path] = []
-    threads = [threading.Thread(target=lambda i=i: out.append(
-        wm.write_weights_dir(info, tmp_path / f"trial{i}", "cpu", wm._model_dtype("cpu")))) for i in range(3)]
+    threads = [
+        threading.Thread(
+            target=lambda i=i: out.append(
+                wm.write_weights_dir(info, tmp_path / f"trial{i}", "cpu", wm._model_dtype("cpu"))
+            )
+        )
+        for i in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -143,7 +179,7 @@ def test_quantized_base_is_cached_by_content_and_built_once(tmp_path, monkeypatc
     folder = out[0]
     assert folder.is_relative_to(tmp_path / "cache") and (folder / "config.json").is_file()
     assert any(folder.glob("*.safetensors"))
-    assert not any((tmp_path / f"trial{i}").exists() for i in range(3))    # nothing per trial
+    assert not any((tmp_path / f"trial{i}").exists() for i in range(3))  # nothing per trial
     # another card (or dtype) is another entry
     other = wm.weights_dir_for({**info, "config": {**info["config"], "num_hidden_layers": 1}}, "cpu")
     assert other != folder and wm.weights_dir_for(info, "cuda") != folder
@@ -155,26 +191,63 @@ def test_quantized_base_is_cached_by_content_and_built_once(tmp_path, monkeypatc
 def test_swift_runner_refuses_image_tokens_in_one_line():
     with pytest.raises(UsageError, match="swift runner runs text-only trials"):
         swift_runner(model="Qwen2.5-VL-3B-Instruct", image_tokens=256).check_inputs()
-    swift_runner(model="Qwen2.5-VL-3B-Instruct").check_inputs()     # text prompts on a VL model: fine
+    swift_runner(model="Qwen2.5-VL-3B-Instruct").check_inputs()  # text prompts on a VL model: fine
 
 
 def test_swift_and_sim_searches_with_image_tokens_are_one_line_errors(tmp_path):
-    one_line_error(run_cli("search", "--model", "tiny-qwen-vl", "--gpus", "1", "--device", "cpu", "--runner", "swift",
-                           "--image-tokens", "64", "--trials", "1", cwd=tmp_path), "text-only")
-    one_line_error(run_cli("search", "--model", "Qwen2.5-VL-3B-Instruct", "--gpus", "1", "--gpu-type", "H100-80GB",
-                           "--runner", "sim", "--image-tokens", "256", "--trials", "1", cwd=tmp_path),
-                   "--runner sim", "text-only")
+    one_line_error(
+        run_cli(
+            "search",
+            "--model",
+            "tiny-qwen-vl",
+            "--gpus",
+            "1",
+            "--device",
+            "cpu",
+            "--runner",
+            "swift",
+            "--image-tokens",
+            "64",
+            "--trials",
+            "1",
+            cwd=tmp_path,
+        ),
+        "text-only",
+    )
+    one_line_error(
+        run_cli(
+            "search",
+            "--model",
+            "Qwen2.5-VL-3B-Instruct",
+            "--gpus",
+            "1",
+            "--gpu-type",
+            "H100-80GB",
+            "--runner",
+            "sim",
+            "--image-tokens",
+            "256",
+            "--trials",
+            "1",
+            cwd=tmp_path,
+        ),
+        "--runner sim",
+        "text-only",
+    )
     assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("study.db"))
 
 
 # --- 12: image flags out of range ---------------------------------------------------------------
 
 
-@pytest.mark.parametrize("flags,needle", [
-    (["--image-tokens", "-3000"], "--image-tokens -3000"),
-    (["--image-tokens", "256", "--images-per-prompt", "-2"], "--images-per-prompt -2"),
-    (["--image-tokens", "256", "--images-per-prompt", "0"], "--images-per-prompt 0"),
-])
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--image-tokens", "-3000"], "--image-tokens -3000"),
+        (["--image-tokens", "256", "--images-per-prompt", "-2"], "--images-per-prompt -2"),
+        (["--image-tokens", "256", "--images-per-prompt", "0"], "--images-per-prompt 0"),
+    ],
+)
 def test_negative_image_flags_are_refused(tmp_path, flags, needle):
     base = ["--model", "Qwen2.5-VL-3B-Instruct", "--gpus", "1", "--gpu-type", "H100-80GB"]
     one_line_error(run_cli("estimate", *base, *flags, cwd=tmp_path), needle)

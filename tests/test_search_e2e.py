@@ -11,11 +11,19 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import run_cli
 
-SIM = ["search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--runner", "sim",
-       "--gpu-type", "A100-80GB"]
+SIM = [
+    "search",
+    "--model",
+    "Qwen2.5-7B-Instruct",
+    "--gpus",
+    "4",
+    "--runner",
+    "sim",
+    "--gpu-type",
+    "A100-80GB",
+]
 
 
 def outcomes(study_dir: Path) -> dict[int, dict]:
@@ -38,7 +46,8 @@ def test_sim_search_sees_ooms_and_exports(tmp_path):
     assert last.startswith(f"stopped after {len(launched)} trials: ")
     reason = last.split(": ", 1)[1]
     assert reason.startswith("converged, no untried candidate") or (
-        reason == "the --trials limit" and len(launched) == 16), last
+        reason == "the --trials limit" and len(launched) == 16
+    ), last
     assert any(o["status"] == "oom" for o in got.values()), "a 7B search on 80 GB should meet OOMs"
     ok = [o for o in got.values() if o["status"] == "ok"]
     assert ok and all(o["throughput"] > 0 and o["peak_memory_gib"] > 0 for o in ok)
@@ -69,18 +78,28 @@ def test_sim_search_sees_ooms_and_exports(tmp_path):
     # export rewrites best/ from the study at any time
     (best / "params.json").unlink()
     again = run_cli("export", "s7b", "--out", tmp_path / "elsewhere", cwd=tmp_path)
-    assert again.returncode == 0 and json.loads((tmp_path / "elsewhere" / "params.json").read_text()) == params
+    assert (
+        again.returncode == 0 and json.loads((tmp_path / "elsewhere" / "params.json").read_text()) == params
+    )
     # --out may name any folder: nothing the user has there is deleted, not even the study itself
     (tmp_path / "notes.md").write_text("mine\n")
     here = run_cli("export", "s7b", "--out", ".", cwd=tmp_path)
     assert here.returncode == 0, here.stderr
-    assert (tmp_path / "notes.md").read_text() == "mine\n" and (tmp_path / "runs" / "s7b" / "study.db").exists()
+    assert (tmp_path / "notes.md").read_text() == "mine\n" and (
+        tmp_path / "runs" / "s7b" / "study.db"
+    ).exists()
     inside = run_cli("export", "s7b", "--out", tmp_path / "runs" / "s7b", cwd=tmp_path)
     assert inside.returncode == 0, inside.stderr
     assert len(json.loads(run_cli("show", "s7b", "--json", cwd=tmp_path).stdout)) == len(rows)
-    assert (tmp_path / "runs" / "s7b" / "trials").is_dir() and (tmp_path / "runs" / "s7b" / "recipe.yaml").exists()
+    assert (tmp_path / "runs" / "s7b" / "trials").is_dir() and (
+        tmp_path / "runs" / "s7b" / "recipe.yaml"
+    ).exists()
     onto_file = run_cli("export", "s7b", "--out", tmp_path / "notes.md", cwd=tmp_path)
-    assert onto_file.returncode == 2 and onto_file.stderr.startswith("error: --out") and "Traceback" not in onto_file.stderr
+    assert (
+        onto_file.returncode == 2
+        and onto_file.stderr.startswith("error: --out")
+        and "Traceback" not in onto_file.stderr
+    )
 
 
 TRAINER = textwrap.dedent('''
@@ -108,22 +127,39 @@ TRAINER = textwrap.dedent('''
 @pytest.mark.slow
 def test_command_runner_search(tmp_path):
     (tmp_path / "trainer.py").write_text(TRAINER)
-    template = (f"{sys.executable} trainer.py --per_device_train_batch_size {{per_device_train_batch_size}} "
-                "--num_generations {num_generations} --gradient_checkpointing {gradient_checkpointing}")
-    res = run_cli("search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "1", "--gpu-type", "A100-80GB",
-                  "--command", template, "--trials", "8", "--name", "cmd", "--set", "num_generations=4",
-                  cwd=tmp_path)
+    template = (
+        f"{sys.executable} trainer.py --per_device_train_batch_size {{per_device_train_batch_size}} "
+        "--num_generations {num_generations} --gradient_checkpointing {gradient_checkpointing}"
+    )
+    res = run_cli(
+        "search",
+        "--model",
+        "Qwen2.5-7B-Instruct",
+        "--gpus",
+        "1",
+        "--gpu-type",
+        "A100-80GB",
+        "--command",
+        template,
+        "--trials",
+        "8",
+        "--name",
+        "cmd",
+        "--set",
+        "num_generations=4",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     study = tmp_path / "runs" / "cmd"
     got = outcomes(study)
     statuses = {o["status"] for o in got.values()}
     assert "ok" in statuses and "oom" in statuses
-    for n, o in got.items():
+    for _n, o in got.items():
         if o["status"] == "oom":
             assert o["oom_kind"] == "cuda" and "CUDA out of memory" in o["error_line"]
     for o in got.values():
         if o["status"] == "ok":
-            assert o["peak_memory_gib"] > 20     # read from ms-swift style memory(GiB)
+            assert o["peak_memory_gib"] > 20  # read from ms-swift style memory(GiB)
     # only the named parameters are searched: everything else stays at its default
     params = [json.loads(p.read_text()) for p in study.glob("trials/*/params.json")]
     assert {p["zero_stage"] for p in params} == {3} and {p["num_generations"] for p in params} == {4}
@@ -135,11 +171,26 @@ def test_command_runner_search(tmp_path):
 
 
 def test_repeated_crash_stops_the_search(tmp_path):
-    (tmp_path / "broken.py").write_text("import sys\nprint('ModuleNotFoundError: No module named \"flash_attn\"',"
-                                        " file=sys.stderr)\nsys.exit(1)\n")
-    res = run_cli("search", "--model", "Qwen2.5-0.5B", "--gpus", "1", "--gpu-type", "A10G",
-                  "--command", f"{sys.executable} broken.py {{per_device_train_batch_size}}",
-                  "--trials", "10", "--name", "broken", cwd=tmp_path)
+    (tmp_path / "broken.py").write_text(
+        "import sys\nprint('ModuleNotFoundError: No module named \"flash_attn\"',"
+        " file=sys.stderr)\nsys.exit(1)\n"
+    )
+    res = run_cli(
+        "search",
+        "--model",
+        "Qwen2.5-0.5B",
+        "--gpus",
+        "1",
+        "--gpu-type",
+        "A10G",
+        "--command",
+        f"{sys.executable} broken.py {{per_device_train_batch_size}}",
+        "--trials",
+        "10",
+        "--name",
+        "broken",
+        cwd=tmp_path,
+    )
     assert res.returncode == 1
     assert "same crash 3 times in a row" in res.stderr and "flash_attn" in res.stderr
     assert len([o for o in outcomes(tmp_path / "runs" / "broken").values() if o["extra"]["launched"]]) == 3
@@ -147,12 +198,23 @@ def test_repeated_crash_stops_the_search(tmp_path):
 
 @pytest.mark.slow
 def test_resume_after_sigkill(tmp_path):
-    args = [sys.executable, "-m", "autotune", *SIM, "--trials", "8", "--name", "r", "--sim-time-scale", "0.02"]
+    args = [
+        sys.executable,
+        "-m",
+        "autotune",
+        *SIM,
+        "--trials",
+        "8",
+        "--name",
+        "r",
+        "--sim-time-scale",
+        "0.02",
+    ]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     study = tmp_path / "runs" / "r"
     deadline = time.time() + 120
     victim = None
-    while time.time() < deadline:                 # wait until a trial is mid-way (has a pid file)
+    while time.time() < deadline:  # wait until a trial is mid-way (has a pid file)
         finished = outcomes(study) if study.exists() else {}
         pids = list(study.glob("trials/*/pid")) if study.exists() else []
         if len([o for o in finished.values() if o["extra"]["launched"]]) >= 2 and pids:
@@ -170,23 +232,43 @@ def test_resume_after_sigkill(tmp_path):
     assert res.returncode == 0, res.stderr
     after = outcomes(study)
     assert after[interrupted]["status"] == "interrupted"
-    for n, o in before.items():                  # nothing finished is lost or re-run
+    for n, o in before.items():  # nothing finished is lost or re-run
         assert after[n] == o
     launched = [o for o in after.values() if o["extra"].get("launched")]
     assert len(launched) == 8
     # the interrupted trial's process did not survive, and its configuration was run again
-    assert not Path(f"/proc/{trial_pid}").exists() or "Z" in Path(f"/proc/{trial_pid}/stat").read_text().split()[2]
+    assert (
+        not Path(f"/proc/{trial_pid}").exists()
+        or "Z" in Path(f"/proc/{trial_pid}/stat").read_text().split()[2]
+    )
     again = json.loads((study / "trials" / str(interrupted) / "params.json").read_text())
-    reruns = [n for n in after if n > interrupted and (study / "trials" / str(n) / "params.json").exists()
-              and json.loads((study / "trials" / str(n) / "params.json").read_text()) == again]
+    reruns = [
+        n
+        for n in after
+        if n > interrupted
+        and (study / "trials" / str(n) / "params.json").exists()
+        and json.loads((study / "trials" / str(n) / "params.json").read_text()) == again
+    ]
     assert reruns, "the interrupted configuration is measured on resume"
 
 
 def test_storage_url_is_used_and_remembered(tmp_path):
     url = f"sqlite:///{tmp_path / 'shared' / 'optuna.db'}"
     (tmp_path / "shared").mkdir()
-    res = run_cli(*SIM, "--trials", "2", "--name", "st", "--sim-time-scale", "0.0005", "--confirm", "0",
-                  "--storage", url, cwd=tmp_path)
+    res = run_cli(
+        *SIM,
+        "--trials",
+        "2",
+        "--name",
+        "st",
+        "--sim-time-scale",
+        "0.0005",
+        "--confirm",
+        "0",
+        "--storage",
+        url,
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     assert not (tmp_path / "runs" / "st" / "study.db").exists()
     with sqlite3.connect(tmp_path / "shared" / "optuna.db") as db:
@@ -198,12 +280,28 @@ def test_storage_url_is_used_and_remembered(tmp_path):
     shown = json.loads(run_cli("show", "st", "--json", cwd=tmp_path).stdout)
     assert sum(1 for r in shown if r["launched"]) == 3
     bad = run_cli(*SIM, "--trials", "1", "--name", "st2", "--storage", "nosuchdb://x/y", cwd=tmp_path)
-    assert bad.returncode == 2 and bad.stderr.startswith("error: cannot open storage") and "Traceback" not in bad.stderr
+    assert (
+        bad.returncode == 2
+        and bad.stderr.startswith("error: cannot open storage")
+        and "Traceback" not in bad.stderr
+    )
 
 
 def test_time_budget_stops_launching(tmp_path):
-    res = run_cli(*SIM, "--trials", "30", "--name", "tb", "--time-budget", "3s", "--confirm", "0",
-                  "--sim-time-scale", "0.002", cwd=tmp_path)
+    res = run_cli(
+        *SIM,
+        "--trials",
+        "30",
+        "--name",
+        "tb",
+        "--time-budget",
+        "3s",
+        "--confirm",
+        "0",
+        "--sim-time-scale",
+        "0.002",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0, res.stderr
     assert "would exceed --time-budget" in res.stdout
     launched = [o for o in outcomes(tmp_path / "runs" / "tb").values() if o["extra"].get("launched")]
@@ -211,7 +309,9 @@ def test_time_budget_stops_launching(tmp_path):
     # the budget is the study's: a resume with no new budget has none of it left
     again = run_cli("resume", "tb", cwd=tmp_path)
     assert again.returncode == 0 and "would exceed --time-budget" in again.stdout
-    assert len([o for o in outcomes(tmp_path / "runs" / "tb").values() if o["extra"].get("launched")]) == len(launched)
+    assert len([o for o in outcomes(tmp_path / "runs" / "tb").values() if o["extra"].get("launched")]) == len(
+        launched
+    )
 
 
 BAD_METRICS_TRAINER = textwrap.dedent('''
@@ -231,9 +331,24 @@ BAD_METRICS_TRAINER = textwrap.dedent('''
 
 def test_garbage_in_the_metrics_file_neither_crashes_nor_wins(tmp_path):
     (tmp_path / "trainer.py").write_text(BAD_METRICS_TRAINER)
-    res = run_cli("search", "--model", "Qwen2.5-0.5B", "--gpus", "1", "--gpu-type", "A10G",
-                  "--command", f"{sys.executable} trainer.py {{per_device_train_batch_size}}",
-                  "--trials", "2", "--confirm", "0", "--name", "garbage", cwd=tmp_path)
+    res = run_cli(
+        "search",
+        "--model",
+        "Qwen2.5-0.5B",
+        "--gpus",
+        "1",
+        "--gpu-type",
+        "A10G",
+        "--command",
+        f"{sys.executable} trainer.py {{per_device_train_batch_size}}",
+        "--trials",
+        "2",
+        "--confirm",
+        "0",
+        "--name",
+        "garbage",
+        cwd=tmp_path,
+    )
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     got = [o for o in outcomes(tmp_path / "runs" / "garbage").values() if o["extra"].get("launched")]
     assert len(got) == 2 and all(o["status"] == "ok" for o in got)

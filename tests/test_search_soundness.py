@@ -7,7 +7,6 @@ import textwrap
 import time
 
 import optuna
-
 from conftest import run_cli
 
 from autotune.hardware import find_gpu_type
@@ -21,7 +20,7 @@ from autotune.study import StudyPaths, candidate_key
 from autotune.trial.outcome import Outcome
 
 # A trainer whose speed the test controls from a file: "slow" or "fast" (a printed step time).
-TRAINER = textwrap.dedent('''
+TRAINER = textwrap.dedent("""
     import sys, time
     bs = int(sys.argv[1])
     speed = open(sys.argv[2]).read().strip()
@@ -29,7 +28,7 @@ TRAINER = textwrap.dedent('''
     for step in range(1, 40):
         time.sleep(0.01)
         print({"loss": 0.1, "step_time": step_time, "memory(GiB)": 30 + bs, "epoch": step / 100}, flush=True)
-''')
+""")
 
 
 def test_a_resume_that_finds_a_better_configuration_exports_it(tmp_path):
@@ -39,9 +38,28 @@ def test_a_resume_that_finds_a_better_configuration_exports_it(tmp_path):
     speed = tmp_path / "speed.txt"
     speed.write_text("slow")
     template = f"{sys.executable} {tmp_path / 'trainer.py'} {{per_device_train_batch_size}} {speed}"
-    first = run_cli("search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "1", "--gpu-type", "A100-80GB",
-                    "--command", template, "--trials", "2", "--confirm", "1", "--name", "r",
-                    "--warmup-steps", "1", "--measure-steps", "2", cwd=tmp_path)
+    first = run_cli(
+        "search",
+        "--model",
+        "Qwen2.5-7B-Instruct",
+        "--gpus",
+        "1",
+        "--gpu-type",
+        "A100-80GB",
+        "--command",
+        template,
+        "--trials",
+        "2",
+        "--confirm",
+        "1",
+        "--name",
+        "r",
+        "--warmup-steps",
+        "1",
+        "--measure-steps",
+        "2",
+        cwd=tmp_path,
+    )
     assert first.returncode == 0, first.stdout + first.stderr
     assert "confirmation of trial" in first.stdout
     speed.write_text("fast")
@@ -64,9 +82,28 @@ def test_the_study_clock_counts_confirmations_and_stays_in_budget(tmp_path):
     is decided in test_a_confirmation_that_would_overrun_the_budget_is_not_started.)"""
     budget = 14.0
     start = time.monotonic()
-    res = run_cli("search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--gpu-type", "A100-80GB",
-                  "--runner", "sim", "--sim-time-scale", "0.012", "--trials", "2", "--confirm", "2",
-                  "--time-budget", f"{budget:.0f}s", "--name", "b", cwd=tmp_path)
+    res = run_cli(
+        "search",
+        "--model",
+        "Qwen2.5-7B-Instruct",
+        "--gpus",
+        "4",
+        "--gpu-type",
+        "A100-80GB",
+        "--runner",
+        "sim",
+        "--sim-time-scale",
+        "0.012",
+        "--trials",
+        "2",
+        "--confirm",
+        "2",
+        "--time-budget",
+        f"{budget:.0f}s",
+        "--name",
+        "b",
+        cwd=tmp_path,
+    )
     wall = time.monotonic() - start
     assert res.returncode == 0, res.stdout + res.stderr
     study = optuna.load_study(study_name="b", storage=f"sqlite:///{tmp_path / 'runs' / 'b' / 'study.db'}")
@@ -83,14 +120,27 @@ def test_a_memory_model_veto_is_asked_again(tmp_path):
     """A skipped candidate was cached like a measurement and never asked again, although the model
     is re-fitted after every trial."""
     gpu = find_gpu_type("A100-80GB")
-    recipe = Recipe(model="Qwen2.5-7B-Instruct", gpus=4, gpu_type=gpu.name, gpu_memory_gib=gpu.memory_gib,
-                    runner="sim", name="v")
+    recipe = Recipe(
+        model="Qwen2.5-7B-Instruct",
+        gpus=4,
+        gpu_type=gpu.name,
+        gpu_memory_gib=gpu.memory_gib,
+        runner="sim",
+        name="v",
+    )
     context = TrialContext(recipe, load_space(), resolve_model(recipe.model), gpu)
-    search = Search(recipe, StudyPaths(tmp_path, "v"), context, Reporter(10),
-                    storage=optuna.storages.InMemoryStorage())
+    search = Search(
+        recipe, StudyPaths(tmp_path, "v"), context, Reporter(10), storage=optuna.storages.InMemoryStorage()
+    )
     study = search.open()
-    params = search.space.normalize({**search.space.defaults(), "per_device_train_batch_size": 8,
-                                     "zero_stage": 0, "gradient_checkpointing": False})
+    params = search.space.normalize(
+        {
+            **search.space.defaults(),
+            "per_device_train_batch_size": 8,
+            "zero_stage": 0,
+            "gradient_checkpointing": False,
+        }
+    )
     key = candidate_key(params)
     measured = answered(study)
     trial = study.ask()
@@ -107,22 +157,42 @@ def test_a_confirmation_that_would_overrun_the_budget_is_not_started(tmp_path):
     steps against 2 + 3). The budget ends 1.5 s after the second trial: a confirmation admitted on
     the short trials' 1 s ran past it."""
     gpu = find_gpu_type("A100-80GB")
-    recipe = Recipe(model="Qwen2.5-7B-Instruct", gpus=4, gpu_type=gpu.name, gpu_memory_gib=gpu.memory_gib,
-                    runner="sim", name="t", trials=2, confirm=1, time_budget_s=3600.0)
+    recipe = Recipe(
+        model="Qwen2.5-7B-Instruct",
+        gpus=4,
+        gpu_type=gpu.name,
+        gpu_memory_gib=gpu.memory_gib,
+        runner="sim",
+        name="t",
+        trials=2,
+        confirm=1,
+        time_budget_s=3600.0,
+    )
     context = TrialContext(recipe, load_space(), resolve_model(recipe.model), gpu)
     search: Search
 
     def execute(params, trial_dir, number, control):
         budget = search.stopping.budget
-        if budget.limit_s == 3600.0:                  # the first trial: the budget ends 1.5 s after the second
+        if budget.limit_s == 3600.0:  # the first trial: the budget ends 1.5 s after the second
             budget.limit_s = budget.elapsed() + 2 * 1.0 + 1.5
         start = time.monotonic()
         time.sleep(2.2 if control.purpose == "confirm" else 1.0)
-        return Outcome(status="ok", throughput=1.0 + params["per_device_train_batch_size"] / 100,
-                       peak_memory_gib=40.0, steps=5, wall_time_s=time.monotonic() - start)
+        return Outcome(
+            status="ok",
+            throughput=1.0 + params["per_device_train_batch_size"] / 100,
+            peak_memory_gib=40.0,
+            steps=5,
+            wall_time_s=time.monotonic() - start,
+        )
 
-    search = Search(recipe, StudyPaths(tmp_path, "t"), context, Reporter(2), execute=execute,
-                    storage=optuna.storages.InMemoryStorage())
+    search = Search(
+        recipe,
+        StudyPaths(tmp_path, "t"),
+        context,
+        Reporter(2),
+        execute=execute,
+        storage=optuna.storages.InMemoryStorage(),
+    )
     result = search.run()
     budget = search.stopping.budget
     assert result.launched == 2, result
@@ -132,24 +202,56 @@ def test_a_confirmation_that_would_overrun_the_budget_is_not_started(tmp_path):
 def test_a_mistyped_command_does_not_claim_the_study_name(tmp_path):
     """The runner's checks ran after recipe.yaml was saved: the corrected command was then refused
     as "already exists with a different recipe"."""
-    base = ["search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "1", "--gpu-type", "A100-80GB", "--name", "n",
-            "--trials", "1"]
+    base = [
+        "search",
+        "--model",
+        "Qwen2.5-7B-Instruct",
+        "--gpus",
+        "1",
+        "--gpu-type",
+        "A100-80GB",
+        "--name",
+        "n",
+        "--trials",
+        "1",
+    ]
     typo = run_cli(*base, "--command", "no-such-trainer {per_device_train_batch_size}", cwd=tmp_path)
     assert typo.returncode == 2 and "no-such-trainer" in typo.stderr
     assert not (tmp_path / "runs" / "n").exists()
     (tmp_path / "trainer.py").write_text(TRAINER)
     (tmp_path / "speed.txt").write_text("fast")
-    fixed = run_cli(*base, "--command", f"{sys.executable} trainer.py {{per_device_train_batch_size}} speed.txt",
-                    cwd=tmp_path)
+    fixed = run_cli(
+        *base,
+        "--command",
+        f"{sys.executable} trainer.py {{per_device_train_batch_size}} speed.txt",
+        cwd=tmp_path,
+    )
     assert fixed.returncode == 0, fixed.stdout + fixed.stderr
     # why it stopped: on the final line and in summary.md
     assert fixed.stdout.strip().splitlines()[-1] == "stopped after 1 trials: the --trials limit"
-    assert "- stopped after 1 trials: the --trials limit" in (tmp_path / "runs" / "n" / "best" / "summary.md").read_text()
+    assert (
+        "- stopped after 1 trials: the --trials limit"
+        in (tmp_path / "runs" / "n" / "best" / "summary.md").read_text()
+    )
 
 
 def test_pins_under_which_nothing_can_fit_are_refused_with_the_part_that_does_not(tmp_path):
-    res = run_cli("search", "--model", "Qwen2.5-32B", "--gpus", "1", "--gpu-type", "A10G", "--runner", "sim",
-                  "--set", "zero_stage=0", "--name", "big", cwd=tmp_path)
+    res = run_cli(
+        "search",
+        "--model",
+        "Qwen2.5-32B",
+        "--gpus",
+        "1",
+        "--gpu-type",
+        "A10G",
+        "--runner",
+        "sim",
+        "--set",
+        "zero_stage=0",
+        "--name",
+        "big",
+        cwd=tmp_path,
+    )
     assert res.returncode == 2 and "Traceback" not in res.stderr
     (line,) = res.stderr.strip().splitlines()
     assert "nothing can fit with zero_stage=0" in line and "model states alone" in line and "offload" in line

@@ -12,9 +12,17 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_shipped_space_loads_with_fixed_names():
     space = load_space()
     assert default_space_path().resolve() == (ROOT / "search_spaces" / "grpo.yaml").resolve()
-    for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_generations",
-                 "zero_stage", "offload", "gradient_checkpointing", "vllm_gpu_memory_utilization",
-                 "vllm_enable_sleep_mode", "vllm_tensor_parallel_size"):
+    for name in (
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "num_generations",
+        "zero_stage",
+        "offload",
+        "gradient_checkpointing",
+        "vllm_gpu_memory_utilization",
+        "vllm_enable_sleep_mode",
+        "vllm_tensor_parallel_size",
+    ):
         assert name in space.params
     assert space.params["offload"].choices == ("none", "optimizer", "optimizer+params")
 
@@ -25,16 +33,37 @@ def write(tmp_path, text):
     return p
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("parameters:\n  a:\n    type: int\n    choices: [1, 2\n", "invalid YAML"),
-    ("parameters:\n  a:\n    type: integer\n    choices: [1]\n    default: 1\n", ":3: a.type is 'integer'"),
-    ("parameters:\n  a:\n    type: int\n    choices: [1, 2]\n    default: 3\n", ":5: a.default 3 is not one of 1, 2"),
-    ("parameters:\n  a:\n    type: int\n    choices: [1, x]\n    default: 1\n", ":4: a.choices has 'x', not a int"),
-    ("parameters:\n  a:\n    type: float\n    low: 0.9\n    high: 0.1\n    default: 0.5\n", ":4: a: low 0.9 is above high 0.1"),
-    ("parameters:\n  a:\n    type: int\n    choices: [1]\n    default: 1\n    colour: red\n", ":6: a: unknown key 'colour'"),
-    ("parameters:\n  a:\n    type: int\n    choices: [1]\n    default: 1\n    requires: {b: 1}\n", "requires names unknown parameter 'b'"),
-    ("version: 1\n", "non-empty 'parameters:'"),
-])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("parameters:\n  a:\n    type: int\n    choices: [1, 2\n", "invalid YAML"),
+        (
+            "parameters:\n  a:\n    type: integer\n    choices: [1]\n    default: 1\n",
+            ":3: a.type is 'integer'",
+        ),
+        (
+            "parameters:\n  a:\n    type: int\n    choices: [1, 2]\n    default: 3\n",
+            ":5: a.default 3 is not one of 1, 2",
+        ),
+        (
+            "parameters:\n  a:\n    type: int\n    choices: [1, x]\n    default: 1\n",
+            ":4: a.choices has 'x', not a int",
+        ),
+        (
+            "parameters:\n  a:\n    type: float\n    low: 0.9\n    high: 0.1\n    default: 0.5\n",
+            ":4: a: low 0.9 is above high 0.1",
+        ),
+        (
+            "parameters:\n  a:\n    type: int\n    choices: [1]\n    default: 1\n    colour: red\n",
+            ":6: a: unknown key 'colour'",
+        ),
+        (
+            "parameters:\n  a:\n    type: int\n    choices: [1]\n    default: 1\n    requires: {b: 1}\n",
+            "requires names unknown parameter 'b'",
+        ),
+        ("version: 1\n", "non-empty 'parameters:'"),
+    ],
+)
 def test_schema_errors_name_file_line_and_key(tmp_path, text, expect):
     path = write(tmp_path, text)
     with pytest.raises(UsageError) as err:
@@ -106,34 +135,53 @@ def test_shipped_space_offers_two_generations_and_points_at_a_copy(tmp_path):
 def test_outside_warns_for_the_right_type_and_refuses_the_wrong_one():
     space = load_space()
     assert space.outside({"use_vllm": False, "num_generations": 8}) == [
-        "--set use_vllm=false is outside the space (use_vllm is one of true); estimated anyway"]
+        "--set use_vllm=false is outside the space (use_vllm is one of true); estimated anyway"
+    ]
     with pytest.raises(UsageError, match="takes int values"):
         space.outside({"num_generations": "many"})
 
 
-MAPPED = ("parameters:\n  mb:\n    type: int\n    choices: [1, 2]\n    default: 1\n"
-          "  ga:\n    type: int\n    choices: [1, 2]\n    default: 1\n"
-          "  lr:\n    type: float\n    choices: [0.1]\n    default: 0.1\n")
+MAPPED = (
+    "parameters:\n  mb:\n    type: int\n    choices: [1, 2]\n    default: 1\n"
+    "  ga:\n    type: int\n    choices: [1, 2]\n    default: 1\n"
+    "  lr:\n    type: float\n    choices: [0.1]\n    default: 0.1\n"
+)
 
 
 def test_global_batch_block_names_the_batch_parameters(tmp_path):
-    space = load_space(write(tmp_path, "global_batch: {micro_batch: mb, accumulation: ga, per: all}\n" + MAPPED))
+    space = load_space(
+        write(tmp_path, "global_batch: {micro_batch: mb, accumulation: ga, per: all}\n" + MAPPED)
+    )
     batch = space.batch
-    assert (batch.micro_batch, batch.accumulation, batch.per, batch.generations, batch.declared) == \
-        ("mb", "ga", "all", None, True)
-    assert batch.completions({"mb": 2, "ga": 2}, dp=4) == 4            # per: all counts every GPU already
-    assert load_space(write(tmp_path, MAPPED)).batch is None            # own names, nothing declared
-    assert load_space().batch.micro_batch == "per_device_train_batch_size"   # TRL's names need no block
+    assert (batch.micro_batch, batch.accumulation, batch.per, batch.generations, batch.declared) == (
+        "mb",
+        "ga",
+        "all",
+        None,
+        True,
+    )
+    assert batch.completions({"mb": 2, "ga": 2}, dp=4) == 4  # per: all counts every GPU already
+    assert load_space(write(tmp_path, MAPPED)).batch is None  # own names, nothing declared
+    assert load_space().batch.micro_batch == "per_device_train_batch_size"  # TRL's names need no block
 
 
-@pytest.mark.parametrize("block,expect", [
-    ("global_batch: {micro_batch: lr}\n", ":1: global_batch.micro_batch is 'lr', not an int parameter"),
-    ("global_batch:\n  micro_batch: mb\n  accumulation: nope\n", ":3: global_batch.accumulation is 'nope'"),
-    ("global_batch:\n  micro_batch: mb\n  per: node\n", ":3: global_batch.per is 'node'; allowed: gpu"),
-    ("global_batch:\n  micro_batch: mb\n  colour: red\n", ":3: global_batch: unknown key 'colour'"),
-    ("global_batch: [mb, ga]\n", ":1: global_batch needs 'micro_batch'"),
-    ("global_batch: {micro_batch: mb, generations: mb}\n", ":1: global_batch: micro_batch, accumulation and"),
-])
+@pytest.mark.parametrize(
+    "block,expect",
+    [
+        ("global_batch: {micro_batch: lr}\n", ":1: global_batch.micro_batch is 'lr', not an int parameter"),
+        (
+            "global_batch:\n  micro_batch: mb\n  accumulation: nope\n",
+            ":3: global_batch.accumulation is 'nope'",
+        ),
+        ("global_batch:\n  micro_batch: mb\n  per: node\n", ":3: global_batch.per is 'node'; allowed: gpu"),
+        ("global_batch:\n  micro_batch: mb\n  colour: red\n", ":3: global_batch: unknown key 'colour'"),
+        ("global_batch: [mb, ga]\n", ":1: global_batch needs 'micro_batch'"),
+        (
+            "global_batch: {micro_batch: mb, generations: mb}\n",
+            ":1: global_batch: micro_batch, accumulation and",
+        ),
+    ],
+)
 def test_global_batch_block_errors_name_file_and_line(tmp_path, block, expect):
     path = write(tmp_path, block + MAPPED)
     with pytest.raises(UsageError) as err:

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import run_cli
 from test_bad_input import one_line_error
 
@@ -26,15 +25,26 @@ from autotune.recipe import Recipe
 
 
 def recipe(**kw) -> Recipe:
-    base = dict(model="Qwen2.5-7B-Instruct", gpus=4, gpu_type="A100-80GB", gpu_memory_gib=79.3, runner="swift")
+    base = dict(
+        model="Qwen2.5-7B-Instruct", gpus=4, gpu_type="A100-80GB", gpu_memory_gib=79.3, runner="swift"
+    )
     base.update(kw)
     return Recipe(**base)
 
 
-PARAMS = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 2, "num_generations": 8,
-          "zero_stage": 3, "offload": "none", "gradient_checkpointing": True, "use_vllm": True,
-          "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.45, "vllm_tensor_parallel_size": 1,
-          "vllm_enable_sleep_mode": True}
+PARAMS = {
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+    "num_generations": 8,
+    "zero_stage": 3,
+    "offload": "none",
+    "gradient_checkpointing": True,
+    "use_vllm": True,
+    "vllm_mode": "colocate",
+    "vllm_gpu_memory_utilization": 0.45,
+    "vllm_tensor_parallel_size": 1,
+    "vllm_enable_sleep_mode": True,
+}
 
 
 def flags(argv: list[str]) -> dict[str, str]:
@@ -42,9 +52,17 @@ def flags(argv: list[str]) -> dict[str, str]:
 
 
 def inputs(**kw) -> TrialInputs:
-    base = dict(program="/venv/bin/swift", model="/cache/tiny", model_type="qwen2", template="qwen",
-                dataset="/t/prompts.jsonl", output_dir="/t/out", max_steps=9, truncate_left=True,
-                ds_config_path="/t/ds_config.json")
+    base = dict(
+        program="/venv/bin/swift",
+        model="/cache/tiny",
+        model_type="qwen2",
+        template="qwen",
+        dataset="/t/prompts.jsonl",
+        output_dir="/t/out",
+        max_steps=9,
+        truncate_left=True,
+        ds_config_path="/t/ds_config.json",
+    )
     base.update(kw)
     return TrialInputs(**base)
 
@@ -53,10 +71,17 @@ def inputs(**kw) -> TrialInputs:
 # flag names per version (boundaries read from the ms-swift source tags)
 
 
-@pytest.mark.parametrize("text,expect", [
-    ("4.6.0", SwiftVersion(4, 6, 0)), ("3.12.6", SwiftVersion(3, 12, 6)), ("4.0.0.dev0", SwiftVersion(4, 0, 0)),
-    ("3.1.1.post1", SwiftVersion(3, 1, 1)), ("v3.5", SwiftVersion(3, 5, 0)), ("unknown", None),
-])
+@pytest.mark.parametrize(
+    "text,expect",
+    [
+        ("4.6.0", SwiftVersion(4, 6, 0)),
+        ("3.12.6", SwiftVersion(3, 12, 6)),
+        ("4.0.0.dev0", SwiftVersion(4, 0, 0)),
+        ("3.1.1.post1", SwiftVersion(3, 1, 1)),
+        ("v3.5", SwiftVersion(3, 5, 0)),
+        ("unknown", None),
+    ],
+)
 def test_version_parse(text, expect):
     assert SwiftVersion.parse(text) == expect
 
@@ -75,11 +100,19 @@ def test_flag_names_follow_the_version():
 
 
 def test_swift_only_knobs_and_quantization():
-    p = {**PARAMS, "sleep_level": 1, "offload_optimizer": True, "offload_model": False, "move_model_batches": 8,
-         "deepspeed_config": "autotune"}
+    p = {
+        **PARAMS,
+        "sleep_level": 1,
+        "offload_optimizer": True,
+        "offload_model": False,
+        "move_model_batches": 8,
+        "deepspeed_config": "autotune",
+    }
     f = flags(lc.swift_command(p, recipe(quantization="4bit", beta=0.04), "m", ds_config_path="/x/ds.json"))
-    assert f["--sleep_level"] == "1" and f["--offload_optimizer"] == "true" and f["--offload_model"] == "false"
-    assert f["--move_model_batches"] == "8" and f["--deepspeed"] == "/x/ds.json"   # autotune's JSON, not zero3
+    assert (
+        f["--sleep_level"] == "1" and f["--offload_optimizer"] == "true" and f["--offload_model"] == "false"
+    )
+    assert f["--move_model_batches"] == "8" and f["--deepspeed"] == "/x/ds.json"  # autotune's JSON, not zero3
     assert f["--quant_method"] == "bnb" and f["--quant_bits"] == "4" and f["--bnb_4bit_quant_type"] == "nf4"
     assert f["--beta"] == "0.04"
     f8 = flags(lc.swift_command(PARAMS, recipe(quantization="8bit"), "m"))
@@ -90,8 +123,10 @@ def test_export_is_the_trial_argv_minus_trial_only_flags():
     r = recipe(swift_args="--attn_impl sdpa --seed 7")
     trial = lc.swift_trial_argv(PARAMS, r, inputs(), SwiftVersion(4, 6, 0))
     f = flags(trial)
-    assert f["--max_steps"] == "9" and f["--dataset"] == "/t/prompts.jsonl" and f["--reward_funcs"] == "format"
-    assert trial.index("--attn_impl") < trial.index("--max_steps")   # the trial's own flags win
+    assert (
+        f["--max_steps"] == "9" and f["--dataset"] == "/t/prompts.jsonl" and f["--reward_funcs"] == "format"
+    )
+    assert trial.index("--attn_impl") < trial.index("--max_steps")  # the trial's own flags win
     prod = lc.production_argv(trial, model="Qwen/Qwen2.5-7B-Instruct", keep_template=False)
     removed = {"--dataset", "--reward_funcs", "--truncation_strategy", "--template"} | TRIAL_ONLY
     expect = ["swift", "rlhf"]
@@ -105,7 +140,9 @@ def test_export_is_the_trial_argv_minus_trial_only_flags():
     assert prod == expect
     assert flags(prod)["--attn_impl"] == "sdpa" and flags(prod)["--model_type"] == "qwen2"
     kept = flags(lc.production_argv(trial, keep_dataset=True))
-    assert kept["--dataset"] == "/t/prompts.jsonl" and "--reward_funcs" not in kept and "--max_steps" not in kept
+    assert (
+        kept["--dataset"] == "/t/prompts.jsonl" and "--reward_funcs" not in kept and "--max_steps" not in kept
+    )
 
 
 def test_swift_sh_names_a_resolvable_model(tmp_path, monkeypatch):
@@ -136,22 +173,45 @@ def test_swift_sh_names_a_resolvable_model(tmp_path, monkeypatch):
 # bad input: one line, exit 2
 
 
-
-
-CPU_SEARCH = ["search", "--model", "tiny-qwen", "--gpus", "1", "--device", "cpu", "--runner", "swift", "--trials", "1"]
+CPU_SEARCH = [
+    "search",
+    "--model",
+    "tiny-qwen",
+    "--gpus",
+    "1",
+    "--device",
+    "cpu",
+    "--runner",
+    "swift",
+    "--trials",
+    "1",
+]
 
 
 def test_no_swift_says_how_to_install(tmp_path):
-    env = {"PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin", "AUTOTUNE_SWIFT_VENV": str(tmp_path / "none")}
-    one_line_error(run_cli(*CPU_SEARCH, cwd=tmp_path, env=env),
-                   "no swift program found", "bash scripts/swift_env.sh", "pip install ms-swift", "separate venv")
-    one_line_error(run_cli(*CPU_SEARCH, "--swift-bin", tmp_path / "nope" / "swift", cwd=tmp_path, env=env),
-                   "--swift-bin", "bash scripts/swift_env.sh")
+    env = {
+        "PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin",
+        "AUTOTUNE_SWIFT_VENV": str(tmp_path / "none"),
+    }
+    one_line_error(
+        run_cli(*CPU_SEARCH, cwd=tmp_path, env=env),
+        "no swift program found",
+        "bash scripts/swift_env.sh",
+        "pip install ms-swift",
+        "separate venv",
+    )
+    one_line_error(
+        run_cli(*CPU_SEARCH, "--swift-bin", tmp_path / "nope" / "swift", cwd=tmp_path, env=env),
+        "--swift-bin",
+        "bash scripts/swift_env.sh",
+    )
 
 
 def test_unsplittable_swift_args(tmp_path):
-    one_line_error(run_cli(*CPU_SEARCH, "--swift-args", "--system 'unclosed", cwd=tmp_path),
-                   "--swift-args cannot be split like a shell line")
+    one_line_error(
+        run_cli(*CPU_SEARCH, "--swift-args", "--system 'unclosed", cwd=tmp_path),
+        "--swift-args cannot be split like a shell line",
+    )
 
 
 def test_too_old_swift_names_the_version_needed(tmp_path):
@@ -165,8 +225,9 @@ def test_too_old_swift_names_the_version_needed(tmp_path):
     swift = venv / "bin" / "swift"
     swift.write_text(f"#!{venv / 'bin' / 'python'}\nraise SystemExit('not the real swift')\n")
     swift.chmod(0o755)
-    one_line_error(run_cli(*CPU_SEARCH, "--swift-bin", swift, cwd=tmp_path),
-                   "ms-swift 3.4.1", "too old", ">= 3.5.0")
+    one_line_error(
+        run_cli(*CPU_SEARCH, "--swift-bin", swift, cwd=tmp_path), "ms-swift 3.4.1", "too old", ">= 3.5.0"
+    )
 
 
 def test_rules_refuse_what_this_version_cannot_run():
@@ -174,8 +235,12 @@ def test_rules_refuse_what_this_version_cannot_run():
     from autotune.runners.swift import SwiftRunner
     from autotune.search.space import load_space
 
-    ctx = TrialContext(recipe=recipe(), space=load_space(lc.swift_space_path()),
-                       model=resolve_model("Qwen2.5-7B-Instruct"), gpu=None)
+    ctx = TrialContext(
+        recipe=recipe(),
+        space=load_space(lc.swift_space_path()),
+        model=resolve_model("Qwen2.5-7B-Instruct"),
+        gpu=None,
+    )
     runner = SwiftRunner(ctx)
     runner.version = SwiftVersion(3, 11, 0)
     reasons = [rule({**PARAMS, "sleep_level": 2}) for rule in runner.rules()]
@@ -189,8 +254,13 @@ def test_shipped_space_loads():
     from autotune.search.space import load_space
 
     space = load_space(lc.swift_space_path())
-    assert {"sleep_level", "offload_optimizer", "offload_model", "move_model_batches",
-            "deepspeed_config"} <= set(space.params)
+    assert {
+        "sleep_level",
+        "offload_optimizer",
+        "offload_model",
+        "move_model_batches",
+        "deepspeed_config",
+    } <= set(space.params)
     assert set(lc.SWIFT_ONLY) <= set(space.params)
 
 
@@ -203,8 +273,12 @@ def swift_program() -> Path:
     candidate = Path(os.environ.get("AUTOTUNE_SWIFT_BIN") or venv / "bin" / "swift")
     if not candidate.is_file():
         if os.environ.get("AUTOTUNE_REQUIRE_SWIFT") == "1":
-            pytest.fail(f"AUTOTUNE_REQUIRE_SWIFT=1 but no ms-swift at {candidate}: run bash scripts/swift_env.sh")
-        pytest.skip(f"no ms-swift at {candidate} (bash scripts/swift_env.sh makes it; AUTOTUNE_SWIFT_BIN names another)")
+            pytest.fail(
+                f"AUTOTUNE_REQUIRE_SWIFT=1 but no ms-swift at {candidate}: run bash scripts/swift_env.sh"
+            )
+        pytest.skip(
+            f"no ms-swift at {candidate} (bash scripts/swift_env.sh makes it; AUTOTUNE_SWIFT_BIN names another)"
+        )
     return candidate
 
 
@@ -229,15 +303,48 @@ def test_real_swift_search_on_cpu_meets_real_oom_and_exports_a_command_that_trai
     space = tmp_path / "space.yaml"
     space.write_text(yaml.safe_dump(SPACE))
     env = {"AUTOTUNE_CACHE_DIR": str(tmp_path / "cache")}
-    res = run_cli("search", "--model", "tiny-qwen", "--gpus", "1", "--device", "cpu", "--memory-limit", "3",
-                  "--runner", "swift", "--swift-bin", swift, "--max-prompt-length", "32",
-                  "--max-completion-length", "16", "--beta", "0.04", "--space", space, "--trials", "2",
-                  "--warmup-steps", "1", "--measure-steps", "2", "--confirm", "1", "--name", "sw",
-                  cwd=tmp_path, env=env, timeout=1200)
+    res = run_cli(
+        "search",
+        "--model",
+        "tiny-qwen",
+        "--gpus",
+        "1",
+        "--device",
+        "cpu",
+        "--memory-limit",
+        "3",
+        "--runner",
+        "swift",
+        "--swift-bin",
+        swift,
+        "--max-prompt-length",
+        "32",
+        "--max-completion-length",
+        "16",
+        "--beta",
+        "0.04",
+        "--space",
+        space,
+        "--trials",
+        "2",
+        "--warmup-steps",
+        "1",
+        "--measure-steps",
+        "2",
+        "--confirm",
+        "1",
+        "--name",
+        "sw",
+        cwd=tmp_path,
+        env=env,
+        timeout=1200,
+    )
     assert res.returncode == 0, res.stdout + res.stderr
     study = tmp_path / "runs" / "sw"
     trials = {int(p.parent.name): p.parent for p in study.glob("trials/*/outcome.json")}
-    by_batch = {json.loads((d / "params.json").read_text())["per_device_train_batch_size"]: d for d in trials.values()}
+    by_batch = {
+        json.loads((d / "params.json").read_text())["per_device_train_batch_size"]: d for d in trials.values()
+    }
     assert set(by_batch) == {4, 64}
     oom = json.loads((by_batch[64] / "outcome.json").read_text())
     assert oom["status"] == "oom" and oom["oom_kind"] == "host", oom
@@ -254,7 +361,9 @@ def test_real_swift_search_on_cpu_meets_real_oom_and_exports_a_command_that_trai
     assert argv[0] == str(swift) and argv[1:4] == ["rlhf", "--rlhf_type", "grpo"]
     # the version read through the script's interpreter is what pip says is installed there
     python = Path(swift.read_text().splitlines()[0][2:].strip())
-    shown = subprocess.run([str(python), "-m", "pip", "show", "ms-swift"], capture_output=True, text=True).stdout
+    shown = subprocess.run(
+        [str(python), "-m", "pip", "show", "ms-swift"], capture_output=True, text=True
+    ).stdout
     installed = next(ln.split(":", 1)[1].strip() for ln in shown.splitlines() if ln.startswith("Version:"))
     version = SwiftVersion.parse(saved["ms_swift"])
     assert version == SwiftVersion.parse(installed) and version >= OLDEST
@@ -267,14 +376,44 @@ def test_real_swift_search_on_cpu_meets_real_oom_and_exports_a_command_that_trai
     # swift.sh is the measured command minus the trial-only flags, and it trains as written
     sh = study / "best" / "swift.sh"
     line = next(ln for ln in sh.read_text().replace("\\\n", " ").splitlines() if ln.startswith("exec "))
-    exported = shlex.split(line)[1:-1]   # without "$@"
+    exported = shlex.split(line)[1:-1]  # without "$@"
     assert exported == lc.production_argv(argv, keep_template=True)
-    run_env = {**os.environ, "PATH": f"{swift.parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": "",
-               "OMP_NUM_THREADS": "2", "AUTOTUNE_CACHE_DIR": env["AUTOTUNE_CACHE_DIR"]}
+    run_env = {
+        **os.environ,
+        "PATH": f"{swift.parent}:{os.environ['PATH']}",
+        "CUDA_VISIBLE_DEVICES": "",
+        "OMP_NUM_THREADS": "2",
+        "AUTOTUNE_CACHE_DIR": env["AUTOTUNE_CACHE_DIR"],
+    }
     out = tmp_path / "swift_sh_out"
-    done = subprocess.run(["bash", str(sh), "--max_steps", "2", "--dataset", f["--dataset"], "--reward_funcs",
-                           "format", "--truncation_strategy", "left", "--output_dir", str(out), "--logging_steps",
-                           "1", "--report_to", "none", "--save_strategy", "no", "--dataset_num_proc", "1"],
-                          cwd=tmp_path, env=run_env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            "bash",
+            str(sh),
+            "--max_steps",
+            "2",
+            "--dataset",
+            f["--dataset"],
+            "--reward_funcs",
+            "format",
+            "--truncation_strategy",
+            "left",
+            "--output_dir",
+            str(out),
+            "--logging_steps",
+            "1",
+            "--report_to",
+            "none",
+            "--save_strategy",
+            "no",
+            "--dataset_num_proc",
+            "1",
+        ],
+        cwd=tmp_path,
+        env=run_env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "'global_step/max_steps': '2/2'" in done.stdout + done.stderr

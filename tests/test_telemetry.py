@@ -32,7 +32,7 @@ from autotune.trial.telemetry import CSV_COLUMNS, GpuReading, GpuSampler, Tick
 from autotune.trial.utilization import diagnose_low_util, phase_times, summarize
 from autotune.units import GIB
 
-H100_TOTAL_GIB = 79.65   # what nvmlDeviceGetMemoryInfo(h).total reports on an 80 GB H100, in GiB
+H100_TOTAL_GIB = 79.65  # what nvmlDeviceGetMemoryInfo(h).total reports on an 80 GB H100, in GiB
 
 
 class ReplayNvml:
@@ -43,9 +43,15 @@ class ReplayNvml:
     for ``nvmlDeviceGetComputeRunningProcesses``; ``fail`` maps (gpu, call name) to an NVML error code.
     """
 
-    def __init__(self, samples: dict[int, list[tuple[float, float]]], *, total_gib: float = H100_TOTAL_GIB,
-                 processes: dict[int, list[int]] | None = None, fail: dict[tuple[int, str], int] | None = None,
-                 init_error: int | None = None) -> None:
+    def __init__(
+        self,
+        samples: dict[int, list[tuple[float, float]]],
+        *,
+        total_gib: float = H100_TOTAL_GIB,
+        processes: dict[int, list[int]] | None = None,
+        fail: dict[tuple[int, str], int] | None = None,
+        init_error: int | None = None,
+    ) -> None:
         self.samples = samples
         self.total_gib = total_gib
         self.processes = processes or {}
@@ -94,8 +100,10 @@ class ReplayNvml:
         return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list:
-        return [pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_v2_t(pid=pid, usedGpuMemory=GIB))
-                for pid in self.processes.get(handle, [])]
+        return [
+            pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_v2_t(pid=pid, usedGpuMemory=GIB))
+            for pid in self.processes.get(handle, [])
+        ]
 
 
 # A busy 2-GPU trial (ZeRO-2, colocated vLLM): model load, warm-up, measured steps, teardown.
@@ -172,11 +180,23 @@ def ticks_from_csv(path: Path) -> list[Tick]:
     for row in _csv_rows(path):
         t, phase = float(row["time_s"]), row["phase"]
         if not ticks or ticks[-1].time_s != t or ticks[-1].phase != phase:
-            ticks.append(Tick(t, phase, host_rss_gib=_number(row["host_rss_gib"]),
-                              host_cpu_pct=_number(row["host_cpu_pct"])))
+            ticks.append(
+                Tick(
+                    t,
+                    phase,
+                    host_rss_gib=_number(row["host_rss_gib"]),
+                    host_cpu_pct=_number(row["host_cpu_pct"]),
+                )
+            )
         if row["gpu"] != "":
-            ticks[-1].gpus.append(GpuReading(int(row["gpu"]), _number(row["util_pct"]),
-                                             _number(row["mem_used_gib"]), _number(row["mem_total_gib"])))
+            ticks[-1].gpus.append(
+                GpuReading(
+                    int(row["gpu"]),
+                    _number(row["util_pct"]),
+                    _number(row["mem_used_gib"]),
+                    _number(row["mem_total_gib"]),
+                )
+            )
     return ticks
 
 
@@ -201,27 +221,40 @@ def drive(sampler: GpuSampler, table: list[tuple[str, list]]) -> None:
 
 def test_busy_trial_writes_gpu_csv_and_summarises_measured_steps_only(tmp_path: Path) -> None:
     nvml = replay(BUSY)
-    sampler = GpuSampler(tmp_path, [0, 1], root_pid=os.getpid(), nvml=nvml,
-                         params={"zero_stage": 2, "offload": "none"})
+    sampler = GpuSampler(
+        tmp_path, [0, 1], root_pid=os.getpid(), nvml=nvml, params={"zero_stage": 2, "offload": "none"}
+    )
     drive(sampler, BUSY)
     summary = sampler.stop()
 
     with open(tmp_path / "gpu.csv", newline="") as fh:
         rows = list(csv.reader(fh))
-    assert tuple(rows[0]) == CSV_COLUMNS == ("time_s", "phase", "gpu", "util_pct", "mem_used_gib",
-                                            "mem_total_gib", "host_rss_gib", "host_cpu_pct")
+    assert (
+        tuple(rows[0])
+        == CSV_COLUMNS
+        == (
+            "time_s",
+            "phase",
+            "gpu",
+            "util_pct",
+            "mem_used_gib",
+            "mem_total_gib",
+            "host_rss_gib",
+            "host_cpu_pct",
+        )
+    )
     body = rows[1:]
-    assert len(body) == 2 * len(BUSY)                          # one row per GPU per tick
+    assert len(body) == 2 * len(BUSY)  # one row per GPU per tick
     assert [r[2] for r in body[:4]] == ["0", "1", "0", "1"]
     assert [r[1] for r in body[::2]] == [phase for phase, _ in BUSY]
-    assert body[16][3] == "94" and float(body[16][4]) == pytest.approx(72.40, abs=1e-3)   # 2nd measure tick
+    assert body[16][3] == "94" and float(body[16][4]) == pytest.approx(72.40, abs=1e-3)  # 2nd measure tick
     assert all(float(r[5]) == pytest.approx(H100_TOTAL_GIB, abs=1e-3) for r in body)
-    assert all(float(r[6]) > 0.01 and r[7] != "" for r in body)   # our own process tree is the "trial"
+    assert all(float(r[6]) > 0.01 and r[7] != "" for r in body)  # our own process tree is the "trial"
     times = [float(r[0]) for r in body[::2]]
     assert times == sorted(times)
 
     measured = [u for phase, gpus in BUSY if phase == "measure" for u, _ in gpus]
-    assert summary.mean_gpu_util == pytest.approx(sum(measured) / len(measured) / 100)   # 0.916, not 0.6
+    assert summary.mean_gpu_util == pytest.approx(sum(measured) / len(measured) / 100)  # 0.916, not 0.6
     assert summary.mean_gpu_util_per_gpu == pytest.approx([0.9183, 0.9133], abs=1e-3)
     assert summary.peak_memory_gib_per_gpu == pytest.approx([72.40, 71.90], abs=1e-3)
     assert summary.peak_memory_gib == pytest.approx(72.40, abs=1e-3)
@@ -230,7 +263,7 @@ def test_busy_trial_writes_gpu_csv_and_summarises_measured_steps_only(tmp_path: 
     assert summary.peak_host_rss_gib and summary.peak_host_rss_gib > 0.01
     assert nvml.inits == nvml.shutdowns == 1
 
-    again = summarize(ticks_from_csv(tmp_path / "gpu.csv"))      # the file says what the summary says
+    again = summarize(ticks_from_csv(tmp_path / "gpu.csv"))  # the file says what the summary says
     assert again.mean_gpu_util == pytest.approx(summary.mean_gpu_util)
     assert again.peak_memory_gib_per_gpu == pytest.approx(summary.peak_memory_gib_per_gpu, abs=1e-3)
     assert again.samples == summary.samples
@@ -240,19 +273,20 @@ def test_busy_trial_writes_gpu_csv_and_summarises_measured_steps_only(tmp_path: 
 
 def test_mean_is_over_all_samples_when_nothing_was_marked(tmp_path: Path) -> None:
     table = [("start", gpus) for _, gpus in BUSY]
-    sampler = GpuSampler(tmp_path, None, nvml=replay(table))      # None: every GPU NVML sees
+    sampler = GpuSampler(tmp_path, None, nvml=replay(table))  # None: every GPU NVML sees
     drive(sampler, table)
     summary = sampler.stop()
     every = [u for _, gpus in BUSY for u, _ in gpus]
     assert summary.mean_gpu_util == pytest.approx(sum(every) / len(every) / 100)
-    assert summary.peak_host_rss_gib is None                      # no trial pid: host columns empty
+    assert summary.peak_host_rss_gib is None  # no trial pid: host columns empty
     assert (tmp_path / "gpu.csv").read_text().splitlines()[1].endswith(",,")
 
 
 def test_failing_nvml_queries_leave_cells_empty(tmp_path: Path) -> None:
     """A MIG slice answers NotSupported for utilization; a missing index is skipped, not fatal."""
-    nvml = ReplayNvml({0: [(50, 10.0)] * 3, 1: [(70, 20.0)] * 3},
-                      fail={(0, "util"): pynvml.NVML_ERROR_NOT_SUPPORTED})
+    nvml = ReplayNvml(
+        {0: [(50, 10.0)] * 3, 1: [(70, 20.0)] * 3}, fail={(0, "util"): pynvml.NVML_ERROR_NOT_SUPPORTED}
+    )
     sampler = GpuSampler(tmp_path, [0, 1, 7], nvml=nvml)
     sampler.open()
     for _ in range(3):
@@ -278,10 +312,10 @@ def test_thread_samples_and_stops_cleanly(tmp_path: Path) -> None:
     assert not any(t.name.startswith("gpumon-") for t in threading.enumerate())
     assert summary.samples >= 5 and summary.mean_gpu_util == pytest.approx(0.90)
     assert {t.phase for t in sampler.ticks} == {"start", "measure"}
-    assert sampler.stop() is summary                             # idempotent
+    assert sampler.stop() is summary  # idempotent
     calls = nvml.memory_calls
     time.sleep(0.1)
-    assert nvml.memory_calls == calls                             # nothing samples after stop
+    assert nvml.memory_calls == calls  # nothing samples after stop
     assert nvml.inits == nvml.shutdowns == 1
     lines = (tmp_path / "gpu.csv").read_text().splitlines()
     assert len(lines) == summary.samples + 1
@@ -306,15 +340,20 @@ def test_offload_bound_trial_is_flagged_with_the_offload_reason(tmp_path: Path) 
     path.write_text(OFFLOAD_CSV)
     ticks = ticks_from_csv(path)
     assert len(ticks) == 14 and ticks[-1].host_cpu_pct is None
-    summary = summarize(ticks, params={"zero_stage": 2, "offload": "optimizer", "per_device_train_batch_size": 4},
-                        min_util=0.5)
+    summary = summarize(
+        ticks,
+        params={"zero_stage": 2, "offload": "optimizer", "per_device_train_batch_size": 4},
+        min_util=0.5,
+    )
     assert summary.mean_gpu_util == pytest.approx(0.25)
     assert summary.peak_memory_gib_per_gpu == pytest.approx([31.95])
     assert summary.peak_host_rss_gib == pytest.approx(41.18)
     assert summary.mean_host_cpu_pct == pytest.approx(690.96, abs=0.01)
     assert summary.low_util
     assert summary.idle_share == pytest.approx(1.0)
-    assert summary.diagnosis.startswith("GPU utilization 25% < 50% (below it 100% of the time): offload=optimizer")
+    assert summary.diagnosis.startswith(
+        "GPU utilization 25% < 50% (below it 100% of the time): offload=optimizer"
+    )
     assert "PCIe" in summary.diagnosis and "zero_stage 3 without offload" in summary.diagnosis
     assert "host CPU 691% of a core" in summary.diagnosis
     assert "\n" not in summary.diagnosis
@@ -323,19 +362,26 @@ def test_offload_bound_trial_is_flagged_with_the_offload_reason(tmp_path: Path) 
 def test_generation_bound_trial_with_small_vllm_cache(tmp_path: Path) -> None:
     (tmp_path / "gpu.csv").write_text(GENERATION_CSV)
     metrics = tmp_path / "metrics.jsonl"
-    lines = [{"step": 1, "step_time": 61.0, "generation_time": 50.0, "training_time": 11.0},   # warm-up
-             {"step": 2, "step_time": 40.0, "generation_time": 31.0, "training_time": 9.0},
-             {"step": 3, "step_time": 30.0, "generation_time": 24.0, "training_time": 6.0, "samples": 64},
-             {"step": 4, "step_time": 31.0, "generation_time": 24.5, "training_time": 6.5, "samples": 64},
-             {"step": 5, "step_time": 29.0, "generation_time": 23.5, "training_time": 5.5, "samples": 64}]
-    metrics.write_text("\n".join(json.dumps(x) for x in lines) + "\n{\"step\": 6, \"step_ti")   # torn last line
+    lines = [
+        {"step": 1, "step_time": 61.0, "generation_time": 50.0, "training_time": 11.0},  # warm-up
+        {"step": 2, "step_time": 40.0, "generation_time": 31.0, "training_time": 9.0},
+        {"step": 3, "step_time": 30.0, "generation_time": 24.0, "training_time": 6.0, "samples": 64},
+        {"step": 4, "step_time": 31.0, "generation_time": 24.5, "training_time": 6.5, "samples": 64},
+        {"step": 5, "step_time": 29.0, "generation_time": 23.5, "training_time": 5.5, "samples": 64},
+    ]
+    metrics.write_text("\n".join(json.dumps(x) for x in lines) + '\n{"step": 6, "step_ti')  # torn last line
     times = phase_times(metrics, after_step=2)
     assert times == {"generation_time": 72.0, "training_time": 18.0, "step_time": 90.0, "steps": 3.0}
 
-    params = {"use_vllm": True, "vllm_mode": "colocate", "vllm_gpu_memory_utilization": 0.3,
-              "zero_stage": 0, "offload": "none"}
+    params = {
+        "use_vllm": True,
+        "vllm_mode": "colocate",
+        "vllm_gpu_memory_utilization": 0.3,
+        "zero_stage": 0,
+        "offload": "none",
+    }
     summary = summarize(ticks_from_csv(tmp_path / "gpu.csv"), params=params, step_times=times)
-    assert summary.mean_gpu_util == pytest.approx(0.44)       # the 96% spike is one training step
+    assert summary.mean_gpu_util == pytest.approx(0.44)  # the 96% spike is one training step
     assert summary.peak_memory_gib_per_gpu == pytest.approx([61.30])
     assert summary.low_util
     assert "generation takes 80% of each step" in summary.diagnosis
@@ -365,7 +411,9 @@ def test_a_failed_trial_gets_no_low_utilization_advice(tmp_path: Path) -> None:
     add_monitor_summary(oom, summary, "cuda")
     assert "low_util" not in oom.extra and oom.detail is None
     assert oom.extra["monitor"]["low_util"] is False and oom.extra["monitor"]["diagnosis"] is None
-    assert oom.peak_memory_gib == pytest.approx(61.30) and oom.mean_gpu_util == pytest.approx(summary.mean_gpu_util)
+    assert oom.peak_memory_gib == pytest.approx(61.30) and oom.mean_gpu_util == pytest.approx(
+        summary.mean_gpu_util
+    )
     ok = Outcome(status="ok", throughput=3.0, peak_memory_gib=70.0)
     add_monitor_summary(ok, summary, "cuda")
     assert ok.extra["low_util"] is True and ok.detail == summary.diagnosis
@@ -379,27 +427,80 @@ def test_phase_times_absent_for_trainers_without_them(tmp_path: Path) -> None:
     assert phase_times(tmp_path / "missing.jsonl") is None
 
 
-@pytest.mark.parametrize("util, params, step_times, cpu, gpus, expect", [
-    (0.9, {"offload": "optimizer"}, None, None, 1, None),
-    (None, {"offload": "optimizer"}, None, None, 1, None),
-    (0.3, {"offload": "optimizer+params", "zero_stage": 3}, None, None, 1,
-     "offload=optimizer+params moves the weights over PCIe"),
-    # measured evidence first: generation dominates even though offload is on
-    (0.3, {"offload": "optimizer", "use_vllm": False}, {"generation_time": 9.0, "training_time": 1.0}, None, 1,
-     "generation takes 90% of each step with transformers' generate: enable use_vllm"),
-    (0.3, {"use_vllm": True, "vllm_gpu_memory_utilization": 0.8}, {"generation_time": 7, "training_time": 3},
-     None, 1, "larger per_device_train_batch_size"),
-    (0.3, {"vllm_gpu_memory_utilization": "0.25"}, {"generation_time": 7, "training_time": 3}, None, 1,
-     "the vLLM cache is small (vllm_gpu_memory_utilization=0.25)"),
-    (0.2, {"offload": "none", "zero_stage": 3}, None, 1000.0, 4,
-     "the host CPU is busy (250% of a core per GPU)"),
-    # one core per rank is CUDA's spin-wait, not evidence of a CPU-bound step
-    (0.2, {"offload": "none", "zero_stage": 3}, None, 400.0, 4, "ZeRO-3 gathers the weights across 4 GPUs"),
-    (0.2, {"offload": "none", "zero_stage": 3}, None, 150.0, 8, "ZeRO-3 gathers the weights across 8 GPUs"),
-    (0.2, {"offload": "none", "zero_stage": 3}, None, None, 1, "no cause stands out"),
-    (0.2, {"per_device_train_batch_size": 1}, {"generation_time": 1, "training_time": 9}, 30.0, 1,
-     "per_device_train_batch_size=1 may be too small"),
-])
+@pytest.mark.parametrize(
+    "util, params, step_times, cpu, gpus, expect",
+    [
+        (0.9, {"offload": "optimizer"}, None, None, 1, None),
+        (None, {"offload": "optimizer"}, None, None, 1, None),
+        (
+            0.3,
+            {"offload": "optimizer+params", "zero_stage": 3},
+            None,
+            None,
+            1,
+            "offload=optimizer+params moves the weights over PCIe",
+        ),
+        # measured evidence first: generation dominates even though offload is on
+        (
+            0.3,
+            {"offload": "optimizer", "use_vllm": False},
+            {"generation_time": 9.0, "training_time": 1.0},
+            None,
+            1,
+            "generation takes 90% of each step with transformers' generate: enable use_vllm",
+        ),
+        (
+            0.3,
+            {"use_vllm": True, "vllm_gpu_memory_utilization": 0.8},
+            {"generation_time": 7, "training_time": 3},
+            None,
+            1,
+            "larger per_device_train_batch_size",
+        ),
+        (
+            0.3,
+            {"vllm_gpu_memory_utilization": "0.25"},
+            {"generation_time": 7, "training_time": 3},
+            None,
+            1,
+            "the vLLM cache is small (vllm_gpu_memory_utilization=0.25)",
+        ),
+        (
+            0.2,
+            {"offload": "none", "zero_stage": 3},
+            None,
+            1000.0,
+            4,
+            "the host CPU is busy (250% of a core per GPU)",
+        ),
+        # one core per rank is CUDA's spin-wait, not evidence of a CPU-bound step
+        (
+            0.2,
+            {"offload": "none", "zero_stage": 3},
+            None,
+            400.0,
+            4,
+            "ZeRO-3 gathers the weights across 4 GPUs",
+        ),
+        (
+            0.2,
+            {"offload": "none", "zero_stage": 3},
+            None,
+            150.0,
+            8,
+            "ZeRO-3 gathers the weights across 8 GPUs",
+        ),
+        (0.2, {"offload": "none", "zero_stage": 3}, None, None, 1, "no cause stands out"),
+        (
+            0.2,
+            {"per_device_train_batch_size": 1},
+            {"generation_time": 1, "training_time": 9},
+            30.0,
+            1,
+            "per_device_train_batch_size=1 may be too small",
+        ),
+    ],
+)
 def test_low_util_rule(util, params, step_times, cpu, gpus, expect) -> None:
     text = diagnose_low_util(util, params, 0.5, step_times, host_cpu_pct=cpu, gpus=gpus)
     if expect is None:
@@ -426,17 +527,19 @@ def _real_nvml_works() -> bool:
 def test_real_pynvml_path(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The real module end to end: on a GPU machine it samples; without one it falls back quietly."""
     caplog.set_level("INFO", logger="autotune.trial.nvml")
-    sampler = GpuSampler(tmp_path, [0], root_pid=os.getpid(), interval_s=0.02).start()   # nvml=None: real pynvml
+    sampler = GpuSampler(
+        tmp_path, [0], root_pid=os.getpid(), interval_s=0.02
+    ).start()  # nvml=None: real pynvml
     time.sleep(0.1)
     summary = sampler.stop()
     rows = _csv_rows(tmp_path / "gpu.csv")
     assert rows and all(float(r["host_rss_gib"]) > 0.01 for r in rows)
-    if _real_nvml_works():   # a developer's GPU box
+    if _real_nvml_works():  # a developer's GPU box
         assert summary.nvml and summary.gpus == [0] and summary.mean_gpu_util is not None
         assert all(r["gpu"] == "0" and float(r["mem_total_gib"]) > 1 for r in rows)
         assert isinstance(read_baseline([0]), dict)
         return
-    with pytest.raises(pynvml.NVMLError):   # what the fallback is protecting against, here and on CI
+    with pytest.raises(pynvml.NVMLError):  # what the fallback is protecting against, here and on CI
         pynvml.nvmlInit()
     assert "NVML could not be initialised (NVMLError_" in caplog.text
     assert all(r["gpu"] == r["util_pct"] == r["mem_used_gib"] == r["mem_total_gib"] == "" for r in rows)
@@ -499,8 +602,15 @@ def test_fallback_measures_the_real_process_tree(tmp_path: Path) -> None:
 class DrainingNvml(ReplayNvml):
     """Memory stays up for ``polls`` reads, or while ``holder()`` says a process still holds it."""
 
-    def __init__(self, baseline_gib: float, extra_gib: float, *, polls: int | None = None,
-                 holder=None, processes: dict[int, list[int]] | None = None) -> None:
+    def __init__(
+        self,
+        baseline_gib: float,
+        extra_gib: float,
+        *,
+        polls: int | None = None,
+        holder=None,
+        processes: dict[int, list[int]] | None = None,
+    ) -> None:
         super().__init__({0: [(0, baseline_gib)]}, processes=processes)
         self.baseline_gib, self.extra_gib, self.polls, self.holder = baseline_gib, extra_gib, polls, holder
 
@@ -525,8 +635,11 @@ def _alive(proc: subprocess.Popen | int) -> bool:
 
 
 def _sleeper(env: dict[str, str] | None = None, new_session: bool = True) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                            env={**os.environ, **(env or {})}, start_new_session=new_session)
+    return subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(60)"],
+        env={**os.environ, **(env or {})},
+        start_new_session=new_session,
+    )
 
 
 def test_read_baseline_in_mib() -> None:
@@ -538,13 +651,13 @@ def test_read_baseline_in_mib() -> None:
 def test_wait_for_baseline_waits_while_memory_drains() -> None:
     nvml = DrainingNvml(0.5, 30.0, polls=3)
     started = time.monotonic()
-    assert wait_for_baseline([0], {"0": 512.0}, timeout_s=5, poll_s=0.01, nvml=nvml) is True   # JSON keys
+    assert wait_for_baseline([0], {"0": 512.0}, timeout_s=5, poll_s=0.01, nvml=nvml) is True  # JSON keys
     assert time.monotonic() - started < 1.0
     assert nvml.memory_calls == 4 and nvml.inits == nvml.shutdowns == 1
 
 
 def test_wait_for_baseline_within_tolerance_is_reached_at_once() -> None:
-    nvml = DrainingNvml(0.5, 0.8, polls=10**6)               # 0.8 GiB above: inside the 1 GiB tolerance
+    nvml = DrainingNvml(0.5, 0.8, polls=10**6)  # 0.8 GiB above: inside the 1 GiB tolerance
     assert wait_for_baseline([0], {0: 512.0}, timeout_s=5, poll_s=0.01, nvml=nvml) is True
     assert nvml.memory_calls == 1
 
@@ -555,11 +668,26 @@ def test_wait_for_baseline_kills_trial_leftovers_but_not_foreign_processes(tmp_p
     other_trial = _sleeper({"AUTOTUNE_TRIAL_DIR": str(tmp_path / "trials" / "9")})
     foreign = _sleeper()
     try:
-        time.sleep(0.2)   # let exec finish, so /proc/<pid>/environ is the child's
-        nvml = DrainingNvml(0.5, 20.0, holder=lambda: _alive(owned),
-                            processes={0: [foreign.pid, other_trial.pid, owned.pid, os.getpid()]})
-        assert wait_for_baseline([0], {0: 512.0}, timeout_s=0.2, poll_s=0.02, nvml=nvml,
-                                 trial_dir=trial_dir, grace_s=3, settle_s=2) is True
+        time.sleep(0.2)  # let exec finish, so /proc/<pid>/environ is the child's
+        nvml = DrainingNvml(
+            0.5,
+            20.0,
+            holder=lambda: _alive(owned),
+            processes={0: [foreign.pid, other_trial.pid, owned.pid, os.getpid()]},
+        )
+        assert (
+            wait_for_baseline(
+                [0],
+                {0: 512.0},
+                timeout_s=0.2,
+                poll_s=0.02,
+                nvml=nvml,
+                trial_dir=trial_dir,
+                grace_s=3,
+                settle_s=2,
+            )
+            is True
+        )
         owned.wait(timeout=5)
         assert not _alive(owned)
         assert _alive(foreign) and _alive(other_trial)
@@ -577,11 +705,11 @@ def test_trial_ownership_is_by_environment_and_folder(tmp_path: Path) -> None:
     try:
         time.sleep(0.2)
         assert owned_by_trial(owned.pid, None) is not None
-        assert owned_by_trial(owned.pid, trials) is not None           # any trial of this study
+        assert owned_by_trial(owned.pid, trials) is not None  # any trial of this study
         assert owned_by_trial(owned.pid, trials / "3") is not None
-        assert owned_by_trial(owned.pid, trials / "30") is None        # a prefix is not a folder
+        assert owned_by_trial(owned.pid, trials / "30") is None  # a prefix is not a folder
         assert owned_by_trial(foreign.pid, None) is None
-        assert owned_by_trial(1, None) is None                           # init: AccessDenied or no env
+        assert owned_by_trial(1, None) is None  # init: AccessDenied or no env
     finally:
         for proc in (owned, foreign):
             proc.kill()
@@ -590,18 +718,25 @@ def test_trial_ownership_is_by_environment_and_folder(tmp_path: Path) -> None:
 
 def test_wait_for_baseline_kills_the_trials_process_group() -> None:
     """The leader is gone but a grandchild (a vLLM worker, say) still holds the GPU."""
-    code = ("import subprocess, sys; "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(p.pid, flush=True)")
-    leader = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
-                              start_new_session=True)
+    code = (
+        "import subprocess, sys; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); print(p.pid, flush=True)"
+    )
+    leader = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True
+    )
     straggler = int(leader.stdout.readline())
     leader.wait(timeout=5)
     leader.stdout.close()
     try:
         assert _alive(straggler)
-        nvml = DrainingNvml(0.5, 20.0, holder=lambda: _alive(straggler))   # NVML does not list it
-        assert wait_for_baseline([0], {0: 512.0}, timeout_s=0.2, poll_s=0.02, pgid=leader.pid,
-                                 nvml=nvml, grace_s=3, settle_s=2) is True
+        nvml = DrainingNvml(0.5, 20.0, holder=lambda: _alive(straggler))  # NVML does not list it
+        assert (
+            wait_for_baseline(
+                [0], {0: 512.0}, timeout_s=0.2, poll_s=0.02, pgid=leader.pid, nvml=nvml, grace_s=3, settle_s=2
+            )
+            is True
+        )
         assert not _alive(straggler)
     finally:
         if _alive(straggler):
@@ -611,9 +746,13 @@ def test_wait_for_baseline_kills_the_trials_process_group() -> None:
 def test_wait_for_baseline_gives_up_without_touching_our_own_group() -> None:
     nvml = DrainingNvml(0.5, 20.0, polls=10**6, processes={0: [os.getpid()]})
     started = time.monotonic()
-    assert wait_for_baseline([0], {0: 512.0}, timeout_s=0.1, poll_s=0.02, pgid=os.getpgrp(), nvml=nvml,
-                             settle_s=0.1) is False
-    assert time.monotonic() - started < 2.0   # we are alive to see it
+    assert (
+        wait_for_baseline(
+            [0], {0: 512.0}, timeout_s=0.1, poll_s=0.02, pgid=os.getpgrp(), nvml=nvml, settle_s=0.1
+        )
+        is False
+    )
+    assert time.monotonic() - started < 2.0  # we are alive to see it
 
 
 def test_wait_for_baseline_without_a_baseline_waits_for_trial_processes(tmp_path: Path) -> None:
@@ -622,8 +761,9 @@ def test_wait_for_baseline_without_a_baseline_waits_for_trial_processes(tmp_path
     try:
         time.sleep(0.2)
         nvml = DrainingNvml(0.5, 20.0, polls=10**6, processes={0: [owned.pid]})
-        assert wait_for_baseline([0], None, timeout_s=0.1, poll_s=0.02, nvml=nvml, grace_s=3,
-                                 settle_s=2) is True
+        assert (
+            wait_for_baseline([0], None, timeout_s=0.1, poll_s=0.02, nvml=nvml, grace_s=3, settle_s=2) is True
+        )
         owned.wait(timeout=5)
         assert not _alive(owned)
     finally:

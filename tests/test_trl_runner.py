@@ -18,15 +18,22 @@ import yaml
 from autotune import configs as lc
 from autotune.errors import UsageError
 from autotune.hardware import find_gpu_type
-from autotune.trial.launch import LaunchSpec
 from autotune.models import resolve_model
 from autotune.runners import trl as trl_runner
 from autotune.runners.base import TrialContext
 from autotune.runners.trl import TrlRunner, free_port, start_sidecar, stop_sidecar, wait_health
 from autotune.search.space import load_space
+from autotune.trial.launch import LaunchSpec
 
-PLAIN = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_generations=2,
-             gradient_checkpointing=True, use_vllm=False, zero_stage=0, offload="none")
+PLAIN = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=2,
+    num_generations=2,
+    gradient_checkpointing=True,
+    use_vllm=False,
+    zero_stage=0,
+    offload="none",
+)
 
 
 @pytest.fixture
@@ -35,12 +42,24 @@ def runner(recipe_factory, monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
     def make(**kw):
-        base = dict(model="tiny-qwen", gpus=1, runner="trl", device="cpu", max_prompt_length=32,
-                    max_completion_length=16, warmup_steps=1, measure_steps=2)
+        base = dict(
+            model="tiny-qwen",
+            gpus=1,
+            runner="trl",
+            device="cpu",
+            max_prompt_length=32,
+            max_completion_length=16,
+            warmup_steps=1,
+            measure_steps=2,
+        )
         base.update(kw)
         recipe = recipe_factory(**base)
-        context = TrialContext(recipe=recipe, space=load_space(), model=resolve_model(recipe.model),
-                               gpu=find_gpu_type(recipe.gpu_type))
+        context = TrialContext(
+            recipe=recipe,
+            space=load_space(),
+            model=resolve_model(recipe.model),
+            gpu=find_gpu_type(recipe.gpu_type),
+        )
         return TrlRunner(context)
 
     return make
@@ -51,6 +70,7 @@ def reasons(runner, params):
 
 
 # -- check ----------------------------------------------------------------------------------------
+
 
 def test_check_passes_on_cpu_with_packages(runner):
     runner(device="cpu").check()
@@ -93,21 +113,33 @@ def test_check_quantization_needs_lora_and_bitsandbytes(runner, monkeypatch):
 
 
 def test_check_gptq_checkpoint_without_weights_is_refused(runner, tmp_path):
-    config = dict(resolve_model("tiny-qwen").config,
-                  quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128})
+    config = dict(
+        resolve_model("tiny-qwen").config,
+        quantization_config={"quant_method": "gptq", "bits": 4, "group_size": 128},
+    )
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UsageError, match="GPTQ int4.*pass the checkpoint's directory"):
         runner(model=str(tmp_path), lora_rank=4).check()
 
 
 def test_quantized_trial_spec_carries_the_bitsandbytes_config(runner, tmp_path):
-    spec = json.loads((runner(quantization="4bit", lora_rank=4).prepare(PLAIN, tmp_path / "t", 0).trial_dir
-                       / trl_runner.SPEC_FILE).read_text())
-    assert spec["quantization_config"] == {"quant_method": "bitsandbytes", "load_in_4bit": True,
-                                           "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
-                                           "bnb_4bit_compute_dtype": "float32",   # the CPU trial's dtype
-                                           "bnb_4bit_quant_storage": "float32"}
-    plain = json.loads((runner().prepare(PLAIN, tmp_path / "p", 0).trial_dir / trl_runner.SPEC_FILE).read_text())
+    spec = json.loads(
+        (
+            runner(quantization="4bit", lora_rank=4).prepare(PLAIN, tmp_path / "t", 0).trial_dir
+            / trl_runner.SPEC_FILE
+        ).read_text()
+    )
+    assert spec["quantization_config"] == {
+        "quant_method": "bitsandbytes",
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": "float32",  # the CPU trial's dtype
+        "bnb_4bit_quant_storage": "float32",
+    }
+    plain = json.loads(
+        (runner().prepare(PLAIN, tmp_path / "p", 0).trial_dir / trl_runner.SPEC_FILE).read_text()
+    )
     assert plain["quantization_config"] is None
 
 
@@ -117,18 +149,25 @@ def test_rule_8bit_with_colocated_vllm_is_invalid_like_trl(runner, monkeypatch):
     (why,) = reasons(gpu, {**PLAIN, "use_vllm": True, "vllm_mode": "colocate"})
     assert "vLLM does not support in-flight 8-bit quantization" in why
     assert reasons(gpu, {**PLAIN, "use_vllm": True, "vllm_mode": "server"}) == []
-    assert reasons(runner(device="cuda", gpus=2, quantization="4bit", lora_rank=4),
-                   {**PLAIN, "use_vllm": True, "vllm_mode": "colocate"}) == []
+    assert (
+        reasons(
+            runner(device="cuda", gpus=2, quantization="4bit", lora_rank=4),
+            {**PLAIN, "use_vllm": True, "vllm_mode": "colocate"},
+        )
+        == []
+    )
 
 
 # -- rules ----------------------------------------------------------------------------------------
+
 
 def test_rules_missing_vllm_and_deepspeed_make_candidates_invalid(runner, monkeypatch):
     monkeypatch.setattr(trl_runner, "installed", lambda name: name not in ("vllm", "deepspeed"))
     gpu = runner(device="cuda", gpus=2)
     assert reasons(gpu, PLAIN) == []
     assert reasons(gpu, {**PLAIN, "use_vllm": True, "vllm_mode": "colocate"}) == [
-        "use_vllm needs the vllm package (pip install -e '.[vllm]')"]
+        "use_vllm needs the vllm package (pip install -e '.[vllm]')"
+    ]
     (why,) = reasons(gpu, {**PLAIN, "zero_stage": 3})
     assert "deepspeed package" in why and "pip install -e '.[deepspeed]'" in why
     (why,) = reasons(gpu, {**PLAIN, "zero_stage": 0, "offload": "optimizer"})
@@ -157,6 +196,7 @@ def test_rules_on_cpu(runner, monkeypatch):
 
 
 # -- prepare --------------------------------------------------------------------------------------
+
 
 def test_prepare_single_process(runner, tmp_path):
     run = runner(memory_limit_gib=3.0, beta=0.04)
@@ -218,8 +258,16 @@ def test_prepare_vllm_server_mode_adds_sidecar_on_its_own_gpus(runner, tmp_path)
     shape_dir = (tmp_path / "t3" / "model").resolve()
     tokenizer_dir = (tmp_path / "t3" / "tokenizer").resolve()
     served = lc.vllm_serve_command(params, run.recipe, str(shape_dir), port=side.port)
-    assert side.argv == [sys.executable, "-m", "trl.cli.main", *served[1:], "--load-format", "dummy",
-                         "--tokenizer", str(tokenizer_dir)]
+    assert side.argv == [
+        sys.executable,
+        "-m",
+        "trl.cli.main",
+        *served[1:],
+        "--load-format",
+        "dummy",
+        "--tokenizer",
+        str(tokenizer_dir),
+    ]
     assert "vllm-serve" in side.argv
     assert (shape_dir / "config.json").is_file() and (tokenizer_dir / "tokenizer.json").is_file()
     assert json.loads((shape_dir / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -239,6 +287,7 @@ def test_free_port_is_bindable():
 
 
 # -- sidecar helpers ------------------------------------------------------------------------------
+
 
 class _Health(BaseHTTPRequestHandler):
     ready_at = 0.0
@@ -265,8 +314,11 @@ def test_wait_health_polls_until_ready():
 
 
 def test_wait_health_reports_a_dead_server_and_a_timeout(tmp_path):
-    side = LaunchSpec(argv=[sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"],
-                      env={}, trial_dir=tmp_path / "side")
+    side = LaunchSpec(
+        argv=[sys.executable, "-c", "import sys; print('boom', file=sys.stderr); sys.exit(3)"],
+        env={},
+        trial_dir=tmp_path / "side",
+    )
     proc = start_sidecar(side)
     with pytest.raises(RuntimeError, match="status 3"):
         wait_health(f"http://127.0.0.1:{free_port()}/health/", timeout_s=30, proc=proc, interval_s=0.1)
@@ -276,14 +328,16 @@ def test_wait_health_reports_a_dead_server_and_a_timeout(tmp_path):
 
 
 def test_stop_sidecar_ends_its_group(tmp_path):
-    side = LaunchSpec(argv=[sys.executable, "-c", "import time; time.sleep(600)"], env={},
-                      trial_dir=tmp_path / "side")
+    side = LaunchSpec(
+        argv=[sys.executable, "-c", "import time; time.sleep(600)"], env={}, trial_dir=tmp_path / "side"
+    )
     proc = start_sidecar(side)
     stop_sidecar(proc, grace_s=2)
     assert proc.returncode is not None
 
 
 # -- tokenizer ------------------------------------------------------------------------------------
+
 
 def test_synthetic_tokenizer_covers_the_full_vocab_fast():
     import transformers  # noqa: F401  (import time is not what is measured)
@@ -314,6 +368,7 @@ def test_load_tokenizer_prefers_the_models_own(tmp_path):
 
 # -- data -----------------------------------------------------------------------------------------
 
+
 def _bpe_tokenizer(dest):
     """A small real BPE tokenizer trained in-process and saved like a model's own (no network)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -322,11 +377,22 @@ def _bpe_tokenizer(dest):
     core = Tokenizer(models.BPE(unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    text = ["the quick brown fox jumps over the lazy dog " * 3, "hello world, tokens and more tokens",
-            "x a the 0 . ! hello " * 5]
-    core.train_from_iterator(text, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<eos>", "<s>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<eos>", unk_token="<unk>", bos_token="<s>")
+    text = [
+        "the quick brown fox jumps over the lazy dog " * 3,
+        "hello world, tokens and more tokens",
+        "x a the 0 . ! hello " * 5,
+    ]
+    core.train_from_iterator(
+        text,
+        trainers.BpeTrainer(
+            vocab_size=300,
+            special_tokens=["<unk>", "<eos>", "<s>"],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        ),
+    )
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, eos_token="<eos>", unk_token="<unk>", bos_token="<s>"
+    )
     tok.save_pretrained(str(dest))
     return tok
 
@@ -347,9 +413,11 @@ def test_user_dataset_is_cut_or_padded_to_the_exact_length(tmp_path):
     from autotune.worker.data import build_dataset, prompt_length
     from autotune.worker.tokenizer import synthetic_tokenizer
 
-    rows = [{"prompt": "short one"},
-            {"prompt": " ".join(f"w{i}" for i in range(100))},
-            {"prompt": [{"role": "user", "content": "a chat prompt"}]}]
+    rows = [
+        {"prompt": "short one"},
+        {"prompt": " ".join(f"w{i}" for i in range(100))},
+        {"prompt": [{"role": "user", "content": "a chat prompt"}]},
+    ]
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     tok = synthetic_tokenizer(resolve_model("tiny-qwen").config)
@@ -365,7 +433,12 @@ def test_real_tokenizer_prompts_are_exact_too(tmp_path):
 
     _bpe_tokenizer(tmp_path / "tok")
     tok = load_tokenizer({"vocab_size": 300}, tmp_path / "tok")
-    for text in ("", "hello world", "the quick brown fox jumps over the lazy dog " * 10, "tokens!!! and more"):
+    for text in (
+        "",
+        "hello world",
+        "the quick brown fox jumps over the lazy dog " * 10,
+        "tokens!!! and more",
+    ):
         for length in (1, 7, 32):
             assert prompt_length(tok, fit_prompt(tok, text, length)) == length, (text, length)
     path = tmp_path / "p.jsonl"
@@ -395,6 +468,7 @@ def test_prompts_needed_covers_every_step():
 
 
 # -- reward and worker pieces ---------------------------------------------------------------------
+
 
 def test_reward_is_cheap_varied_and_picklable():
     import pickle
@@ -429,8 +503,12 @@ def test_grpo_config_is_the_exported_one_plus_trial_fields(runner, tmp_path):
 def test_worker_rejects_a_foreign_spec(tmp_path):
     path = tmp_path / "x.json"
     path.write_text('{"version": 99}')
-    proc = subprocess.run([sys.executable, "-m", "autotune.worker", "--trial-spec", str(path)],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "autotune.worker", "--trial-spec", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0 and "version-1 trial spec" in proc.stderr
 
 
@@ -442,7 +520,9 @@ def test_shape_only_hooks_redirect_only_the_shape_dir(monkeypatch, tmp_path):
     from autotune.worker.model import _shape_only_hooks, write_shape_dir
 
     calls = []
-    monkeypatch.setattr(grpo_trainer, "create_model_from_path", lambda *a, **k: calls.append((a, k)) or "loaded")
+    monkeypatch.setattr(
+        grpo_trainer, "create_model_from_path", lambda *a, **k: calls.append((a, k)) or "loaded"
+    )
     monkeypatch.setattr(vllm_generation, "LLM", lambda **kw: kw, raising=False)
     info = {"name": "tiny-qwen", "source": "card", "config": resolve_model("tiny-qwen").config}
     model_dir = write_shape_dir(info, tmp_path, "cpu")
@@ -456,5 +536,9 @@ def test_shape_only_hooks_redirect_only_the_shape_dir(monkeypatch, tmp_path):
     assert ref.config.vocab_size == 151936 and ref.dtype == torch.float32 and len(calls) == 1
     assert sum(p.numel() for p in ref.parameters()) == resolve_model("tiny-qwen").num_params
     engine = vllm_generation.LLM(model=str(model_dir), gpu_memory_utilization=0.3)
-    assert engine == {"model": str(model_dir), "gpu_memory_utilization": 0.3, "load_format": "dummy",
-                      "tokenizer": str(tmp_path / "tokenizer")}
+    assert engine == {
+        "model": str(model_dir),
+        "gpu_memory_utilization": 0.3,
+        "load_format": "dummy",
+        "tokenizer": str(tmp_path / "tokenizer"),
+    }

@@ -14,8 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from autotune.trial.utilization import (IDLE_SHARE_LIMIT, diagnose_low_util, read_ticks, summarize,
-                                        summarize_file)
+from autotune.trial.utilization import (
+    IDLE_SHARE_LIMIT,
+    diagnose_low_util,
+    read_ticks,
+    summarize,
+    summarize_file,
+)
 
 # gpu.csv of the write-up 004 run, as GpuSampler writes it (2 GPUs, one sample every 0.5 s)
 SWING_CSV = textwrap.dedent("""\
@@ -123,9 +128,17 @@ BUSY_CSV = textwrap.dedent("""\
     21.500,measure,0,96,70.100,79.647,12.000,101.0
 """)
 
-SWIFT_004 = {"zero_stage": 3, "offload": "optimizer+params", "offload_model": True, "offload_optimizer": True,
-             "move_model_batches": 16, "sleep_level": 1, "use_vllm": True, "vllm_gpu_memory_utilization": 0.5,
-             "per_device_train_batch_size": 2}
+SWIFT_004 = {
+    "zero_stage": 3,
+    "offload": "optimizer+params",
+    "offload_model": True,
+    "offload_optimizer": True,
+    "move_model_batches": 16,
+    "sleep_level": 1,
+    "use_vllm": True,
+    "vllm_gpu_memory_utilization": 0.5,
+    "per_device_train_batch_size": 2,
+}
 
 
 def swing(tmp_path: Path) -> Path:
@@ -137,15 +150,20 @@ def swing(tmp_path: Path) -> Path:
 def test_a_swing_averaging_above_min_util_is_diagnosed_in_swifts_words(tmp_path: Path) -> None:
     summary = summarize_file(swing(tmp_path), params=SWIFT_004, min_util=0.5)
     assert summary is not None and summary.samples == 36 and summary.gpus == [0, 1]
-    assert summary.mean_gpu_util == pytest.approx(0.5268, abs=1e-3)     # the measured steps only
+    assert summary.mean_gpu_util == pytest.approx(0.5268, abs=1e-3)  # the measured steps only
     assert summary.idle_share == pytest.approx(24 / 68)
     # the mean alone passes it: what autotune said before (nothing)
     assert diagnose_low_util(summary.mean_gpu_util, SWIFT_004, 0.5) is None
     assert summary.low_util
     text = summary.diagnosis
     assert text.startswith("GPU utilization below 50% for 35% of the time (mean 53%): "), text
-    for knob in ("--offload_model false", "--offload_optimizer false", "--sleep_level 0", "no --move_model_batches",
-                 "--deepspeed zero3 instead of zero3_offload"):
+    for knob in (
+        "--offload_model false",
+        "--offload_optimizer false",
+        "--sleep_level 0",
+        "no --move_model_batches",
+        "--deepspeed zero3 instead of zero3_offload",
+    ):
         assert knob in text, knob
     assert "offload_model and offload_optimizer move the weights and optimizer state to the CPU" in text
     assert "zero_stage 3 without offload" not in text and "\n" not in text
@@ -160,13 +178,19 @@ def test_the_same_swing_under_trl_names_gets_trls_advice(tmp_path: Path) -> None
 
 
 def test_swift_knobs_that_are_off_are_not_blamed(tmp_path: Path) -> None:
-    quiet = {"zero_stage": 3, "offload": "none", "offload_model": False, "offload_optimizer": False,
-             "sleep_level": 0, "move_model_batches": None}
+    quiet = {
+        "zero_stage": 3,
+        "offload": "none",
+        "offload_model": False,
+        "offload_optimizer": False,
+        "sleep_level": 0,
+        "move_model_batches": None,
+    }
     text = summarize_file(swing(tmp_path), params=quiet).diagnosis
     # with every offload off, the samples' own evidence speaks: the host's cores were busy
     assert "the host CPU is busy (224% of a core per GPU)" in text
     assert "sleep_level" not in text and "offload_model" not in text
-    no_cpu = read_ticks(swing(tmp_path))   # the same samples where psutil saw nothing
+    no_cpu = read_ticks(swing(tmp_path))  # the same samples where psutil saw nothing
     for t in no_cpu:
         t.host_cpu_pct = None
     assert "ZeRO-3 gathers the weights across 2 GPUs" in summarize(no_cpu, params=quiet).diagnosis
@@ -192,9 +216,9 @@ def test_the_idle_share_limit(share: float, flagged: bool) -> None:
 
 def test_a_torn_or_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "gpu.csv"
-    path.write_text(SWING_CSV + "26.500,meas")          # the trial died mid-line
+    path.write_text(SWING_CSV + "26.500,meas")  # the trial died mid-line
     assert len(read_ticks(path)) == 36
     assert summarize(read_ticks(path)).samples == 36
     assert summarize_file(tmp_path / "missing.csv") is None
-    (tmp_path / "empty.csv").write_text(SWING_CSV.splitlines()[0] + "\n")   # the header only
+    (tmp_path / "empty.csv").write_text(SWING_CSV.splitlines()[0] + "\n")  # the header only
     assert summarize_file(tmp_path / "empty.csv") is None

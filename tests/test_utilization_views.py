@@ -9,6 +9,7 @@ from pathlib import Path
 
 import optuna
 import pytest
+from test_utilization_swings import SWIFT_004, SWING_CSV
 
 from autotune.export.summary import summary_md
 from autotune.progress import Reporter
@@ -16,19 +17,27 @@ from autotune.study.record import candidate_key, record, rows
 from autotune.trial.execute import add_monitor_summary
 from autotune.trial.outcome import Outcome
 from autotune.trial.utilization import summarize_file
-from test_utilization_swings import SWIFT_004, SWING_CSV
 
-TRL_OFFLOAD = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 8, "num_generations": 8,
-               "zero_stage": 3, "offload": "optimizer+params", "use_vllm": True,
-               "vllm_gpu_memory_utilization": 0.5}
+TRL_OFFLOAD = {
+    "per_device_train_batch_size": 2,
+    "gradient_accumulation_steps": 8,
+    "num_generations": 8,
+    "zero_stage": 3,
+    "offload": "optimizer+params",
+    "use_vllm": True,
+    "vllm_gpu_memory_utilization": 0.5,
+}
 
 
 def swing_outcome(tmp_path: Path, status: str = "ok", params: dict | None = None) -> Outcome:
     tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "gpu.csv").write_text(SWING_CSV)
     summary = summarize_file(tmp_path / "gpu.csv", params=params or SWIFT_004, min_util=0.5)
-    outcome = (Outcome(status="ok", throughput=2.5, peak_memory_gib=41.2, steps=6) if status == "ok"
-               else Outcome(status="oom", oom_kind="cuda", error_line="torch.OutOfMemoryError: CUDA out of memory."))
+    outcome = (
+        Outcome(status="ok", throughput=2.5, peak_memory_gib=41.2, steps=6)
+        if status == "ok"
+        else Outcome(status="oom", oom_kind="cuda", error_line="torch.OutOfMemoryError: CUDA out of memory.")
+    )
     add_monitor_summary(outcome, summary, "cuda")
     return outcome
 
@@ -39,14 +48,18 @@ def test_the_progress_line_carries_the_diagnosis(tmp_path: Path) -> None:
     reporter.trial_finished(3, swing_outcome(tmp_path))
     reporter.trial_finished(4, swing_outcome(tmp_path, status="oom"))
     first, second = out.getvalue().splitlines()
-    assert "trial 3 ok 2.5 completions/s, peak 41.2 GiB; low GPU use: GPU utilization below 50% for 35% " \
-           "of the time (mean 53%)" in first
+    assert (
+        "trial 3 ok 2.5 completions/s, peak 41.2 GiB; low GPU use: GPU utilization below 50% for 35% "
+        "of the time (mean 53%)" in first
+    )
     assert "--offload_model false" in first and first.endswith("best so far: trial 3 2.5/s")
-    assert "trial 4 oom/cuda" in second and "GPU utilization" not in second   # a dying run is not advised
+    assert "trial 4 oom/cuda" in second and "GPU utilization" not in second  # a dying run is not advised
 
 
 def test_the_study_keeps_the_diagnosis_and_the_dashboards_constraint(tmp_path: Path) -> None:
-    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}", direction="maximize")
+    study = optuna.create_study(
+        study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}", direction="maximize"
+    )
     told = [
         (TRL_OFFLOAD, swing_outcome(tmp_path / "a", params=TRL_OFFLOAD)),
         ({**TRL_OFFLOAD, "per_device_train_batch_size": 8}, Outcome(status="oom", oom_kind="cuda")),
@@ -54,8 +67,16 @@ def test_the_study_keeps_the_diagnosis_and_the_dashboards_constraint(tmp_path: P
     ]
     for number, (params, outcome) in enumerate(told):
         trial = study.ask()
-        record(study, trial, params, outcome, launched=True, key=candidate_key(params),
-               trial_dir=tmp_path / "trials" / str(number), memory_limit_gib=75.3)
+        record(
+            study,
+            trial,
+            params,
+            outcome,
+            launched=True,
+            key=candidate_key(params),
+            trial_dir=tmp_path / "trials" / str(number),
+            memory_limit_gib=75.3,
+        )
     reopened = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}")
     got = {r.number: r for r in rows(reopened)}
     assert got[0].diagnosis.startswith("GPU utilization below 50% for 35% of the time")
@@ -64,17 +85,29 @@ def test_the_study_keeps_the_diagnosis_and_the_dashboards_constraint(tmp_path: P
     assert got[1].diagnosis is None and got[2].diagnosis is None
     trials = reopened.get_trials()
     # optuna-dashboard 0.21 reads the list; Optuna 5 reads both and agrees
-    assert [t.system_attrs["constraints"] for t in trials] == [[0.0], [1.0], [pytest.approx((78.9 - 75.3) / 75.3)]]
-    assert [t.system_attrs["constraints:fits"] for t in trials] == [0.0, 1.0, pytest.approx((78.9 - 75.3) / 75.3)]
+    assert [t.system_attrs["constraints"] for t in trials] == [
+        [0.0],
+        [1.0],
+        [pytest.approx((78.9 - 75.3) / 75.3)],
+    ]
+    assert [t.system_attrs["constraints:fits"] for t in trials] == [
+        0.0,
+        1.0,
+        pytest.approx((78.9 - 75.3) / 75.3),
+    ]
     # the headroom violator has the highest value, yet Optuna's best trial is the feasible one
     assert reopened.best_trial.number == 0
 
 
 def test_summary_md_says_when_the_exported_trial_idled(tmp_path: Path, recipe_factory) -> None:
-    study = optuna.create_study(study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}", direction="maximize")
-    told = [(SWIFT_004, swing_outcome(tmp_path)),
-            ({**SWIFT_004, "sleep_level": 0}, swing_outcome(tmp_path, params={**SWIFT_004, "sleep_level": 0})),
-            ({**SWIFT_004, "offload_model": False}, Outcome(status="ok", throughput=1.0, peak_memory_gib=50.0))]
+    study = optuna.create_study(
+        study_name="s", storage=f"sqlite:///{tmp_path / 'study.db'}", direction="maximize"
+    )
+    told = [
+        (SWIFT_004, swing_outcome(tmp_path)),
+        ({**SWIFT_004, "sleep_level": 0}, swing_outcome(tmp_path, params={**SWIFT_004, "sleep_level": 0})),
+        ({**SWIFT_004, "offload_model": False}, Outcome(status="ok", throughput=1.0, peak_memory_gib=50.0)),
+    ]
     told[1][1].throughput = 2.0
     for params, outcome in told:
         record(study, study.ask(), params, outcome, launched=True, key=candidate_key(params))
@@ -82,7 +115,10 @@ def test_summary_md_says_when_the_exported_trial_idled(tmp_path: Path, recipe_fa
     recipe = recipe_factory(min_util=0.5)
     text = summary_md(tmp_path / "best", all_rows[0], recipe, all_rows, [], ["summary.md"])
     section = text.split("## GPU utilization", 1)[1].split("\n## ", 1)[0]
-    assert "**The chosen trial 0 left its GPUs idle** (--min-util 50%): GPU utilization below 50% for 35%" in section
+    assert (
+        "**The chosen trial 0 left its GPUs idle** (--min-util 50%): GPU utilization below 50% for 35%"
+        in section
+    )
     assert "--sleep_level 0" in section.splitlines()[2]
     assert "- trial 1 (2 completions/s): GPU utilization below 50%" in section
     assert "trial 2" not in section

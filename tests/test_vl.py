@@ -9,17 +9,26 @@ lengths, image tokens, patches), and one real TRL 1.16 VL GRPO trial runs tiny-q
 from __future__ import annotations
 
 import pytest
-
 from conftest import saved_activation_bytes
 
 from autotune.errors import UsageError
 from autotune.models import resolve_model
-from autotune.search.memory import estimate, lora_params, weight_bytes, base_quantization
+from autotune.search.memory import base_quantization, estimate, lora_params, weight_bytes
 from autotune.units import GIB
 
-BASE = dict(per_device_train_batch_size=2, gradient_accumulation_steps=4, num_generations=4, zero_stage=3,
-            offload="none", gradient_checkpointing=True, use_vllm=True, vllm_mode="colocate",
-            vllm_gpu_memory_utilization=0.5, vllm_enable_sleep_mode=True, vllm_tensor_parallel_size=1)
+BASE = dict(
+    per_device_train_batch_size=2,
+    gradient_accumulation_steps=4,
+    num_generations=4,
+    zero_stage=3,
+    offload="none",
+    gradient_checkpointing=True,
+    use_vllm=True,
+    vllm_mode="colocate",
+    vllm_gpu_memory_utilization=0.5,
+    vllm_enable_sleep_mode=True,
+    vllm_tensor_parallel_size=1,
+)
 
 
 def vl(params=None, **kw):
@@ -37,7 +46,7 @@ def test_image_tokens_join_the_prompt_and_the_encoder_shows_in_the_parts():
     longer = vl(max_prompt_length=512 + 2048)
     assert img.activations_gib == pytest.approx(longer.activations_gib)
     assert sum(img.parts.values()) == pytest.approx(sum(longer.parts.values()) + img.vision_gib)
-    assert any("16384 patches per micro-batch" in note for note in img.notes)   # 2 x 2 x 1024 x 2^2
+    assert any("16384 patches per micro-batch" in note for note in img.notes)  # 2 x 2 x 1024 x 2^2
 
 
 def test_vision_activations_by_hand():
@@ -61,16 +70,29 @@ def test_vision_scales_with_images_and_micro_batch():
 def test_vision_params_count_in_states_lora_and_vllm():
     vl3, text3 = resolve_model("Qwen2.5-VL-3B"), resolve_model("Qwen2.5-3B")
     assert vl3.num_params - text3.num_params == vl3.vision.num_params
-    assert lora_params(vl3, 8) - lora_params(text3, 8) == sum(8 * (i + o) * n for i, o, n in vl3.vision.linear_shapes())
-    full_vl = estimate(vl3, BASE, gpus=1, capacity_gib=79.3, max_prompt_length=512, max_completion_length=1024)
-    full_text = estimate(text3, BASE, gpus=1, capacity_gib=79.3, max_prompt_length=512, max_completion_length=1024)
+    assert lora_params(vl3, 8) - lora_params(text3, 8) == sum(
+        8 * (i + o) * n for i, o, n in vl3.vision.linear_shapes()
+    )
+    full_vl = estimate(
+        vl3, BASE, gpus=1, capacity_gib=79.3, max_prompt_length=512, max_completion_length=1024
+    )
+    full_text = estimate(
+        text3, BASE, gpus=1, capacity_gib=79.3, max_prompt_length=512, max_completion_length=1024
+    )
     assert full_vl.model_states_gib > full_text.model_states_gib
 
 
 def test_image_tokens_on_a_text_model_are_refused_in_one_line():
     with pytest.raises(UsageError) as info:
-        estimate(resolve_model("Qwen2.5-3B"), BASE, gpus=1, capacity_gib=79.3, max_prompt_length=512,
-                 max_completion_length=1024, image_tokens=1024)
+        estimate(
+            resolve_model("Qwen2.5-3B"),
+            BASE,
+            gpus=1,
+            capacity_gib=79.3,
+            max_prompt_length=512,
+            max_completion_length=1024,
+            image_tokens=1024,
+        )
     assert "has no vision tower" in str(info.value) and "\n" not in str(info.value)
 
 
@@ -85,18 +107,28 @@ def _trl_runner(recipe_factory, **kw):
     from autotune.search.space import load_space
 
     recipe = recipe_factory(**{**dict(model="tiny-qwen-vl", gpus=1, runner="trl", device="cpu"), **kw})
-    return TrlRunner(TrialContext(recipe=recipe, space=load_space(), model=resolve_model(recipe.model),
-                                  gpu=find_gpu_type(recipe.gpu_type)))
+    return TrlRunner(
+        TrialContext(
+            recipe=recipe,
+            space=load_space(),
+            model=resolve_model(recipe.model),
+            gpu=find_gpu_type(recipe.gpu_type),
+        )
+    )
 
 
 def test_trl_runner_takes_vl_and_refuses_what_it_cannot_build_in_one_line(recipe_factory, tmp_path):
-    runner = _trl_runner(recipe_factory, model="Qwen2.5-VL-3B-Instruct", image_tokens=256, images_per_prompt=2)
+    runner = _trl_runner(
+        recipe_factory, model="Qwen2.5-VL-3B-Instruct", image_tokens=256, images_per_prompt=2
+    )
     runner.check_model()
     spec = runner.trial_spec({}, tmp_path, 0)
     assert (spec["image_tokens"], spec["images_per_prompt"]) == (256, 2)
     # 211 is prime: its only grid, 1 x 211, is thinner than Qwen-VL's 1:200 limit
-    for kw, words in ((dict(image_tokens=211), "no image is exactly 211 tokens"),
-                      (dict(image_tokens=16, dataset=str(tmp_path / "p.jsonl")), "--dataset")):
+    for kw, words in (
+        (dict(image_tokens=211), "no image is exactly 211 tokens"),
+        (dict(image_tokens=16, dataset=str(tmp_path / "p.jsonl")), "--dataset"),
+    ):
         with pytest.raises(UsageError) as info:
             _trl_runner(recipe_factory, **kw).check_model()
         assert words in str(info.value) and "\n" not in str(info.value)
@@ -118,8 +150,13 @@ def test_trl_runner_keeps_a_shape_only_vl_model_off_vllm(recipe_factory, monkeyp
 def test_vllm_max_model_length_counts_image_tokens(recipe_factory):
     from autotune.configs.trl import vllm_max_model_length
 
-    recipe = recipe_factory(model="Qwen2.5-VL-3B", max_prompt_length=512, max_completion_length=1024,
-                            image_tokens=256, images_per_prompt=2)
+    recipe = recipe_factory(
+        model="Qwen2.5-VL-3B",
+        max_prompt_length=512,
+        max_completion_length=1024,
+        image_tokens=256,
+        images_per_prompt=2,
+    )
     assert vllm_max_model_length(recipe) == 512 + 512 + 1024
 
 
@@ -130,11 +167,27 @@ transformers = pytest.importorskip("transformers")
 
 def _tiny_vl_config():
     return transformers.Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, fullatt_block_indexes=[1]))
+        text_config=dict(
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_heads=4,
+            out_hidden_size=64,
+            patch_size=14,
+            spatial_merge_size=2,
+            temporal_patch_size=2,
+            fullatt_block_indexes=[1],
+        ),
+    )
 
 
 @pytest.mark.parametrize(("hidden", "inter"), [(256, 684), (512, 684), (512, 1368)])
@@ -143,13 +196,19 @@ def test_vision_block_activation_count_matches_autograd_saved_tensors(hidden, in
 
     from autotune.models import VisionTower
 
-    config = transformers.Qwen2_5_VLConfig(vision_config=dict(depth=1, hidden_size=hidden, intermediate_size=inter,
-                                                              num_heads=4, out_hidden_size=64)).vision_config
+    config = transformers.Qwen2_5_VLConfig(
+        vision_config=dict(
+            depth=1, hidden_size=hidden, intermediate_size=inter, num_heads=4, out_hidden_size=64
+        )
+    ).vision_config
     config._attn_implementation = "sdpa"
     block = Qwen2_5_VLVisionBlock(config).to(torch.bfloat16)
     patches, head_dim = 512, hidden // 4
     x = torch.randn(patches, hidden, dtype=torch.bfloat16, requires_grad=True)
-    rope = (torch.randn(patches, head_dim, dtype=torch.bfloat16), torch.randn(patches, head_dim, dtype=torch.bfloat16))
+    rope = (
+        torch.randn(patches, head_dim, dtype=torch.bfloat16),
+        torch.randn(patches, head_dim, dtype=torch.bfloat16),
+    )
     cu_seqlens = torch.tensor([0, 256, 512], dtype=torch.int32)
     total = saved_activation_bytes(block, lambda: block(x, cu_seqlens=cu_seqlens, position_embeddings=rope))
     measured = (total - sum(t.nbytes for t in rope)) / patches
@@ -166,11 +225,21 @@ def test_bitsandbytes_quantizes_the_vision_tower_too(tmp_path):
     config = _tiny_vl_config()
     transformers.Qwen2_5_VLForConditionalGeneration(config).save_pretrained(str(tmp_path / "w"))
     model = transformers.AutoModelForImageTextToText.from_pretrained(
-        str(tmp_path / "w"), dtype=torch.bfloat16,
-        quantization_config={"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-                             "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": "bfloat16"})
-    visual = [type(m).__name__ for n, m in model.named_modules() if n.startswith("model.visual") and
-              isinstance(m, torch.nn.Linear)]
+        str(tmp_path / "w"),
+        dtype=torch.bfloat16,
+        quantization_config={
+            "quant_method": "bitsandbytes",
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": "bfloat16",
+        },
+    )
+    visual = [
+        type(m).__name__
+        for n, m in model.named_modules()
+        if n.startswith("model.visual") and isinstance(m, torch.nn.Linear)
+    ]
     assert visual and set(visual) == {"Linear4bit"}
     real, seen = 0, set()
     for module in model.modules():
@@ -183,13 +252,16 @@ def test_bitsandbytes_quantizes_the_vision_tower_too(tmp_path):
             real += state.absmax.numel() * state.absmax.element_size()
             real += state.state2.absmax.numel() * state.state2.absmax.element_size()
     spec = ModelSpec(name="tiny-vl", config=config.to_dict(), source="path", path=None, has_weights=False)
-    assert spec.num_params == sum(p.numel() for p in transformers.Qwen2_5_VLForConditionalGeneration(config).parameters())
+    assert spec.num_params == sum(
+        p.numel() for p in transformers.Qwen2_5_VLForConditionalGeneration(config).parameters()
+    )
     assert weight_bytes(spec, base_quantization(spec, "4bit", 4)) == pytest.approx(real, rel=0.01)
 
 
 # -- the worker's offline processor, against transformers' own Qwen2.5-VL processor ------------------
-@pytest.mark.parametrize(("tokens", "grid"),
-                         [(1, (1, 1)), (16, (4, 4)), (6, (2, 3)), (1024, (32, 32)), (398, (2, 199))])
+@pytest.mark.parametrize(
+    ("tokens", "grid"), [(1, (1, 1)), (16, (4, 4)), (6, (2, 3)), (1024, (32, 32)), (398, (2, 199))]
+)
 def test_image_grid_is_the_squarest_exact_factorisation(tokens, grid):
     from autotune.worker.vision import image_grid, image_pixels
 
@@ -202,8 +274,12 @@ def test_offline_tokenizer_spells_the_configs_vision_ids():
 
     config = resolve_model("tiny-qwen-vl").config
     tok = synthetic_tokenizer(config)
-    for key, name in (("image_token_id", "<|image_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
-                      ("vision_end_token_id", "<|vision_end|>"), ("video_token_id", "<|video_pad|>")):
+    for key, name in (
+        ("image_token_id", "<|image_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"),
+        ("vision_end_token_id", "<|vision_end|>"),
+        ("video_token_id", "<|video_pad|>"),
+    ):
         assert tok.convert_tokens_to_ids(name) == config[key]
     ids = tok(text="t5<|vision_start|><|image_pad|><|image_pad|><|vision_end|> t9")["input_ids"]
     assert ids == [5, 151652, 151655, 151655, 151653, 9]
@@ -229,13 +305,14 @@ def test_vl_prompts_are_exactly_text_plus_image_tokens(tokens, images):
     for row in data:
         assert len(row["images"]) == images
         messages = prepare_multimodal_messages(row["prompt"], images=row["images"])
-        out = processor.apply_chat_template([messages], add_generation_prompt=True, tokenize=True,
-                                            return_dict=True, return_tensors="pt")
+        out = processor.apply_chat_template(
+            [messages], add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+        )
         ids = out["input_ids"][0].tolist()
         assert len(ids) == 24 + images * tokens
         assert ids.count(config["image_token_id"]) == images * tokens
         assert out["pixel_values"].shape[0] == images * tokens * 4
-    assert data[0]["prompt"] != data[1]["prompt"]      # fresh text per row, the same sizes
+    assert data[0]["prompt"] != data[1]["prompt"]  # fresh text per row, the same sizes
 
 
 def test_a_prompt_too_short_for_the_markers_is_refused_in_one_line():
@@ -268,15 +345,35 @@ def test_real_vl_grpo_trial_on_cpu_trains_text_plus_image_tokens(recipe_factory,
 
     from autotune.trial.launch import launch
 
-    runner = _trl_runner(recipe_factory, max_prompt_length=VL_PROMPT, max_completion_length=VL_COMPLETION,
-                         image_tokens=IMAGE_TOKENS, images_per_prompt=IMAGES, warmup_steps=1, measure_steps=1)
+    runner = _trl_runner(
+        recipe_factory,
+        max_prompt_length=VL_PROMPT,
+        max_completion_length=VL_COMPLETION,
+        image_tokens=IMAGE_TOKENS,
+        images_per_prompt=IMAGES,
+        warmup_steps=1,
+        measure_steps=1,
+    )
     runner.check()
-    params = dict(per_device_train_batch_size=2, gradient_accumulation_steps=1, num_generations=2,
-                  gradient_checkpointing=True, use_vllm=False, zero_stage=0, offload="none")
+    params = dict(
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=1,
+        num_generations=2,
+        gradient_checkpointing=True,
+        use_vllm=False,
+        zero_stage=0,
+        offload="none",
+    )
     assert all(rule(params) is None for rule in runner.rules())
     trial_dir = tmp_path / "trial"
-    result = launch(runner.prepare(params, trial_dir, 0), on_line=lambda stream, line: None,
-                    should_stop=lambda: None, trial_timeout_s=240, hang_timeout_s=120, grace_s=5)
+    result = launch(
+        runner.prepare(params, trial_dir, 0),
+        on_line=lambda stream, line: None,
+        should_stop=lambda: None,
+        trial_timeout_s=240,
+        hang_timeout_s=120,
+        grace_s=5,
+    )
     assert result.returncode == 0, result.stderr_tail[-3000:]
 
     per_sequence = VL_PROMPT + IMAGES * IMAGE_TOKENS + VL_COMPLETION
@@ -293,5 +390,7 @@ def test_real_vl_grpo_trial_on_cpu_trains_text_plus_image_tokens(recipe_factory,
         assert line["completion_length"] == VL_COMPLETION
     logs = [ast.literal_eval(t) for t in stdout.splitlines() if t.startswith("{'loss'")]
     assert [float(log["num_tokens"]) for log in logs] == [2 * per_sequence * s for s in range(1, 5)]
-    print(f"VL trial: {per_sequence} tokens/sequence, step times {[m['step_time'] for m in lines]}, "
-          f"throughput {2 / lines[-1]['step_time']:.2f} completions/s")
+    print(
+        f"VL trial: {per_sequence} tokens/sequence, step times {[m['step_time'] for m in lines]}, "
+        f"throughput {2 / lines[-1]['step_time']:.2f} completions/s"
+    )

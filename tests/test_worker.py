@@ -14,11 +14,11 @@ import re
 import pytest
 
 from autotune.hardware import find_gpu_type
-from autotune.trial.launch import launch
 from autotune.models import resolve_model
 from autotune.runners.base import TrialContext
 from autotune.runners.trl import TrlRunner
 from autotune.search.space import load_space
+from autotune.trial.launch import launch
 
 pytestmark = pytest.mark.slow
 
@@ -27,21 +27,41 @@ PROMPT, COMPLETION = 32, 16
 
 def run_trial(recipe_factory, tmp_path, params, model="tiny-qwen", **recipe_kw):
     """Prepare and launch one trial to its end; returns (result, trial_dir, metrics lines)."""
-    base = dict(model=model, gpus=1, runner="trl", device="cpu", max_prompt_length=PROMPT,
-                max_completion_length=COMPLETION, warmup_steps=1, measure_steps=1)
+    base = dict(
+        model=model,
+        gpus=1,
+        runner="trl",
+        device="cpu",
+        max_prompt_length=PROMPT,
+        max_completion_length=COMPLETION,
+        warmup_steps=1,
+        measure_steps=1,
+    )
     base.update(recipe_kw)
     recipe = recipe_factory(**base)
-    context = TrialContext(recipe=recipe, space=load_space(), model=resolve_model(recipe.model),
-                           gpu=find_gpu_type(recipe.gpu_type))
+    context = TrialContext(
+        recipe=recipe,
+        space=load_space(),
+        model=resolve_model(recipe.model),
+        gpu=find_gpu_type(recipe.gpu_type),
+    )
     runner = TrlRunner(context)
     runner.check()
     assert all(rule(params) is None for rule in runner.rules())
     trial_dir = tmp_path / "trial"
     spec = runner.prepare(params, trial_dir, 0)
-    result = launch(spec, on_line=lambda stream, line: None, should_stop=lambda: None,
-                    trial_timeout_s=240, hang_timeout_s=120, grace_s=5)
+    result = launch(
+        spec,
+        on_line=lambda stream, line: None,
+        should_stop=lambda: None,
+        trial_timeout_s=240,
+        hang_timeout_s=120,
+        grace_s=5,
+    )
     metrics_file = trial_dir / "metrics.jsonl"
-    lines = [json.loads(text) for text in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    lines = (
+        [json.loads(text) for text in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    )
     return result, trial_dir, lines
 
 
@@ -55,8 +75,16 @@ def trl_logs(trial_dir):
 
 
 def params(pd=2, accum=2, gens=2, **kw):
-    return dict(per_device_train_batch_size=pd, gradient_accumulation_steps=accum, num_generations=gens,
-                gradient_checkpointing=True, use_vllm=False, zero_stage=0, offload="none", **kw)
+    return dict(
+        per_device_train_batch_size=pd,
+        gradient_accumulation_steps=accum,
+        num_generations=gens,
+        gradient_checkpointing=True,
+        use_vllm=False,
+        zero_stage=0,
+        offload="none",
+        **kw,
+    )
 
 
 def test_real_grpo_trial_on_cpu_writes_metrics(recipe_factory, tmp_path):
@@ -126,8 +154,9 @@ def test_model_with_weights_lora_dataset_and_eos_suppression(recipe_factory, tmp
     dataset = tmp_path / "prompts.jsonl"
     dataset.write_text('{"prompt": "t1 t2 t3"}\n{"prompt": "' + " ".join(["t4"] * 50) + '"}\n')
 
-    result, trial_dir, lines = run_trial(recipe_factory, tmp_path, params(4, 1, 4), model=str(model_dir),
-                                         lora_rank=4, dataset=str(dataset))
+    result, trial_dir, lines = run_trial(
+        recipe_factory, tmp_path, params(4, 1, 4), model=str(model_dir), lora_rank=4, dataset=str(dataset)
+    )
     assert result.returncode == 0, result.stderr_tail[-3000:]
     assert "shape-only" not in (trial_dir / "stdout.log").read_text()
     assert len(lines) >= 3

@@ -4,16 +4,44 @@ Pure functions of (params, recipe). The runners build their trials from them and
 writes the production files from them, so what ships is what was measured.
 """
 
-from autotune.configs.deepspeed import (AUTO, OFFLOADS, ZERO_STAGES, accelerate_config, batch_problems,
-                                        batch_values, deepspeed_config, deepspeed_schema_problems,
-                                        offload_of, uses_deepspeed, zero_stage_of)
-from autotune.configs.swift import (SWIFT_ONLY, SWIFT_PRESETS, SwiftVersion, TrialInputs, production_argv,
-                                    swift_command, swift_deepspeed, swift_env, swift_rollout_command,
-                                    swift_space_path, swift_trial_argv)
-from autotune.configs.trl import (DEFAULT_VLLM_SERVER_PORT, LAUNCH_ONLY, TRL_DEFAULTS, TRL_PASSTHROUGH,
-                                  effective, gpu_split, grpo_config_kwargs, is_vllm_server,
-                                  vllm_max_model_length, vllm_serve_command)
-
+from autotune.configs.deepspeed import (
+    AUTO,
+    OFFLOADS,
+    ZERO_STAGES,
+    accelerate_config,
+    batch_problems,
+    batch_values,
+    deepspeed_config,
+    deepspeed_schema_problems,
+    offload_of,
+    uses_deepspeed,
+    zero_stage_of,
+)
+from autotune.configs.swift import (
+    SWIFT_ONLY,
+    SWIFT_PRESETS,
+    SwiftVersion,
+    TrialInputs,
+    production_argv,
+    swift_command,
+    swift_deepspeed,
+    swift_env,
+    swift_rollout_command,
+    swift_space_path,
+    swift_trial_argv,
+)
+from autotune.configs.trl import (
+    DEFAULT_VLLM_SERVER_PORT,
+    LAUNCH_ONLY,
+    TRL_DEFAULTS,
+    TRL_PASSTHROUGH,
+    effective,
+    gpu_split,
+    grpo_config_kwargs,
+    is_vllm_server,
+    vllm_max_model_length,
+    vllm_serve_command,
+)
 
 
 def dropped_params(params: dict) -> list[str]:
@@ -23,10 +51,37 @@ def dropped_params(params: dict) -> list[str]:
 
 
 __all__ = [
-    "AUTO", "DEFAULT_VLLM_SERVER_PORT", "LAUNCH_ONLY", "OFFLOADS", "SWIFT_PRESETS", "TRL_DEFAULTS",
-    "TRL_PASSTHROUGH", "ZERO_STAGES", "accelerate_config", "batch_problems", "batch_values",
-    "deepspeed_config", "deepspeed_schema_problems", "dropped_params", "effective", "gpu_split",
-    "grpo_config_kwargs", "is_vllm_server", "offload_of", "swift_command", "swift_deepspeed", "swift_env",
-    "swift_rollout_command", "SWIFT_ONLY", "SwiftVersion", "TrialInputs", "production_argv", "swift_space_path",
-    "swift_trial_argv", "uses_deepspeed", "vllm_max_model_length", "vllm_serve_command", "zero_stage_of",
+    "AUTO",
+    "DEFAULT_VLLM_SERVER_PORT",
+    "LAUNCH_ONLY",
+    "OFFLOADS",
+    "SWIFT_PRESETS",
+    "TRL_DEFAULTS",
+    "TRL_PASSTHROUGH",
+    "ZERO_STAGES",
+    "accelerate_config",
+    "batch_problems",
+    "batch_values",
+    "deepspeed_config",
+    "deepspeed_schema_problems",
+    "dropped_params",
+    "effective",
+    "gpu_split",
+    "grpo_config_kwargs",
+    "is_vllm_server",
+    "offload_of",
+    "swift_command",
+    "swift_deepspeed",
+    "swift_env",
+    "swift_rollout_command",
+    "SWIFT_ONLY",
+    "SwiftVersion",
+    "TrialInputs",
+    "production_argv",
+    "swift_space_path",
+    "swift_trial_argv",
+    "uses_deepspeed",
+    "vllm_max_model_length",
+    "vllm_serve_command",
+    "zero_stage_of",
 ]

@@ -21,7 +21,6 @@ from typing import Any
 from autotune.configs.trl import effective
 from autotune.recipe import Recipe
 
-
 ZERO_STAGES = (0, 1, 2, 3)
 
 OFFLOADS = ("none", "optimizer", "optimizer+params")
@@ -71,7 +70,7 @@ def deepspeed_config(params: dict[str, Any], recipe: Recipe) -> dict[str, Any] |
         return None
     offload = offload_of(params)
     zero: dict[str, Any] = {"stage": stage}
-    pin = recipe.device != "cpu"     # page-locked host memory is for GPU copies
+    pin = recipe.device != "cpu"  # page-locked host memory is for GPU copies
     if offload in ("optimizer", "optimizer+params"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if offload == "optimizer+params":
@@ -79,30 +78,37 @@ def deepspeed_config(params: dict[str, Any], recipe: Recipe) -> dict[str, Any] |
     if stage >= 1:
         zero.update({"overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": AUTO})
     if stage == 2:
-        zero.update({"allgather_partitions": True, "allgather_bucket_size": 500_000_000,
-                     "reduce_scatter": True})
+        zero.update(
+            {"allgather_partitions": True, "allgather_bucket_size": 500_000_000, "reduce_scatter": True}
+        )
     if stage == 3:
-        zero.update({
-            "sub_group_size": 1_000_000_000,
-            "stage3_prefetch_bucket_size": AUTO,
-            "stage3_param_persistence_threshold": AUTO,
-            "stage3_max_live_parameters": 1_000_000_000,
-            "stage3_max_reuse_distance": 1_000_000_000,
-            "stage3_gather_16bit_weights_on_model_save": True,
-        })
+        zero.update(
+            {
+                "sub_group_size": 1_000_000_000,
+                "stage3_prefetch_bucket_size": AUTO,
+                "stage3_param_persistence_threshold": AUTO,
+                "stage3_max_live_parameters": 1_000_000_000,
+                "stage3_max_reuse_distance": 1_000_000_000,
+                "stage3_gather_16bit_weights_on_model_save": True,
+            }
+        )
     config: dict[str, Any] = {}
     if recipe.device != "cpu":
         config["bf16"] = {"enabled": AUTO}
     if "offload_optimizer" in zero:
-        config["optimizer"] = {"type": "AdamW", "params": {
-            "lr": AUTO, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO}}
+        config["optimizer"] = {
+            "type": "AdamW",
+            "params": {"lr": AUTO, "betas": AUTO, "eps": AUTO, "weight_decay": AUTO},
+        }
     config["zero_optimization"] = zero
-    config.update({
-        "train_micro_batch_size_per_gpu": AUTO,
-        "train_batch_size": AUTO,
-        "gradient_accumulation_steps": AUTO,
-        "gradient_clipping": AUTO,
-    })
+    config.update(
+        {
+            "train_micro_batch_size_per_gpu": AUTO,
+            "train_batch_size": AUTO,
+            "gradient_accumulation_steps": AUTO,
+            "gradient_clipping": AUTO,
+        }
+    )
     return config
 
 
@@ -136,12 +142,16 @@ def batch_problems(config: dict[str, Any], params: dict[str, Any], recipe: Recip
     dp = recipe.dp_gpus(effective(params, recipe))
     product = got["train_micro_batch_size_per_gpu"] * got["gradient_accumulation_steps"] * dp
     if got["train_batch_size"] != product:
-        problems.append(f"train_batch_size {got['train_batch_size']} != micro "
-                        f"{got['train_micro_batch_size_per_gpu']} x accumulation "
-                        f"{got['gradient_accumulation_steps']} x {dp} data-parallel GPUs")
+        problems.append(
+            f"train_batch_size {got['train_batch_size']} != micro "
+            f"{got['train_micro_batch_size_per_gpu']} x accumulation "
+            f"{got['gradient_accumulation_steps']} x {dp} data-parallel GPUs"
+        )
     if recipe.global_batch and got["train_batch_size"] != recipe.global_batch:
-        problems.append(f"train_batch_size {got['train_batch_size']} is not the recipe's global "
-                        f"batch {recipe.global_batch}")
+        problems.append(
+            f"train_batch_size {got['train_batch_size']} is not the recipe's global "
+            f"batch {recipe.global_batch}"
+        )
     return problems
 
 
@@ -149,27 +159,50 @@ def batch_problems(config: dict[str, Any], params: dict[str, Any], recipe: Recip
 # DeepSpeed forbids unknown zero_optimization keys). Types: "int", "bool", "number", "dict",
 # "str"; a trailing "|auto" means the HF integration fills "auto" there.
 _TOP_SCHEMA = {
-    "bf16": "dict", "fp16": "dict", "optimizer": "dict", "scheduler": "dict",
+    "bf16": "dict",
+    "fp16": "dict",
+    "optimizer": "dict",
+    "scheduler": "dict",
     "zero_optimization": "dict",
-    "train_micro_batch_size_per_gpu": "int|auto", "train_batch_size": "int|auto",
-    "gradient_accumulation_steps": "int|auto", "gradient_clipping": "number|auto",
-    "steps_per_print": "int", "wall_clock_breakdown": "bool", "zero_allow_untested_optimizer": "bool",
+    "train_micro_batch_size_per_gpu": "int|auto",
+    "train_batch_size": "int|auto",
+    "gradient_accumulation_steps": "int|auto",
+    "gradient_clipping": "number|auto",
+    "steps_per_print": "int",
+    "wall_clock_breakdown": "bool",
+    "zero_allow_untested_optimizer": "bool",
 }
 
 
 _ZERO_SCHEMA = {
-    "stage": "int", "offload_optimizer": "dict", "offload_param": "dict",
-    "overlap_comm": "bool", "contiguous_gradients": "bool", "reduce_scatter": "bool",
-    "reduce_bucket_size": "int|auto", "allgather_partitions": "bool", "allgather_bucket_size": "int",
-    "round_robin_gradients": "bool", "sub_group_size": "int",
-    "stage3_prefetch_bucket_size": "int|auto", "stage3_param_persistence_threshold": "int|auto",
-    "stage3_max_live_parameters": "int", "stage3_max_reuse_distance": "int",
+    "stage": "int",
+    "offload_optimizer": "dict",
+    "offload_param": "dict",
+    "overlap_comm": "bool",
+    "contiguous_gradients": "bool",
+    "reduce_scatter": "bool",
+    "reduce_bucket_size": "int|auto",
+    "allgather_partitions": "bool",
+    "allgather_bucket_size": "int",
+    "round_robin_gradients": "bool",
+    "sub_group_size": "int",
+    "stage3_prefetch_bucket_size": "int|auto",
+    "stage3_param_persistence_threshold": "int|auto",
+    "stage3_max_live_parameters": "int",
+    "stage3_max_reuse_distance": "int",
     "stage3_gather_16bit_weights_on_model_save": "bool",
 }
 
 
-_OFFLOAD_SCHEMA = {"device": "str", "pin_memory": "bool", "nvme_path": "str", "buffer_count": "int",
-                   "buffer_size": "int", "max_in_cpu": "int", "ratio": "number"}
+_OFFLOAD_SCHEMA = {
+    "device": "str",
+    "pin_memory": "bool",
+    "nvme_path": "str",
+    "buffer_count": "int",
+    "buffer_size": "int",
+    "max_in_cpu": "int",
+    "ratio": "number",
+}
 
 
 _PRECISION_SCHEMA = {"enabled": "bool|auto"}
@@ -234,13 +267,17 @@ def deepspeed_schema_problems(config: dict[str, Any]) -> list[str]:
         if isinstance(section, dict):
             problems += _check_keys(section, _OFFLOAD_SCHEMA, f"zero_optimization.{name}.")
             if section.get("device") not in ("none", "cpu", "nvme"):
-                problems.append(f"zero_optimization.{name}.device {section.get('device')!r} "
-                                "is not none, cpu or nvme")
+                problems.append(
+                    f"zero_optimization.{name}.device {section.get('device')!r} is not none, cpu or nvme"
+                )
     if stage != 3:
         if (zero.get("offload_param") or {}).get("device", "none") != "none":
             problems.append("offload_param needs ZeRO stage 3")
-        problems += [f"zero_optimization.{k} is a stage-3 key at stage {stage}"
-                     for k in zero if k.startswith("stage3_")]
+        problems += [
+            f"zero_optimization.{k} is a stage-3 key at stage {stage}"
+            for k in zero
+            if k.startswith("stage3_")
+        ]
     return problems
 
 
@@ -271,14 +308,16 @@ def accelerate_config(params: dict[str, Any], recipe: Recipe, ds_config_path: st
         if not cpu:
             config["gpu_ids"] = "all"
         config["mixed_precision"] = "no" if cpu else "bf16"
-    config.update({
-        "downcast_bf16": "no",
-        "machine_rank": 0,
-        "main_training_function": "main",
-        "num_machines": 1,
-        "num_processes": processes,
-        "rdzv_backend": "static",
-        "same_network": True,
-        "use_cpu": cpu,
-    })
+    config.update(
+        {
+            "downcast_bf16": "no",
+            "machine_rank": 0,
+            "main_training_function": "main",
+            "num_machines": 1,
+            "num_processes": processes,
+            "rdzv_backend": "static",
+            "same_network": True,
+            "use_cpu": cpu,
+        }
+    )
     return config

@@ -42,7 +42,7 @@ class SwiftVersion:
     patch: int = 0
 
     @classmethod
-    def parse(cls, text: str) -> "SwiftVersion | None":
+    def parse(cls, text: str) -> SwiftVersion | None:
         """``4.6.0``, ``3.12.6``, ``4.0.0.dev0``, ``3.1.1.post1`` -> a version; None when unreadable."""
         found = re.match(r"\s*v?(\d+)\.(\d+)(?:\.(\d+))?", str(text))
         if not found:
@@ -86,15 +86,31 @@ SWIFT_PRESETS: dict[tuple[int, str], str] = {
 
 #: Search parameters only ms-swift reads (search_spaces/swift.yaml): sent as its own flags.
 #: ``deepspeed_config`` picks ms-swift's preset (``preset``) or autotune's measured JSON (``autotune``).
-SWIFT_ONLY = frozenset({"sleep_level", "offload_optimizer", "offload_model", "move_model_batches",
-                        "deepspeed_config"})
+SWIFT_ONLY = frozenset(
+    {"sleep_level", "offload_optimizer", "offload_model", "move_model_batches", "deepspeed_config"}
+)
 #: Parameters passed under their own name when a space has them (TRL's names, same in ms-swift).
-SWIFT_PASSTHROUGH = ("use_liger_kernel", "steps_per_generation", "generation_batch_size",
-                     "ds3_gather_for_generation")
+SWIFT_PASSTHROUGH = (
+    "use_liger_kernel",
+    "steps_per_generation",
+    "generation_batch_size",
+    "ds3_gather_for_generation",
+)
 
 #: Flags that shape a trial rather than the training run: removed from the exported command.
-TRIAL_ONLY = frozenset({"--max_steps", "--output_dir", "--logging_steps", "--report_to", "--save_strategy",
-                        "--dataloader_num_workers", "--dataset_num_proc", "--logging_dir", "--add_version"})
+TRIAL_ONLY = frozenset(
+    {
+        "--max_steps",
+        "--output_dir",
+        "--logging_steps",
+        "--report_to",
+        "--save_strategy",
+        "--dataloader_num_workers",
+        "--dataset_num_proc",
+        "--logging_dir",
+        "--add_version",
+    }
+)
 #: The reward a trial uses when the user's is not known: a regex check, no network, no extra package.
 STAND_IN_REWARD = "format"
 
@@ -125,18 +141,34 @@ def quantization_flags(recipe: Recipe) -> list[str]:
     """bitsandbytes loading as ``--quantization`` asks (NF4 with double quantization for 4bit,
     as QLoRA does; the compute dtype is the trial's dtype)."""
     if recipe.quantization == "4bit":
-        return ["--quant_method", "bnb", "--quant_bits", "4", "--bnb_4bit_quant_type", "nf4",
-                "--bnb_4bit_use_double_quant", "true",
-                "--bnb_4bit_compute_dtype", "float32" if recipe.device == "cpu" else "bfloat16"]
+        return [
+            "--quant_method",
+            "bnb",
+            "--quant_bits",
+            "4",
+            "--bnb_4bit_quant_type",
+            "nf4",
+            "--bnb_4bit_use_double_quant",
+            "true",
+            "--bnb_4bit_compute_dtype",
+            "float32" if recipe.device == "cpu" else "bfloat16",
+        ]
     if recipe.quantization == "8bit":
         return ["--quant_method", "bnb", "--quant_bits", "8"]
     return []
 
 
-def swift_command(params: dict[str, Any], recipe: Recipe, model: str, *,
-                  ds_config_path: str = "ds_config.json", version: SwiftVersion | None = None,
-                  model_type: str | None = None, template: str | None = None,
-                  program: str = "swift") -> list[str]:
+def swift_command(
+    params: dict[str, Any],
+    recipe: Recipe,
+    model: str,
+    *,
+    ds_config_path: str = "ds_config.json",
+    version: SwiftVersion | None = None,
+    model_type: str | None = None,
+    template: str | None = None,
+    program: str = "swift",
+) -> list[str]:
     """The ``swift rlhf --rlhf_type grpo`` argv for the configuration (no trial-only flags).
 
     Every tuned value is written, since ms-swift's defaults differ from TRL's. A stage/offload
@@ -157,17 +189,27 @@ def swift_command(params: dict[str, Any], recipe: Recipe, model: str, *,
         argv += ["--lora_rank", str(int(recipe.lora_rank))]
     argv += quantization_flags(recipe)
     argv += [
-        "--torch_dtype", "float32" if cpu else "bfloat16",
-        "--per_device_train_batch_size", str(int(eff["per_device_train_batch_size"])),
-        "--gradient_accumulation_steps", str(int(eff["gradient_accumulation_steps"])),
-        "--num_generations", str(int(eff["num_generations"])),
-        "--max_length", str(int(recipe.max_prompt_length)),
-        "--max_completion_length", str(int(recipe.max_completion_length)),
-        "--gradient_checkpointing", _flag(bool(eff["gradient_checkpointing"])),
-        "--beta", str(float(recipe.beta)),
+        "--torch_dtype",
+        "float32" if cpu else "bfloat16",
+        "--per_device_train_batch_size",
+        str(int(eff["per_device_train_batch_size"])),
+        "--gradient_accumulation_steps",
+        str(int(eff["gradient_accumulation_steps"])),
+        "--num_generations",
+        str(int(eff["num_generations"])),
+        "--max_length",
+        str(int(recipe.max_prompt_length)),
+        "--max_completion_length",
+        str(int(recipe.max_completion_length)),
+        "--gradient_checkpointing",
+        _flag(bool(eff["gradient_checkpointing"])),
+        "--beta",
+        str(float(recipe.beta)),
     ]
     if uses_deepspeed(params, recipe):
-        preset = swift_deepspeed(params, recipe) if params.get("deepspeed_config", "preset") == "preset" else None
+        preset = (
+            swift_deepspeed(params, recipe) if params.get("deepspeed_config", "preset") == "preset" else None
+        )
         argv += ["--deepspeed", preset or str(ds_config_path)]
     use_vllm = bool(eff["use_vllm"])
     argv += ["--use_vllm", _flag(use_vllm)]
@@ -176,10 +218,14 @@ def swift_command(params: dict[str, Any], recipe: Recipe, model: str, *,
         argv += ["--vllm_mode", mode]
         if mode == "colocate":
             argv += [
-                "--vllm_gpu_memory_utilization", str(float(eff["vllm_gpu_memory_utilization"])),
-                "--vllm_tensor_parallel_size", str(int(eff["vllm_tensor_parallel_size"])),
-                "--vllm_max_model_len", str(vllm_max_model_length(recipe)),
-                "--sleep_level", str(sleep_level(params, version)),
+                "--vllm_gpu_memory_utilization",
+                str(float(eff["vllm_gpu_memory_utilization"])),
+                "--vllm_tensor_parallel_size",
+                str(int(eff["vllm_tensor_parallel_size"])),
+                "--vllm_max_model_len",
+                str(vllm_max_model_length(recipe)),
+                "--sleep_level",
+                str(sleep_level(params, version)),
             ]
             for name in ("offload_optimizer", "offload_model"):
                 if name in params:
@@ -199,11 +245,11 @@ def swift_command(params: dict[str, Any], recipe: Recipe, model: str, *,
 class TrialInputs:
     """What a trial adds to the configuration: where its model, prompts and output are."""
 
-    program: str                  # the swift script
-    model: str                    # a directory (a materialised card, the user's checkpoint) or a hub id
+    program: str  # the swift script
+    model: str  # a directory (a materialised card, the user's checkpoint) or a hub id
     model_type: str | None
     template: str | None
-    dataset: str                  # a JSON-lines file of prompts
+    dataset: str  # a JSON-lines file of prompts
     output_dir: str
     max_steps: int
     reward: str = STAND_IN_REWARD
@@ -213,24 +259,52 @@ class TrialInputs:
     truncate_left: bool = False
 
 
-def swift_trial_argv(params: dict[str, Any], recipe: Recipe, trial: TrialInputs,
-                     version: SwiftVersion | None = None) -> list[str]:
+def swift_trial_argv(
+    params: dict[str, Any], recipe: Recipe, trial: TrialInputs, version: SwiftVersion | None = None
+) -> list[str]:
     """The argv a trial runs: the configuration, the user's ``--swift-args``, then the trial's own
     flags (last, so a trial is always as long as autotune needs whatever the user passed)."""
-    argv = swift_command(params, recipe, trial.model, ds_config_path=trial.ds_config_path, version=version,
-                         model_type=trial.model_type, template=trial.template, program=trial.program)
+    argv = swift_command(
+        params,
+        recipe,
+        trial.model,
+        ds_config_path=trial.ds_config_path,
+        version=version,
+        model_type=trial.model_type,
+        template=trial.template,
+        program=trial.program,
+    )
     argv += shlex.split(recipe.swift_args or "")
     argv += ["--dataset", trial.dataset, "--reward_funcs", trial.reward]
     if trial.truncate_left:
         argv += ["--truncation_strategy", "left"]
-    argv += ["--max_steps", str(int(trial.max_steps)), "--logging_steps", "1",
-             "--output_dir", trial.output_dir, "--report_to", "none", "--save_strategy", "no",
-             "--dataloader_num_workers", "0", "--dataset_num_proc", "1"]
+    argv += [
+        "--max_steps",
+        str(int(trial.max_steps)),
+        "--logging_steps",
+        "1",
+        "--output_dir",
+        trial.output_dir,
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--dataloader_num_workers",
+        "0",
+        "--dataset_num_proc",
+        "1",
+    ]
     return argv
 
 
-def production_argv(trial_argv: list[str], *, model: str | None = None, keep_dataset: bool = False,
-                    keep_template: bool = True, ds_config: str | None = None) -> list[str]:
+def production_argv(
+    trial_argv: list[str],
+    *,
+    model: str | None = None,
+    keep_dataset: bool = False,
+    keep_template: bool = True,
+    ds_config: str | None = None,
+) -> list[str]:
     """The measured command minus what only a trial needs.
 
     Drops :data:`TRIAL_ONLY` flags with their values, the stand-in prompts and reward (unless the
@@ -254,10 +328,15 @@ def production_argv(trial_argv: list[str], *, model: str | None = None, keep_dat
             continue
         if has_value and token == "--model" and model is not None:
             out += [token, model]
-        elif has_value and token == "--deepspeed" and ds_config is not None and trial_argv[i + 1].endswith(".json"):
+        elif (
+            has_value
+            and token == "--deepspeed"
+            and ds_config is not None
+            and trial_argv[i + 1].endswith(".json")
+        ):
             out += [token, ds_config]
         else:
-            out += trial_argv[i:i + (2 if has_value else 1)]
+            out += trial_argv[i : i + (2 if has_value else 1)]
         i += 2 if has_value else 1
     return out
 
@@ -265,10 +344,18 @@ def production_argv(trial_argv: list[str], *, model: str | None = None, keep_dat
 def swift_rollout_command(params: dict[str, Any], recipe: Recipe, model: str) -> list[str]:
     """``swift rollout`` (ms-swift's vLLM server) for server mode."""
     eff = effective(params, recipe)
-    return ["swift", "rollout", "--model", model,
-            "--vllm_tensor_parallel_size", str(int(eff["vllm_tensor_parallel_size"])),
-            "--vllm_max_model_len", str(vllm_max_model_length(recipe)),
-            "--port", str(DEFAULT_VLLM_SERVER_PORT)]
+    return [
+        "swift",
+        "rollout",
+        "--model",
+        model,
+        "--vllm_tensor_parallel_size",
+        str(int(eff["vllm_tensor_parallel_size"])),
+        "--vllm_max_model_len",
+        str(vllm_max_model_length(recipe)),
+        "--port",
+        str(DEFAULT_VLLM_SERVER_PORT),
+    ]
 
 
 def swift_env(params: dict[str, Any], recipe: Recipe) -> dict[str, str]:

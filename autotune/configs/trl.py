@@ -17,7 +17,6 @@ from typing import Any
 
 from autotune.recipe import Recipe
 
-
 # TRL 1.16 GRPOConfig defaults for the tuned fields (checked against the real dataclass in tests).
 TRL_DEFAULTS: dict[str, Any] = {
     "per_device_train_batch_size": 8,
@@ -34,11 +33,20 @@ TRL_DEFAULTS: dict[str, Any] = {
 
 # Parameters a search space may add that are GRPOConfig fields and are passed through unchanged
 # (all move memory or speed). Anything else unknown to TRL is dropped from the TRL config.
-TRL_PASSTHROUGH = frozenset({
-    "use_liger_kernel", "generation_batch_size", "steps_per_generation", "torch_empty_cache_steps",
-    "ds3_gather_for_generation", "vllm_model_impl", "cast_lm_head_to_fp32", "optim",
-    "num_iterations", "torch_compile",
-})
+TRL_PASSTHROUGH = frozenset(
+    {
+        "use_liger_kernel",
+        "generation_batch_size",
+        "steps_per_generation",
+        "torch_empty_cache_steps",
+        "ds3_gather_for_generation",
+        "vllm_model_impl",
+        "cast_lm_head_to_fp32",
+        "optim",
+        "num_iterations",
+        "torch_compile",
+    }
+)
 
 
 # Parameters consumed by DeepSpeed / the launcher rather than TRL.
@@ -96,9 +104,14 @@ def quantization_config(recipe: Recipe) -> dict[str, Any] | None:
     """
     compute = "float32" if recipe.device == "cpu" else "bfloat16"
     if recipe.quantization == "4bit":
-        return {"quant_method": "bitsandbytes", "load_in_4bit": True, "bnb_4bit_quant_type": "nf4",
-                "bnb_4bit_use_double_quant": True, "bnb_4bit_compute_dtype": compute,
-                "bnb_4bit_quant_storage": compute}
+        return {
+            "quant_method": "bitsandbytes",
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": compute,
+            "bnb_4bit_quant_storage": compute,
+        }
     if recipe.quantization == "8bit":
         return {"quant_method": "bitsandbytes", "load_in_8bit": True}
     return None
@@ -150,15 +163,24 @@ def grpo_config_kwargs(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]
     return kwargs
 
 
-def vllm_serve_command(params: dict[str, Any], recipe: Recipe, model: str,
-                       port: int = DEFAULT_VLLM_SERVER_PORT) -> list[str]:
+def vllm_serve_command(
+    params: dict[str, Any], recipe: Recipe, model: str, port: int = DEFAULT_VLLM_SERVER_PORT
+) -> list[str]:
     """``trl vllm-serve`` for server mode, on the GPUs left after training.
 
     The export keeps TRL's default port; a trial passes a free port of its own, so a stale or
     foreign server on the default port can never answer for it.
     """
     eff = effective(params, recipe)
-    return ["trl", "vllm-serve", "--model", model,
-            "--tensor_parallel_size", str(int(eff["vllm_tensor_parallel_size"])),
-            "--max_model_len", str(vllm_max_model_length(recipe)),
-            "--port", str(int(port))]
+    return [
+        "trl",
+        "vllm-serve",
+        "--model",
+        model,
+        "--tensor_parallel_size",
+        str(int(eff["vllm_tensor_parallel_size"])),
+        "--max_model_len",
+        str(vllm_max_model_length(recipe)),
+        "--port",
+        str(int(port)),
+    ]

@@ -25,15 +25,19 @@ from autotune.search.constraints import space_of
 from autotune.study.record import TrialRow
 from autotune.trial.control import StopRule
 
-
 # placeholder -> the shell variable that stands for it in command.sh
-SHELL_VARS = {"trial_dir": "OUTPUT_DIR", "metrics_file": "METRICS_FILE", "max_steps": "MAX_STEPS",
-              "deepspeed_config": "DS_CONFIG"}
+SHELL_VARS = {
+    "trial_dir": "OUTPUT_DIR",
+    "metrics_file": "METRICS_FILE",
+    "max_steps": "MAX_STEPS",
+    "deepspeed_config": "DS_CONFIG",
+}
 _MARK = "\x00"
 
 
-def command_files(params: dict[str, Any], recipe: Recipe, best: TrialRow,
-                  written: dict[str, tuple[str, bool]]) -> dict[str, tuple[str, bool]]:
+def command_files(
+    params: dict[str, Any], recipe: Recipe, best: TrialRow, written: dict[str, tuple[str, bool]]
+) -> dict[str, tuple[str, bool]]:
     """command.sh, and the DeepSpeed JSON the template points at when the export has not written
     one (the trials got ``configs.deepspeed_config`` as it is, also without ZeRO)."""
     if recipe.runner != "command" or not recipe.command:
@@ -53,23 +57,34 @@ def command_sh(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
     space = space_of(recipe)
     confirming = StopRule.confirming(recipe)
     confirm_steps = confirming.warmup + confirming.measure
-    values = placeholder_values(recipe, params, Path("."), model=_model(recipe),
-                                batch=space.batch if space is not None else None, max_steps=confirm_steps)
+    values = placeholder_values(
+        recipe,
+        params,
+        Path("."),
+        model=_model(recipe),
+        batch=space.batch if space is not None else None,
+        max_steps=confirm_steps,
+    )
     values.update({name: Verbatim(f"{_MARK}{var}{_MARK}") for name, var in SHELL_VARS.items()})
     argv = [_quote(token) for token in fill(tokens, values)]
     lines = [
         "#!/usr/bin/env bash",
-        f"# The configuration autotune chose (trial {best.number}): the --command template filled with its values.",
+        f"# The configuration autotune chose (trial {best.number}): "
+        "the --command template filled with its values.",
         "# Trial-only values are the variables below, set as a real run would use them; override any of",
         "# them from the environment (MAX_STEPS=1000 ./command.sh). Extra arguments are appended.",
         "set -euo pipefail",
         'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
-        'OUTPUT_DIR="${OUTPUT_DIR:-$HERE/run}"    # {trial_dir}: each trial had its own folder; the run writes here',
-        'METRICS_FILE="${METRICS_FILE:-$OUTPUT_DIR/metrics.jsonl}"    # {metrics_file}: where autotune read steps',
+        'OUTPUT_DIR="${OUTPUT_DIR:-$HERE/run}"    '
+        "# {trial_dir}: each trial had its own folder; the run writes here",
+        'METRICS_FILE="${METRICS_FILE:-$OUTPUT_DIR/metrics.jsonl}"    '
+        "# {metrics_file}: where autotune read steps",
     ]
     if "max_steps" in used:
-        lines.append(f'MAX_STEPS="${{MAX_STEPS:-{confirm_steps}}}"    # {{max_steps}}: SET THIS to your run\'s '
-                     f"length; {confirm_steps} is what autotune's confirmation run trained")
+        lines.append(
+            f'MAX_STEPS="${{MAX_STEPS:-{confirm_steps}}}"    # {{max_steps}}: SET THIS to your run\'s '
+            f"length; {confirm_steps} is what autotune's confirmation run trained"
+        )
     if "deepspeed_config" in used:
         lines.append('DS_CONFIG="$HERE/ds_config.json"    # {deepspeed_config}: the JSON beside this script')
     lines += [
@@ -82,11 +97,13 @@ def command_sh(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
         gpus = ",".join(str(i) for i in range(recipe.gpus))
         lines.append(f'export CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{gpus}}}"')
     if recipe.workdir:
-        lines.append(f"cd {shlex.quote(recipe.workdir)}    # where the trials ran: relative paths resolve here")
+        lines.append(
+            f"cd {shlex.quote(recipe.workdir)}    # where the trials ran: relative paths resolve here"
+        )
     body: list[str] = []
     for token in argv:
         if body and not token.startswith("-") and len(body[-1].split()) == 1 and body[-1].startswith("-"):
-            body[-1] += " " + token        # a flag and its value on one line
+            body[-1] += " " + token  # a flag and its value on one line
         else:
             body.append(token)
     lines.append("exec " + " \\\n  ".join(body + ['"$@"']))

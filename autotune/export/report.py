@@ -23,11 +23,23 @@ from autotune.study.record import TrialRow
 from autotune.trial.utilization import read_ticks
 
 REPORT_HTML = "report.html"
-MARKERS = {"ok": ("circle", "#2a9d8f"), "oom": ("x", "#e63946"), "skipped": ("triangle-down", "#f4a261"),
-           "invalid": ("square-open", "#8d99ae"), "timeout": ("diamond", "#6d597a"),
-           "hang": ("diamond-open", "#6d597a")}
-REGIMES = [(0, "none"), (1, "none"), (2, "none"), (2, "optimizer"), (3, "none"), (3, "optimizer"),
-           (3, "optimizer+params")]
+MARKERS = {
+    "ok": ("circle", "#2a9d8f"),
+    "oom": ("x", "#e63946"),
+    "skipped": ("triangle-down", "#f4a261"),
+    "invalid": ("square-open", "#8d99ae"),
+    "timeout": ("diamond", "#6d597a"),
+    "hang": ("diamond-open", "#6d597a"),
+}
+REGIMES = [
+    (0, "none"),
+    (1, "none"),
+    (2, "none"),
+    (2, "optimizer"),
+    (3, "none"),
+    (3, "optimizer"),
+    (3, "optimizer+params"),
+]
 
 
 def _regime(params: dict[str, Any]) -> str:
@@ -36,7 +48,9 @@ def _regime(params: dict[str, Any]) -> str:
 
 def _predicted(paths: StudyPaths, row: TrialRow) -> float | None:
     try:
-        extra = json.loads((paths.trial_dir(row.number) / "outcome.json").read_text(encoding="utf-8")).get("extra", {})
+        extra = json.loads((paths.trial_dir(row.number) / "outcome.json").read_text(encoding="utf-8")).get(
+            "extra", {}
+        )
     except (OSError, ValueError):
         return None
     value = extra.get("predicted_gib")
@@ -55,12 +69,20 @@ def _util_series(trial_dir: Path) -> dict[int, tuple[list[float], list[float]]]:
     return series
 
 
-def _figures(paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: TrialRow | None) -> list[tuple[str, Any]]:
+def _figures(
+    paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: TrialRow | None
+) -> list[tuple[str, Any]]:
     import plotly.graph_objects as go
 
     launched = sorted((r for r in all_rows if r.launched), key=lambda r: r.number)
-    predicted = {r.number: _predicted(paths, r) for r in all_rows if r.launched or r.status in ("skipped", "invalid")}
-    cap = recipe.memory_limit_gib if recipe.device == "cpu" and recipe.memory_limit_gib else recipe.gpu_memory_gib
+    predicted = {
+        r.number: _predicted(paths, r) for r in all_rows if r.launched or r.status in ("skipped", "invalid")
+    }
+    cap = (
+        recipe.memory_limit_gib
+        if recipe.device == "cpu" and recipe.memory_limit_gib
+        else recipe.gpu_memory_gib
+    )
     limit = headroom_limit(recipe)
     figures: list[tuple[str, Any]] = []
 
@@ -68,41 +90,82 @@ def _figures(paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: 
     best_so_far, hours, value, spent = [], [], 0.0, 0.0
     for r in launched:
         spent += (r.wall_time_s or 0.0) * recipe.gpus / 3600
-        if r.status == "ok" and not r.pruned and r.throughput and (
-                limit is None or r.peak_memory_gib is None or r.peak_memory_gib <= limit):
+        if (
+            r.status == "ok"
+            and not r.pruned
+            and r.throughput
+            and (limit is None or r.peak_memory_gib is None or r.peak_memory_gib <= limit)
+        ):
             value = max(value, r.throughput)
         best_so_far.append(value)
         hours.append(spent)
     fig = go.Figure()
-    fig.add_trace(go.Scatter(x=list(range(1, len(launched) + 1)), y=best_so_far, mode="lines+markers",
-                             name="by launched trial", line_shape="hv"))
-    fig.add_trace(go.Scatter(x=hours, y=best_so_far, mode="lines+markers", name="by GPU-hours", xaxis="x2",
-                             line_shape="hv"))
-    fig.update_layout(title="Best exportable throughput so far", yaxis_title="completions/s",
-                      xaxis=dict(title="launched trials"),
-                      xaxis2=dict(title="GPU-hours spent", overlaying="x", side="top"))
+    fig.add_trace(
+        go.Scatter(
+            x=list(range(1, len(launched) + 1)),
+            y=best_so_far,
+            mode="lines+markers",
+            name="by launched trial",
+            line_shape="hv",
+        )
+    )
+    fig.add_trace(
+        go.Scatter(
+            x=hours, y=best_so_far, mode="lines+markers", name="by GPU-hours", xaxis="x2", line_shape="hv"
+        )
+    )
+    fig.update_layout(
+        title="Best exportable throughput so far",
+        yaxis_title="completions/s",
+        xaxis=dict(title="launched trials"),
+        xaxis2=dict(title="GPU-hours spent", overlaying="x", side="top"),
+    )
     figures.append(("best-so-far", fig))
 
     # 2. throughput against peak memory, every outcome marked
     fig = go.Figure()
     for status, (symbol, color) in MARKERS.items():
-        group = [r for r in all_rows if r.status == status and (r.launched or status in ("skipped", "invalid"))]
+        group = [
+            r for r in all_rows if r.status == status and (r.launched or status in ("skipped", "invalid"))
+        ]
         if not group:
             continue
         xs = [r.peak_memory_gib if r.peak_memory_gib is not None else predicted.get(r.number) for r in group]
-        fig.add_trace(go.Scatter(
-            x=xs, y=[r.throughput or 0.0 for r in group], mode="markers", name=status,
-            marker=dict(symbol=symbol, color=color, size=10),
-            text=[f"trial {r.number}: {r.reason or r.error_line or ''}"[:160] for r in group], hoverinfo="text+x+y"))
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=[r.throughput or 0.0 for r in group],
+                mode="markers",
+                name=status,
+                marker=dict(symbol=symbol, color=color, size=10),
+                text=[f"trial {r.number}: {r.reason or r.error_line or ''}"[:160] for r in group],
+                hoverinfo="text+x+y",
+            )
+        )
     if best is not None:
-        fig.add_trace(go.Scatter(x=[best.peak_memory_gib], y=[best.throughput], mode="markers", name="exported",
-                                 marker=dict(symbol="star", size=18, color="#ffb703", line=dict(width=1))))
+        fig.add_trace(
+            go.Scatter(
+                x=[best.peak_memory_gib],
+                y=[best.throughput],
+                mode="markers",
+                name="exported",
+                marker=dict(symbol="star", size=18, color="#ffb703", line=dict(width=1)),
+            )
+        )
     fig.add_vline(x=cap, line_dash="solid", annotation_text="capacity", annotation_position="top right")
     if limit is not None:
-        fig.add_vline(x=limit, line_dash="dash", annotation_text=f"headroom {recipe.headroom:.0%}",
-                      annotation_position="top left")
-    fig.update_layout(title="Throughput against peak memory (OOM, skipped, invalid at 0; x is the predicted "
-                            "peak where none was measured)", xaxis_title="peak GiB per GPU", yaxis_title="completions/s")
+        fig.add_vline(
+            x=limit,
+            line_dash="dash",
+            annotation_text=f"headroom {recipe.headroom:.0%}",
+            annotation_position="top left",
+        )
+    fig.update_layout(
+        title="Throughput against peak memory (OOM, skipped, invalid at 0; x is the predicted "
+        "peak where none was measured)",
+        xaxis_title="peak GiB per GPU",
+        yaxis_title="completions/s",
+    )
     figures.append(("throughput-memory", fig))
 
     # 3. the OOM boundary: micro-batch against ZeRO stage / offload, and against the vLLM fraction
@@ -111,13 +174,21 @@ def _figures(paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: 
     for status, (symbol, color) in MARKERS.items():
         group = [r for r in tried if r.status == status]
         if group:
-            fig.add_trace(go.Scatter(x=[r.params.get("per_device_train_batch_size") for r in group],
-                                     y=[_regime(r.params) for r in group], mode="markers", name=status,
-                                     marker=dict(symbol=symbol, color=color, size=11), showlegend=True))
-    fig.update_layout(title="Where memory runs out: micro-batch by ZeRO stage and offload",
-                      xaxis=dict(title="per_device_train_batch_size", type="log"),
-                      yaxis=dict(title="", categoryorder="array",
-                                 categoryarray=[f"ZeRO {z} / {o}" for z, o in REGIMES]))
+            fig.add_trace(
+                go.Scatter(
+                    x=[r.params.get("per_device_train_batch_size") for r in group],
+                    y=[_regime(r.params) for r in group],
+                    mode="markers",
+                    name=status,
+                    marker=dict(symbol=symbol, color=color, size=11),
+                    showlegend=True,
+                )
+            )
+    fig.update_layout(
+        title="Where memory runs out: micro-batch by ZeRO stage and offload",
+        xaxis=dict(title="per_device_train_batch_size", type="log"),
+        yaxis=dict(title="", categoryorder="array", categoryarray=[f"ZeRO {z} / {o}" for z, o in REGIMES]),
+    )
     figures.append(("oom-boundary", fig))
     with_vllm = [r for r in tried if r.params.get("use_vllm") and r.params.get("vllm_gpu_memory_utilization")]
     if with_vllm:
@@ -125,46 +196,79 @@ def _figures(paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: 
         for status, (symbol, color) in MARKERS.items():
             group = [r for r in with_vllm if r.status == status]
             if group:
-                fig.add_trace(go.Scatter(x=[r.params.get("per_device_train_batch_size") for r in group],
-                                         y=[r.params.get("vllm_gpu_memory_utilization") for r in group],
-                                         mode="markers", name=status, marker=dict(symbol=symbol, color=color, size=11)))
-        fig.update_layout(title="Where memory runs out: micro-batch by vLLM memory fraction",
-                          xaxis=dict(title="per_device_train_batch_size", type="log"),
-                          yaxis=dict(title="vllm_gpu_memory_utilization"))
+                fig.add_trace(
+                    go.Scatter(
+                        x=[r.params.get("per_device_train_batch_size") for r in group],
+                        y=[r.params.get("vllm_gpu_memory_utilization") for r in group],
+                        mode="markers",
+                        name=status,
+                        marker=dict(symbol=symbol, color=color, size=11),
+                    )
+                )
+        fig.update_layout(
+            title="Where memory runs out: micro-batch by vLLM memory fraction",
+            xaxis=dict(title="per_device_train_batch_size", type="log"),
+            yaxis=dict(title="vllm_gpu_memory_utilization"),
+        )
         figures.append(("oom-boundary-vllm", fig))
 
     # 4. GPU utilization over time: the winner and every low-utilization trial
-    watch = ([best] if best is not None else []) + [r for r in launched if r.diagnosis
-                                                     and (best is None or r.number != best.number)][:4]
+    watch = ([best] if best is not None else []) + [
+        r for r in launched if r.diagnosis and (best is None or r.number != best.number)
+    ][:4]
     fig = go.Figure()
     for r in watch:
         for gpu, (xs, ys) in sorted(_util_series(paths.trial_dir(r.number)).items()):
             label = "exported" if best is not None and r.number == best.number else "low utilization"
             fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=f"trial {r.number} ({label}) GPU {gpu}"))
-    fig.add_hline(y=recipe.min_util * 100, line_dash="dash", annotation_text=f"--min-util {recipe.min_util:.0%}")
-    fig.update_layout(title="GPU utilization over time", xaxis_title="seconds since launch",
-                      yaxis=dict(title="utilization %", range=[0, 105]))
+    fig.add_hline(
+        y=recipe.min_util * 100, line_dash="dash", annotation_text=f"--min-util {recipe.min_util:.0%}"
+    )
+    fig.update_layout(
+        title="GPU utilization over time",
+        xaxis_title="seconds since launch",
+        yaxis=dict(title="utilization %", range=[0, 105]),
+    )
     figures.append(("utilization", fig))
 
     # 5. the memory model: prediction against measurement
-    pairs = [(p, r.peak_memory_gib, r) for r in launched if r.peak_memory_gib is not None
-             and (p := predicted.get(r.number)) is not None]
+    pairs = [
+        (p, r.peak_memory_gib, r)
+        for r in launched
+        if r.peak_memory_gib is not None and (p := predicted.get(r.number)) is not None
+    ]
     fig = go.Figure()
     if pairs:
         top = max(max(p, m) for p, m, _ in pairs) * 1.05
-        fig.add_trace(go.Scatter(x=[0, top], y=[0, top], mode="lines", name="prediction = measurement",
-                                 line=dict(dash="dot", color="#999")))
+        fig.add_trace(
+            go.Scatter(
+                x=[0, top],
+                y=[0, top],
+                mode="lines",
+                name="prediction = measurement",
+                line=dict(dash="dot", color="#999"),
+            )
+        )
         for status in ("ok", "oom"):
             group = [(p, m, r) for p, m, r in pairs if r.status == status]
             if group:
                 symbol, color = MARKERS[status]
                 # an OOM's measured peak is where the GPU filled up: a lower bound of what it needed
-                fig.add_trace(go.Scatter(x=[p for p, _, _ in group], y=[m for _, m, _ in group], mode="markers",
-                                         name="oom (measured until it failed)" if status == "oom" else status,
-                                         marker=dict(symbol=symbol, color=color, size=10),
-                                         text=[f"trial {r.number}" for _, _, r in group]))
-    fig.update_layout(title="Memory model: predicted against measured peak (each predicted before its trial ran)",
-                      xaxis_title="predicted GiB per GPU", yaxis_title="measured GiB per GPU")
+                fig.add_trace(
+                    go.Scatter(
+                        x=[p for p, _, _ in group],
+                        y=[m for _, m, _ in group],
+                        mode="markers",
+                        name="oom (measured until it failed)" if status == "oom" else status,
+                        marker=dict(symbol=symbol, color=color, size=10),
+                        text=[f"trial {r.number}" for _, _, r in group],
+                    )
+                )
+    fig.update_layout(
+        title="Memory model: predicted against measured peak (each predicted before its trial ran)",
+        xaxis_title="predicted GiB per GPU",
+        yaxis_title="measured GiB per GPU",
+    )
     figures.append(("memory-model", fig))
     return figures
 
@@ -178,34 +282,56 @@ def report_html(study: optuna.Study, recipe: Recipe, paths: StudyPaths) -> str:
     launched = sum(1 for r in all_rows if r.launched)
     stopped = study.user_attrs.get("stopped")
     esc = html.escape
-    parts = [f"<h1>autotune: {esc(recipe.model)} on {recipe.gpus} x {esc(recipe.gpu_type)}</h1>",
-             f"<p>Study <code>{esc(paths.name)}</code>: {len(all_rows)} trials, {launched} launched. "
-             + (esc(stopped) if stopped else "The search has not finished.") + "</p>"]
+    parts = [
+        f"<h1>autotune: {esc(recipe.model)} on {recipe.gpus} x {esc(recipe.gpu_type)}</h1>",
+        f"<p>Study <code>{esc(paths.name)}</code>: {len(all_rows)} trials, {launched} launched. "
+        + (esc(stopped) if stopped else "The search has not finished.")
+        + "</p>",
+    ]
     if best is not None:
         parts.append(f"<h2>Winner: trial {best.number}, {best.throughput:.4g} completions/s</h2>")
-        parts.append("<table><tr><th>parameter</th><th>value</th></tr>"
-                     + "".join(f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in best.params.items())
-                     + "</table>")
+        parts.append(
+            "<table><tr><th>parameter</th><th>value</th></tr>"
+            + "".join(
+                f"<tr><td>{esc(str(k))}</td><td>{esc(str(v))}</td></tr>" for k, v in best.params.items()
+            )
+            + "</table>"
+        )
         if best.diagnosis:
             parts.append(f"<p class='diagnosis'>The winner left its GPUs idle: {esc(best.diagnosis)}</p>")
         parts.append("<h3>Why it won</h3><ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
-    low = sorted((r for r in all_rows if r.diagnosis and r.status == "ok"), key=lambda r: -(r.throughput or 0))
+    low = sorted(
+        (r for r in all_rows if r.diagnosis and r.status == "ok"), key=lambda r: -(r.throughput or 0)
+    )
     if low:
-        parts.append(f"<h3>Low GPU utilization (--min-util {recipe.min_util:.0%})</h3><ul class='low-util'>"
-                     + "".join(f"<li>trial {r.number} ({r.throughput or 0:.4g} completions/s): "
-                               f"{esc(r.diagnosis or '')}</li>" for r in low) + "</ul>")
+        parts.append(
+            f"<h3>Low GPU utilization (--min-util {recipe.min_util:.0%})</h3><ul class='low-util'>"
+            + "".join(
+                f"<li>trial {r.number} ({r.throughput or 0:.4g} completions/s): {esc(r.diagnosis or '')}</li>"
+                for r in low
+            )
+            + "</ul>"
+        )
     else:
         parts.append("<h2>No configuration has run successfully yet.</h2>")
     for name, fig in _figures(paths, recipe, all_rows, best):
         fig.update_layout(template="plotly_white", height=460, margin=dict(t=70, l=60, r=30, b=50))
-        parts.append(f"<section id='{name}'>" + fig.to_html(full_html=False, include_plotlyjs=False,
-                                                           div_id=f"plot-{name}") + "</section>")
-    style = ("body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}"
-             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}"
-             ".diagnosis{background:#fff3cd;padding:6px}section{margin:1.5em 0}")
-    return ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>autotune report: "
-            f"{esc(paths.name)}</title><style>{style}</style><script>{get_plotlyjs()}</script></head><body>"
-            + "\n".join(parts) + "</body></html>\n")
+        parts.append(
+            f"<section id='{name}'>"
+            + fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{name}")
+            + "</section>"
+        )
+    style = (
+        "body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222}"
+        "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;text-align:left}"
+        ".diagnosis{background:#fff3cd;padding:6px}section{margin:1.5em 0}"
+    )
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'><title>autotune report: "
+        f"{esc(paths.name)}</title><style>{style}</style><script>{get_plotlyjs()}</script></head><body>"
+        + "\n".join(parts)
+        + "</body></html>\n"
+    )
 
 
 def write_report(study: optuna.Study, recipe: Recipe, paths: StudyPaths, out: Path | None = None) -> Path:

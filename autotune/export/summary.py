@@ -52,82 +52,119 @@ def utilization_section(best: TrialRow, rows: list[TrialRow], recipe: Recipe) ->
     threshold = f"--min-util {recipe.min_util:.0%}"
     mean = f"mean {best.mean_gpu_util:.0%} over the measured steps" if best.mean_gpu_util is not None else ""
     if best.diagnosis:
-        lines.append(f"**The chosen trial {best.number} left its GPUs idle** ({threshold}): {best.diagnosis}.")
-        lines.append("It is still the fastest configuration that fits; the change suggested may make it faster "
-                     "(try it with `--set NAME=VALUE` in a new search, or `autotune verify` after editing "
-                     "params.json).")
+        lines.append(
+            f"**The chosen trial {best.number} left its GPUs idle** ({threshold}): {best.diagnosis}."
+        )
+        lines.append(
+            "It is still the fastest configuration that fits; the change suggested may make it faster "
+            "(try it with `--set NAME=VALUE` in a new search, or `autotune verify` after editing "
+            "params.json)."
+        )
     elif best.mean_gpu_util is not None:
         lines.append(f"The chosen trial {best.number} kept its GPUs busy: {mean} ({threshold}).")
     else:
-        lines.append(f"The chosen trial {best.number} has no GPU utilization samples (no gpu.csv was recorded).")
+        lines.append(
+            f"The chosen trial {best.number} has no GPU utilization samples (no gpu.csv was recorded)."
+        )
     others = [r for r in rows if r.diagnosis and r.number != best.number and r.status == "ok"]
     others.sort(key=lambda r: -(r.throughput or 0))
     if others:
         lines += ["", "Other trials diagnosed with low GPU utilization:", ""]
-        lines += [f"- trial {r.number} ({fmt(r.throughput)} completions/s): {r.diagnosis}"
-                  for r in others[:LOW_UTIL_LISTED]]
+        lines += [
+            f"- trial {r.number} ({fmt(r.throughput)} completions/s): {r.diagnosis}"
+            for r in others[:LOW_UTIL_LISTED]
+        ]
         if len(others) > LOW_UTIL_LISTED:
             lines.append(f"- and {len(others) - LOW_UTIL_LISTED} more (autotune show lists them)")
     return lines
 
 
-def summary_md(final: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow], notes: list[str],
-             names: list[str], stopped: str | None = None) -> str:
+def summary_md(
+    final: Path,
+    best: TrialRow,
+    recipe: Recipe,
+    rows: list[TrialRow],
+    notes: list[str],
+    names: list[str],
+    stopped: str | None = None,
+) -> str:
     params = best.params
     capacity = recipe.gpu_memory_gib
     lines = [f"# autotune: best GRPO configuration for {recipe.model}", ""]
-    lines.append(f"{recipe.gpus} x {recipe.gpu_type} ({capacity:g} GiB each), prompt "
-                 f"{recipe.max_prompt_length} + completion {recipe.max_completion_length} tokens"
-                 + (f", global batch {recipe.global_batch}" if recipe.global_batch else "")
-                 + (f", LoRA rank {recipe.lora_rank}" if recipe.lora_rank else "") + ".")
+    lines.append(
+        f"{recipe.gpus} x {recipe.gpu_type} ({capacity:g} GiB each), prompt "
+        f"{recipe.max_prompt_length} + completion {recipe.max_completion_length} tokens"
+        + (f", global batch {recipe.global_batch}" if recipe.global_batch else "")
+        + (f", LoRA rank {recipe.lora_rank}" if recipe.lora_rank else "")
+        + "."
+    )
     lines += ["", "## Choice", ""]
     lines.append(f"Trial {best.number}: **{fmt(best.throughput)} completions/s**.")
     if best.peak_memory_gib is not None and capacity:
         used = best.peak_memory_gib / capacity
-        lines.append(f"Peak memory {best.peak_memory_gib:.1f} GiB of {capacity:g} GiB capacity "
-                     f"({used:.0%} used, {capacity - best.peak_memory_gib:.1f} GiB free; required "
-                     f"headroom {recipe.headroom:.0%}, i.e. at most {capacity * (1 - recipe.headroom):.1f} GiB).")
+        lines.append(
+            f"Peak memory {best.peak_memory_gib:.1f} GiB of {capacity:g} GiB capacity "
+            f"({used:.0%} used, {capacity - best.peak_memory_gib:.1f} GiB free; required "
+            f"headroom {recipe.headroom:.0%}, i.e. at most {capacity * (1 - recipe.headroom):.1f} GiB)."
+        )
     else:
         lines.append(f"Peak memory not measured (capacity {capacity:g} GiB, headroom {recipe.headroom:.0%}).")
     try:
         space = space_of(recipe)
-        per_step = recipe.completions_per_step(configs.effective(params, recipe),
-                                                space.batch if space is not None else None)
+        per_step = recipe.completions_per_step(
+            configs.effective(params, recipe), space.batch if space is not None else None
+        )
         if per_step is None:
             raise ValueError("the space does not say which parameters make the batch")
-        lines.append(f"{per_step} completions per optimizer step on {recipe.dp_gpus(params)} "
-                     "data-parallel GPU(s).")
+        lines.append(
+            f"{per_step} completions per optimizer step on {recipe.dp_gpus(params)} data-parallel GPU(s)."
+        )
     except (KeyError, TypeError, ValueError):
         pass
     lines += ["", "| parameter | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in params.items()]
 
-    ok = sorted((r for r in rows if r.status == "ok" and r.throughput and r.number != best.number
-                 and r.launched and not r.pruned),
-                key=lambda r: -(r.throughput or 0))[:RUNNERS_UP]
+    ok = sorted(
+        (
+            r
+            for r in rows
+            if r.status == "ok" and r.throughput and r.number != best.number and r.launched and not r.pruned
+        ),
+        key=lambda r: -(r.throughput or 0),
+    )[:RUNNERS_UP]
     lines += ["", "## Runners-up", ""]
     if ok:
-        lines += ["| trial | completions/s | vs best | peak GiB | differs from the choice |",
-                  "|---|---|---|---|---|"]
+        lines += [
+            "| trial | completions/s | vs best | peak GiB | differs from the choice |",
+            "|---|---|---|---|---|",
+        ]
         for r in ok:
-            ratio = (f"{r.throughput / best.throughput - 1:+.0%}" if best.throughput and r.throughput
-                     else "n/a")
+            ratio = (
+                f"{r.throughput / best.throughput - 1:+.0%}" if best.throughput and r.throughput else "n/a"
+            )
             peak = "n/a" if r.peak_memory_gib is None else f"{r.peak_memory_gib:.1f}"
-            lines.append(f"| {r.number} | {fmt(r.throughput)} | {ratio} | {peak} | "
-                         f"{_differs(r.params, params)} |")
+            lines.append(
+                f"| {r.number} | {fmt(r.throughput)} | {ratio} | {peak} | {_differs(r.params, params)} |"
+            )
     else:
         lines.append("No other trial finished ok.")
 
     lines += utilization_section(best, rows, recipe)
 
-    by_status, oom_kinds = _status_counts([r for r in rows if r.launched or r.status in ("invalid", "skipped")])
+    by_status, oom_kinds = _status_counts(
+        [r for r in rows if r.launched or r.status in ("invalid", "skipped")]
+    )
     launched = sum(1 for r in rows if r.launched and r.status not in ("invalid", "skipped"))
     repeats = sum(1 for r in rows if not r.launched and r.status not in ("invalid", "skipped"))
     pruned = sum(1 for r in rows if r.pruned)
-    lines += ["", "## Trials spent", "",
-              f"- {len(rows)} trials, {launched} launched"
-              + (f" ({pruned} pruned early as clearly slower)" if pruned else "")
-              + (f", {repeats} repeats answered from earlier trials" if repeats else "")]
+    lines += [
+        "",
+        "## Trials spent",
+        "",
+        f"- {len(rows)} trials, {launched} launched"
+        + (f" ({pruned} pruned early as clearly slower)" if pruned else "")
+        + (f", {repeats} repeats answered from earlier trials" if repeats else ""),
+    ]
     for status in STATUS_ORDER:
         if status == "oom":
             kinds = ", ".join(f"{k} {n}" for k, n in sorted(oom_kinds.items()))
@@ -147,11 +184,19 @@ def summary_md(final: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow]
 
     study = recipe.name or final.parent.name
     runs_dir = final.parent.parent
-    lines += ["", "## Reproduce / verify", "", "```",
-              f"autotune verify {shlex.quote(study)} --runs-dir {shlex.quote(str(runs_dir))}",
-              f"bash {shlex.quote(str(final / LAUNCH_SH))} {shlex.quote(recipe.train_script or 'train_grpo.py')}",
-              f"bash {shlex.quote(str(final / SWIFT_SH))} --dataset DATA --reward_funcs REWARD",
-              "```", "", "## Files", ""]
+    lines += [
+        "",
+        "## Reproduce / verify",
+        "",
+        "```",
+        f"autotune verify {shlex.quote(study)} --runs-dir {shlex.quote(str(runs_dir))}",
+        f"bash {shlex.quote(str(final / LAUNCH_SH))} {shlex.quote(recipe.train_script or 'train_grpo.py')}",
+        f"bash {shlex.quote(str(final / SWIFT_SH))} --dataset DATA --reward_funcs REWARD",
+        "```",
+        "",
+        "## Files",
+        "",
+    ]
     what = {
         PARAMS_JSON: "the tuned parameter values",
         GRPO_YAML: "trl.GRPOConfig fields (`--config`)",

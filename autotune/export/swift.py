@@ -21,7 +21,6 @@ from autotune.recipe import Recipe
 from autotune.runners.swift import export_argv, hub_id
 from autotune.study.record import TrialRow
 
-
 _DS_SENTINEL = "\x00ds_config\x00.json"
 
 
@@ -34,7 +33,9 @@ def _argv(params: dict[str, Any], recipe: Recipe) -> tuple[list[str], str, Path 
     if model is not None and recipe.runner == "swift":
         argv, version, program = export_argv(params, recipe, model, ds_config=_DS_SENTINEL)
         return argv, str(version), program
-    name = (hub_id(model, recipe.model) if model is not None and not model.has_weights else None) or recipe.model
+    name = (
+        hub_id(model, recipe.model) if model is not None and not model.has_weights else None
+    ) or recipe.model
     argv = configs.swift_command(params, recipe, name, ds_config_path=_DS_SENTINEL)
     return argv, str(configs.SwiftVersion(4, 6, 0)), None
 
@@ -45,36 +46,48 @@ def swift_sh(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
     env = configs.swift_env(params, recipe)
     _, server = configs.gpu_split(params, recipe)
     quoted = ['"$HERE/ds_config.json"' if token == _DS_SENTINEL else shlex.quote(token) for token in argv]
-    measured = (f"the command trial {best.number} ran, less its trial-only flags" if recipe.runner == "swift"
-                else f"the configuration of trial {best.number}")
+    measured = (
+        f"the command trial {best.number} ran, less its trial-only flags"
+        if recipe.runner == "swift"
+        else f"the configuration of trial {best.number}"
+    )
     lines = [
         "#!/usr/bin/env bash",
         f"# GRPO with ms-swift ({version} flag names), tuned by autotune: {measured}.",
         "# usage: swift.sh --dataset D --reward_funcs R [more swift rlhf flags...]"
-        if not (recipe.runner == "swift" and recipe.dataset) else "# usage: swift.sh --reward_funcs R [more swift rlhf flags...]",
+        if not (recipe.runner == "swift" and recipe.dataset)
+        else "# usage: swift.sh --reward_funcs R [more swift rlhf flags...]",
     ]
     if program is not None:
-        lines.append(f"# measured with ms-swift {version} at {program}: put {program.parent} on PATH, "
-                     "or make it with bash scripts/swift_env.sh")
+        lines.append(
+            f"# measured with ms-swift {version} at {program}: put {program.parent} on PATH, "
+            "or make it with bash scripts/swift_env.sh"
+        )
     lines += [
         "set -euo pipefail",
         'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
     ]
-    if int(env["NPROC_PER_NODE"]) > 1:   # as the trials: set at all, ms-swift starts torch.distributed
+    if int(env["NPROC_PER_NODE"]) > 1:  # as the trials: set at all, ms-swift starts torch.distributed
         lines.append(f"export NPROC_PER_NODE={shlex.quote(env['NPROC_PER_NODE'])}")
     if recipe.device != "cpu":
-        lines.append(f'export CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{env["CUDA_VISIBLE_DEVICES"]}}}"')
+        lines.append(
+            f'export CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{env["CUDA_VISIBLE_DEVICES"]}}}"'
+        )
     if _DS_SENTINEL in argv:
-        lines.append("# the DeepSpeed JSON beside this script is used (the one the trials measured, or no "
-                     "ms-swift --deepspeed preset has this ZeRO stage/offload)")
+        lines.append(
+            "# the DeepSpeed JSON beside this script is used (the one the trials measured, or no "
+            "ms-swift --deepspeed preset has this ZeRO stage/offload)"
+        )
     if server:
         model_arg = argv[argv.index("--model") + 1] if "--model" in argv else recipe.model
         rollout = " ".join(shlex.quote(t) for t in configs.swift_rollout_command(params, recipe, model_arg))
-        lines += ["# vLLM server mode: start the rollout server on the other GPUs first:",
-                  f"#   CUDA_VISIBLE_DEVICES={gpu_list(server)} {rollout} &"]
-    body = [" ".join(quoted[:2])]   # "swift rlhf"
+        lines += [
+            "# vLLM server mode: start the rollout server on the other GPUs first:",
+            f"#   CUDA_VISIBLE_DEVICES={gpu_list(server)} {rollout} &",
+        ]
+    body = [" ".join(quoted[:2])]  # "swift rlhf"
     i = 2
-    while i < len(quoted):   # one flag and its value per line, for readability
+    while i < len(quoted):  # one flag and its value per line, for readability
         if i + 1 < len(quoted) and quoted[i].startswith("--") and not quoted[i + 1].startswith("--"):
             body.append(f"{quoted[i]} {quoted[i + 1]}")
             i += 2

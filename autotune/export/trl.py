@@ -24,7 +24,7 @@ def gpu_list(ids: list[int]) -> str:
 
 def grpo_yaml(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
     kwargs = configs.grpo_config_kwargs(params, recipe)
-    init = model_init_kwargs(recipe)   # bf16 as the trials ran, and --quantization's BitsAndBytesConfig
+    init = model_init_kwargs(recipe)  # bf16 as the trials ran, and --quantization's BitsAndBytesConfig
     if init:
         kwargs["model_init_kwargs"] = init
     header = (
@@ -34,14 +34,21 @@ def grpo_yaml(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
         f"# of at most {recipe.max_prompt_length} tokens, so keep them that short in your dataset.\n"
     )
     if recipe.quantization:
-        header += (f"# The base loads {recipe.quantization} with bitsandbytes (model_init_kwargs.quantization_config; "
-                   "pip install bitsandbytes): QLoRA, so the LoRA below is required.\n")
+        header += (
+            f"# The base loads {recipe.quantization} with bitsandbytes "
+            "(model_init_kwargs.quantization_config; "
+            "pip install bitsandbytes): QLoRA, so the LoRA below is required.\n"
+        )
     if recipe.image_tokens:
-        header += (f"# Prompts carry {recipe.images_per_prompt} image(s) of {recipe.image_tokens} tokens each on top of "
-                   "the text: larger images raise memory (vllm_max_model_length counts them).\n")
+        header += (
+            f"# Prompts carry {recipe.images_per_prompt} image(s) of {recipe.image_tokens} tokens "
+            "each on top of the text: larger images raise memory (vllm_max_model_length counts them).\n"
+        )
     if recipe.lora_rank:
-        header += (f"# LoRA rank {recipe.lora_rank} was tuned: give the trainer a peft LoraConfig(r="
-                   f"{recipe.lora_rank}) (ModelConfig: use_peft, lora_r); it is not a GRPOConfig field.\n")
+        header += (
+            f"# LoRA rank {recipe.lora_rank} was tuned: give the trainer a peft LoraConfig(r="
+            f"{recipe.lora_rank}) (ModelConfig: use_peft, lora_r); it is not a GRPOConfig field.\n"
+        )
     return header + yaml.safe_dump(kwargs, sort_keys=False)
 
 
@@ -58,7 +65,8 @@ def launch_sh(params: dict[str, Any], recipe: Recipe, best: TrialRow, with_ds: b
         "#!/usr/bin/env bash",
         f"# GRPO with TRL + accelerate, tuned by autotune (trial {best.number}: "
         f"{fmt(best.throughput)} completions/s).",
-        "# usage: launch.sh TRAIN_SCRIPT [script args...]   (TRAIN_SCRIPT must parse --config with TrlParser)",
+        "# usage: launch.sh TRAIN_SCRIPT [script args...]   "
+        "(TRAIN_SCRIPT must parse --config with TrlParser)",
         "set -euo pipefail",
         'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
         f"DEFAULT_TRAIN_SCRIPT={default_script}",

@@ -12,23 +12,33 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import optuna
 
 from autotune import configs
 from autotune.export.accelerate import accelerate_yaml, ds_config_json
-from autotune.export.summary import (ACCELERATE_YAML, DS_JSON, GRPO_YAML, LAUNCH_SH, PARAMS_JSON, SUMMARY_MD,
-                                     SWIFT_SH, summary_md)
 from autotune.export.command import COMMAND_SH, command_files
+from autotune.export.summary import (
+    ACCELERATE_YAML,
+    DS_JSON,
+    GRPO_YAML,
+    LAUNCH_SH,
+    PARAMS_JSON,
+    SUMMARY_MD,
+    SWIFT_SH,
+    summary_md,
+)
 from autotune.export.swift import swift_sh
 from autotune.export.trl import grpo_yaml, launch_sh
 from autotune.recipe import Recipe
 from autotune.study import choose_best, confirmations, rows
 from autotune.study.record import TrialRow
 
-OWN_FILES = frozenset({PARAMS_JSON, GRPO_YAML, DS_JSON, ACCELERATE_YAML, LAUNCH_SH, SWIFT_SH, COMMAND_SH, SUMMARY_MD})
+OWN_FILES = frozenset(
+    {PARAMS_JSON, GRPO_YAML, DS_JSON, ACCELERATE_YAML, LAUNCH_SH, SWIFT_SH, COMMAND_SH, SUMMARY_MD}
+)
 
 
 def export_study(study: optuna.Study, recipe: Recipe, out_dir: Path) -> list[Path]:
@@ -40,8 +50,15 @@ def export_study(study: optuna.Study, recipe: Recipe, out_dir: Path) -> list[Pat
     return write_best(out_dir, best, recipe, all_rows, notes=notes, stopped=study.user_attrs.get("stopped"))
 
 
-def write_best(out_dir: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRow], *,
-               notes: Iterable[str] = (), stopped: str | None = None) -> list[Path]:
+def write_best(
+    out_dir: Path,
+    best: TrialRow,
+    recipe: Recipe,
+    rows: list[TrialRow],
+    *,
+    notes: Iterable[str] = (),
+    stopped: str | None = None,
+) -> list[Path]:
     """Write params, TRL / accelerate / DeepSpeed configs, launch scripts (command.sh, the filled
     template, when a template ran the trials) and a summary.
 
@@ -56,7 +73,7 @@ def write_best(out_dir: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRo
     if dropped:
         notes.append("not passed to TRL, DeepSpeed or swift (no such field): " + ", ".join(dropped))
 
-    files: dict[str, tuple[str, bool]] = {}   # name -> (text, executable)
+    files: dict[str, tuple[str, bool]] = {}  # name -> (text, executable)
     files[PARAMS_JSON] = (json.dumps(params, indent=2) + "\n", False)
     files[GRPO_YAML] = (grpo_yaml(params, recipe, best), False)
     ds_json = ds_config_json(params, recipe)
@@ -66,9 +83,11 @@ def write_best(out_dir: Path, best: TrialRow, recipe: Recipe, rows: list[TrialRo
     files[ACCELERATE_YAML] = (accelerate_yaml(params, recipe, ds_path), False)
     files[LAUNCH_SH] = (launch_sh(params, recipe, best, ds_path is not None), True)
     files[SWIFT_SH] = (swift_sh(params, recipe, best), True)
-    files.update(command_files(params, recipe, best, files))     # command.sh for --runner command
-    files[SUMMARY_MD] = (summary_md(final, best, recipe, rows, notes, sorted(files) + [SUMMARY_MD],
-                                    stopped), False)
+    files.update(command_files(params, recipe, best, files))  # command.sh for --runner command
+    files[SUMMARY_MD] = (
+        summary_md(final, best, recipe, rows, notes, sorted(files) + [SUMMARY_MD], stopped),
+        False,
+    )
 
     _swap_in(final, files)
     return [final / name for name in files]
@@ -92,7 +111,7 @@ def _swap_in(final: Path, files: dict[str, tuple[str, bool]]) -> None:
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     except OSError as exc:
-        raise _named(exc, final)
+        raise _named(exc, final) from None
     try:
         for name, (text, executable) in files.items():
             path = tmp / name
@@ -102,7 +121,7 @@ def _swap_in(final: Path, files: dict[str, tuple[str, bool]]) -> None:
                     handle.flush()
                     os.fsync(handle.fileno())
             except OSError as exc:
-                raise _named(exc, final / name)
+                raise _named(exc, final / name) from None
             os.chmod(path, 0o755 if executable else 0o644)
         os.chmod(tmp, 0o755)
         if not final.exists() or (final.is_dir() and not any(final.iterdir())):
@@ -110,7 +129,7 @@ def _swap_in(final: Path, files: dict[str, tuple[str, bool]]) -> None:
             return
         if not final.is_dir():
             raise NotADirectoryError(f"{final} exists and is not a folder")
-        for name in sorted(files, key=lambda n: n == SUMMARY_MD):   # the summary last: it names the rest
+        for name in sorted(files, key=lambda n: n == SUMMARY_MD):  # the summary last: it names the rest
             os.replace(tmp / name, final / name)
         for name in OWN_FILES - set(files):
             (final / name).unlink(missing_ok=True)

@@ -27,5 +27,14 @@ from autotune.models.lookup import known_models, load_card, resolve_model, write
 from autotune.models.parts import QUANTIZATION_FLAGS, Quantization, VisionTower, flag_quantization
 from autotune.models.spec import ModelSpec
 
-__all__ = ["ModelSpec", "QUANTIZATION_FLAGS", "Quantization", "VisionTower", "flag_quantization", "known_models",
-           "load_card", "resolve_model", "write_config_dir"]
+__all__ = [
+    "ModelSpec",
+    "QUANTIZATION_FLAGS",
+    "Quantization",
+    "VisionTower",
+    "flag_quantization",
+    "known_models",
+    "load_card",
+    "resolve_model",
+    "write_config_dir",
+]

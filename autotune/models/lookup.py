@@ -162,9 +162,7 @@ def _from_hf_cache(name: str) -> ModelSpec | None:
                 repo_dirs = [p for p in cache.glob("models--*") if p.name.lower() == want]
         else:
             want = f"--{name}".lower()
-            repo_dirs = [
-                p for p in cache.glob("models--*--*") if p.name.lower().endswith(want)
-            ]
+            repo_dirs = [p for p in cache.glob("models--*--*") if p.name.lower().endswith(want)]
             if len(repo_dirs) != 1:
                 continue
         for repo_dir in repo_dirs:
@@ -200,9 +198,7 @@ def resolve_model(name_or_path: str) -> ModelSpec:
     """
     given = str(name_or_path).strip()
     if not given:
-        raise UsageError(
-            "no model given: pass a local directory, a Hugging Face id, or a card name"
-        )
+        raise UsageError("no model given: pass a local directory, a Hugging Face id, or a card name")
     candidate = Path(given).expanduser()
     if candidate.is_dir():
         return _checked(_from_directory(candidate, given))

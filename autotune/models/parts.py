@@ -24,16 +24,22 @@ from typing import Any
 
 from autotune.errors import UsageError
 
-__all__ = ["Quantization", "VisionTower", "QUANTIZATION_FLAGS", "VISION_MODEL_TYPES", "flag_quantization",
-           "checkpoint_quantization"]
+__all__ = [
+    "Quantization",
+    "VisionTower",
+    "QUANTIZATION_FLAGS",
+    "VISION_MODEL_TYPES",
+    "flag_quantization",
+    "checkpoint_quantization",
+]
 
 #: ``--quantization`` values and what they load: bitsandbytes NF4 with double quantization and
 #: bf16 compute (the QLoRA recipe), or LLM.int8.
 QUANTIZATION_FLAGS = ("4bit", "8bit")
 #: Vision towers whose shapes autotune counts; any other ``vision_config`` is refused, not ignored.
 VISION_MODEL_TYPES = frozenset({"qwen2_5_vl"})
-NF4_BLOCK = 64          # bitsandbytes 4-bit blocksize (one absmax per 64 weights)
-NF4_DQ_BLOCK = 256      # double quantization: absmax quantized to 8 bits in blocks of 256
+NF4_BLOCK = 64  # bitsandbytes 4-bit blocksize (one absmax per 64 weights)
+NF4_DQ_BLOCK = 256  # double quantization: absmax quantized to 8 bits in blocks of 256
 
 
 @dataclass(frozen=True)
@@ -74,8 +80,8 @@ class Quantization:
         group = self.group_size if self.group_size and self.group_size > 0 else fan_in
         groups = fan_in / group
         packed = n * self.bits / 8
-        scales = groups * fan_out * 2                 # fp16 scale per group and output
-        zeros = groups * fan_out * self.bits / 8      # packed zero point per group and output
+        scales = groups * fan_out * 2  # fp16 scale per group and output
+        zeros = groups * fan_out * self.bits / 8  # packed zero point per group and output
         g_idx = 4.0 * fan_in if self.method == "gptq" else 0.0
         return packed + scales + zeros + g_idx
 
@@ -119,7 +125,8 @@ def checkpoint_quantization(name: str, config: dict[str, Any]) -> Quantization |
     raise UsageError(
         f"model {name!r}: config.json's quantization_config (quant_method {method or 'missing'!r}) is not "
         "modelled by autotune (it knows gptq, awq and bitsandbytes 4/8-bit): use the unquantized checkpoint "
-        "with --quantization 4bit|8bit")
+        "with --quantization 4bit|8bit"
+    )
 
 
 @dataclass(frozen=True)
@@ -139,15 +146,19 @@ class VisionTower:
     in_channels: int = 3
 
     @classmethod
-    def from_config(cls, name: str, model_type: str, vision: dict[str, Any]) -> "VisionTower":
+    def from_config(cls, name: str, model_type: str, vision: dict[str, Any]) -> VisionTower:
         if model_type not in VISION_MODEL_TYPES:
             raise UsageError(
-                f"model {name!r}: its {model_type or 'unknown'} vision tower is not modelled by autotune (it "
-                f"knows {', '.join(sorted(VISION_MODEL_TYPES))}); estimates would leave it out, so it is refused")
+                f"model {name!r}: its {model_type or 'unknown'} vision tower is not modelled by autotune "
+                f"(it knows {', '.join(sorted(VISION_MODEL_TYPES))}); "
+                "estimates would leave it out, so it is refused"
+            )
         try:
             return cls(
-                depth=int(vision["depth"]), hidden=int(vision["hidden_size"]),
-                intermediate=int(vision["intermediate_size"]), heads=int(vision["num_heads"]),
+                depth=int(vision["depth"]),
+                hidden=int(vision["hidden_size"]),
+                intermediate=int(vision["intermediate_size"]),
+                heads=int(vision["num_heads"]),
                 out_hidden=int(vision["out_hidden_size"]),
                 patch_size=int(vision.get("patch_size", 14)),
                 temporal_patch_size=int(vision.get("temporal_patch_size", 2)),
@@ -159,7 +170,7 @@ class VisionTower:
 
     @property
     def merged_width(self) -> int:
-        return self.hidden * self.spatial_merge_size ** 2
+        return self.hidden * self.spatial_merge_size**2
 
     def linear_shapes(self) -> list[tuple[int, int, int]]:
         """(fan_in, fan_out, how many) of every linear layer: LoRA's and quantization's targets."""
@@ -170,10 +181,13 @@ class VisionTower:
     @property
     def num_params(self) -> int:
         h, i, d = self.hidden, self.intermediate, self.depth
-        patch = self.in_channels * self.temporal_patch_size * self.patch_size ** 2 * h   # Conv3d, no bias
+        patch = self.in_channels * self.temporal_patch_size * self.patch_size**2 * h  # Conv3d, no bias
         block = 2 * h + (h * 3 * h + 3 * h) + (h * h + h) + 2 * (h * i + i) + (i * h + h)
-        merger = h + (self.merged_width ** 2 + self.merged_width) + (self.merged_width * self.out_hidden
-                                                                      + self.out_hidden)
+        merger = (
+            h
+            + (self.merged_width**2 + self.merged_width)
+            + (self.merged_width * self.out_hidden + self.out_hidden)
+        )
         return patch + d * block + merger
 
     @property
@@ -183,7 +197,7 @@ class VisionTower:
     def patches(self, image_tokens: int) -> int:
         """Patches the encoder runs for an image that becomes ``image_tokens`` LLM tokens: the
         merger folds ``spatial_merge_size**2`` neighbouring patches into one token."""
-        return int(image_tokens) * self.spatial_merge_size ** 2
+        return int(image_tokens) * self.spatial_merge_size**2
 
     def activation_bytes_per_patch(self) -> float:
         """Bytes autograd keeps per patch in one block (bf16, SDPA): 31 x hidden + 8 x intermediate,

@@ -126,8 +126,15 @@ class ModelSpec:
         down): what ``all-linear`` LoRA adapts and GPTQ/AWQ quantize."""
         h, inter, L = self.hidden_size, self.intermediate_size, self.num_layers
         q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        return [(h, q_out, L), (h, kv_out, L), (h, kv_out, L), (q_out, h, L), (h, inter, L), (h, inter, L),
-                (inter, h, L)]
+        return [
+            (h, q_out, L),
+            (h, kv_out, L),
+            (h, kv_out, L),
+            (q_out, h, L),
+            (h, inter, L),
+            (h, inter, L),
+            (inter, h, L),
+        ]
 
     def linear_shapes(self) -> list[tuple[int, int, int]]:
         """Every linear layer but lm_head, the vision tower's included (peft's ``all-linear``)."""
@@ -206,5 +213,3 @@ class ModelSpec:
         """The size a model card publishes, in billions (cards only), for sanity checks."""
         value = self.card.get("params_b")
         return float(value) if value is not None else None
-
-

@@ -19,15 +19,19 @@ def make_runner(context: TrialContext) -> Runner:
     name = context.recipe.runner
     if name == "sim":
         from autotune.runners.sim import SimRunner
+
         runner: Runner = SimRunner(context)
     elif name == "command":
         from autotune.runners.command import CommandRunner
+
         runner = CommandRunner(context)
     elif name == "swift":
         from autotune.runners.swift import SwiftRunner
+
         runner = SwiftRunner(context)
     elif name == "trl":
         from autotune.runners.trl import TrlRunner
+
         runner = TrlRunner(context)
     else:
         raise UsageError(f"unknown runner '{name}': use one of {', '.join(RUNNERS)}")

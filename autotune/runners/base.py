@@ -5,9 +5,10 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from autotune.files import write_json
 from autotune.hardware import GpuType
@@ -23,7 +24,9 @@ Rule = Callable[[dict[str, Any]], "str | None"]
 
 # The GPUs of the slot the current thread's trial runs on (parallel trials, search/parallel.py).
 # A context variable, not an attribute of the runner: one runner serves every slot at once.
-ASSIGNED_GPUS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("autotune_gpus", default=None)
+ASSIGNED_GPUS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
+    "autotune_gpus", default=None
+)
 
 
 @contextlib.contextmanager
@@ -53,7 +56,7 @@ class Runner:
     # optimizer steps the next prepared trial must be able to run (confirmation and verify runs are
     # longer than search trials); set by run() before prepare()
     steps_needed: int | None = None
-    monitors_gpus = True     # sample NVML/psutil while the trial runs (the simulator uses no GPU)
+    monitors_gpus = True  # sample NVML/psutil while the trial runs (the simulator uses no GPU)
 
     def start_services(self, spec: LaunchSpec) -> list[Any]:
         """Start what the trial needs beside it (``spec.sidecars``); raise ServiceFailed."""
@@ -101,8 +104,9 @@ class Runner:
         self.steps_needed = rule.warmup + rule.measure + (rule.extra if rule.adaptive else 0)
         spec = self.prepare(params, trial_dir, number)
         write_json(trial_dir / "params.json", params)
-        return execute(spec, params, self.recipe, control, monitors_gpus=self.monitors_gpus,
-                       services=self.services(spec))
+        return execute(
+            spec, params, self.recipe, control, monitors_gpus=self.monitors_gpus, services=self.services(spec)
+        )
 
     def base_env(self, trial_dir: Path) -> dict[str, str]:
         """The trial contract's environment (DESIGN.md): folder, metrics file, GPUs: the slot's

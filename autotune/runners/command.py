@@ -26,9 +26,20 @@ from autotune.trial.launch import LaunchSpec
 
 # placeholders that are not search parameters
 EXTRA_FIELDS = (
-    "model", "gpus", "num_processes", "trial_dir", "metrics_file", "deepspeed_config",
-    "max_prompt_length", "max_completion_length", "max_length", "global_batch", "beta", "lora_rank",
-    "max_steps", "master_port",
+    "model",
+    "gpus",
+    "num_processes",
+    "trial_dir",
+    "metrics_file",
+    "deepspeed_config",
+    "max_prompt_length",
+    "max_completion_length",
+    "max_length",
+    "global_batch",
+    "beta",
+    "lora_rank",
+    "max_steps",
+    "master_port",
 )
 #: ``{master_port}`` in the export (best/command.sh runs alone on its node): torch's own default.
 DEFAULT_MASTER_PORT = 29500
@@ -44,7 +55,7 @@ def template_fields(template: str) -> tuple[list[str], list[set[str]]]:
     try:
         tokens = shlex.split(template)
     except ValueError as exc:
-        raise UsageError(f"--command cannot be split like a shell line: {exc}")
+        raise UsageError(f"--command cannot be split like a shell line: {exc}") from None
     if not tokens:
         raise UsageError("--command is empty: give the trainer's command line")
     names: list[set[str]] = []
@@ -54,11 +65,15 @@ def template_fields(template: str) -> tuple[list[str], list[set[str]]]:
             if not field_name.isidentifier():
                 raise UsageError(f"--command placeholder {{{field_name}}} is not a plain name")
             if conv:
-                raise UsageError(f"--command placeholder {{{field_name}!{conv}}}: conversions are not supported; "
-                                 f"write {{{field_name}}} or {{{field_name}:SPEC}}")
+                raise UsageError(
+                    f"--command placeholder {{{field_name}!{conv}}}: conversions are not supported; "
+                    f"write {{{field_name}}} or {{{field_name}:SPEC}}"
+                )
             if "{" in spec or "}" in spec:
-                raise UsageError(f"--command placeholder {{{field_name}:{spec}}}: a format spec cannot hold "
-                                 "another placeholder")
+                raise UsageError(
+                    f"--command placeholder {{{field_name}:{spec}}}: a format spec cannot hold "
+                    "another placeholder"
+                )
             found.add(field_name)
         names.append(found)
     return tokens, names
@@ -69,7 +84,9 @@ def placeholders(token: str) -> list[tuple[str, str, str | None]]:
     try:
         parsed = list(string.Formatter().parse(token))
     except ValueError as exc:
-        raise UsageError(f"--command token {token!r}: {exc} (write a literal brace as {{{{ or }}}})")
+        raise UsageError(
+            f"--command token {token!r}: {exc} (write a literal brace as {{{{ or }}}})"
+        ) from None
     return [(name, spec or "", conv) for _, name, spec, conv in parsed if name is not None]
 
 
@@ -112,13 +129,22 @@ def check_specs(tokens: list[str], samples: dict[str, list[Any]]) -> None:
                 try:
                     format(value, spec)
                 except (ValueError, TypeError) as exc:
-                    raise UsageError(f"--command placeholder {{{name}:{spec}}} cannot write "
-                                     f"{name}={format_value(value)} ({exc}): fix the format spec or write {{{name}}}")
+                    raise UsageError(
+                        f"--command placeholder {{{name}:{spec}}} cannot write "
+                        f"{name}={format_value(value)} ({exc}): fix the format spec or write {{{name}}}"
+                    ) from None
 
 
-def placeholder_values(recipe: Recipe, params: dict[str, Any], trial_dir: Path, *, model: str,
-                       batch: GlobalBatch | None, max_steps: int,
-                       master_port: int = DEFAULT_MASTER_PORT) -> dict[str, Any]:
+def placeholder_values(
+    recipe: Recipe,
+    params: dict[str, Any],
+    trial_dir: Path,
+    *,
+    model: str,
+    batch: GlobalBatch | None,
+    max_steps: int,
+    master_port: int = DEFAULT_MASTER_PORT,
+) -> dict[str, Any]:
     """Every placeholder's value for one candidate: its parameters and the recipe's fields. The
     export fills the same table, so best/command.sh is what the trials ran; ``master_port`` is a
     trial's own free port (parallel trials must not share torch's rendezvous port), the export's
@@ -136,7 +162,7 @@ def placeholder_values(recipe: Recipe, params: dict[str, Any], trial_dir: Path, 
         "global_batch": recipe.global_batch or recipe.completions_per_step(params, batch) or 0,
         "beta": recipe.beta,
         "lora_rank": recipe.lora_rank or 0,
-        "max_steps": max_steps,     # the trial's length: warm-up and measured steps (confirmations: more)
+        "max_steps": max_steps,  # the trial's length: warm-up and measured steps (confirmations: more)
         "deepspeed_config": trial_dir / "ds_config.json",
         "master_port": master_port,
     }
@@ -158,24 +184,41 @@ class CommandRunner(Runner):
         if self.fields[0]:
             raise UsageError("--command must start with a program name, not a placeholder")
         if not (shutil.which(program) or (os.sep in program and os.access(program, os.X_OK))):
-            raise UsageError(f"--command program '{program}' was not found on PATH: install it or give its full path")
+            raise UsageError(
+                f"--command program '{program}' was not found on PATH: install it or give its full path"
+            )
         space = self.context.space
         known = set(space.params) | set(EXTRA_FIELDS)
         for name in sorted(self.used):
             if name not in known:
                 raise UsageError(
-                    f"--command placeholder {{{name}}} names nothing: use a parameter of the space {space.path} "
+                    f"--command placeholder {{{name}}} names nothing: "
+                    f"use a parameter of the space {space.path} "
                     f"({', '.join(space.params)}) or one of {', '.join(EXTRA_FIELDS)}"
                 )
         batch = space.batch
-        if self.recipe.global_batch and batch is not None and batch.micro_batch in self.used \
-                and not {"global_batch", batch.accumulation} & self.used:
+        if (
+            self.recipe.global_batch
+            and batch is not None
+            and batch.micro_batch in self.used
+            and not {"global_batch", batch.accumulation} & self.used
+        ):
             raise UsageError(
-                f"--global-batch {self.recipe.global_batch}: the template passes neither {{global_batch}} nor "
-                f"{{{batch.accumulation or 'an accumulation parameter'}}}, so the trainer would never see it: add one")
-        samples: dict[str, list[Any]] = {name: [*p.grid_values(), p.default] for name, p in space.params.items()}
-        samples.update({name: [value] for name, value in self.values(space.defaults(), Path("trial")).items()
-                        if name not in space.params})
+                f"--global-batch {self.recipe.global_batch}: "
+                "the template passes neither {global_batch} nor "
+                f"{{{batch.accumulation or 'an accumulation parameter'}}}, "
+                "so the trainer would never see it: add one"
+            )
+        samples: dict[str, list[Any]] = {
+            name: [*p.grid_values(), p.default] for name, p in space.params.items()
+        }
+        samples.update(
+            {
+                name: [value]
+                for name, value in self.values(space.defaults(), Path("trial")).items()
+                if name not in space.params
+            }
+        )
         check_specs(self.tokens, samples)
 
     def searched(self) -> set[str]:
@@ -186,19 +229,25 @@ class CommandRunner(Runner):
         batch = space.batch
         if self.recipe.global_batch and batch is not None and batch.accumulation:
             if batch.declared:
-                names.discard(batch.accumulation)     # derived from --global-batch, never sampled
+                names.discard(batch.accumulation)  # derived from --global-batch, never sampled
             elif batch.micro_batch in names:
                 names.add(batch.accumulation)
         return names
 
-    def values(self, params: dict[str, Any], trial_dir: Path,
-               master_port: int = DEFAULT_MASTER_PORT) -> dict[str, Any]:
+    def values(
+        self, params: dict[str, Any], trial_dir: Path, master_port: int = DEFAULT_MASTER_PORT
+    ) -> dict[str, Any]:
         """Every placeholder's value; ``{max_steps}`` is what run() says the trial needs."""
         recipe = self.recipe
-        return placeholder_values(recipe, params, trial_dir, model=str(self.context.model.path or recipe.model),
-                                  batch=self.context.space.batch,
-                                  max_steps=self.steps_needed or recipe.warmup_steps + recipe.measure_steps,
-                                  master_port=master_port)
+        return placeholder_values(
+            recipe,
+            params,
+            trial_dir,
+            model=str(self.context.model.path or recipe.model),
+            batch=self.context.space.batch,
+            max_steps=self.steps_needed or recipe.warmup_steps + recipe.measure_steps,
+            master_port=master_port,
+        )
 
     def prepare(self, params: dict[str, Any], trial_dir: Path, number: int) -> LaunchSpec:
         recipe = self.recipe
@@ -215,5 +264,10 @@ class CommandRunner(Runner):
         env = self.base_env(trial_dir)
         env["NPROC_PER_NODE"] = str(recipe.dp_gpus(params))
         env["MASTER_PORT"] = str(port)
-        return LaunchSpec(argv=argv, env=env, trial_dir=trial_dir, cwd=Path(recipe.workdir or Path.cwd()),
-                          memory_limit_gib=recipe.memory_limit_gib)
+        return LaunchSpec(
+            argv=argv,
+            env=env,
+            trial_dir=trial_dir,
+            cwd=Path(recipe.workdir or Path.cwd()),
+            memory_limit_gib=recipe.memory_limit_gib,
+        )

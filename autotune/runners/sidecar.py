@@ -36,7 +36,6 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     return False
 
 
-
 def vllm_health_url(port: int = lc.DEFAULT_VLLM_SERVER_PORT, host: str = "127.0.0.1") -> str:
     """Where ``trl vllm-serve`` answers when ready (TRL's client polls the same path)."""
     return f"http://{host}:{port}/health/"
@@ -56,8 +55,15 @@ def start_sidecar(spec: LaunchSpec) -> subprocess.Popen:
     env = {**os.environ, **spec.env}
     env.setdefault(TRIAL_ENV, str(spec.trial_dir))
     with open(spec.trial_dir / "stdout.log", "ab") as out, open(spec.trial_dir / "stderr.log", "ab") as err:
-        proc = subprocess.Popen(spec.argv, env=env, cwd=spec.cwd or spec.trial_dir, stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(
+            spec.argv,
+            env=env,
+            cwd=spec.cwd or spec.trial_dir,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
     try:
         (spec.trial_dir / PID_FILE).write_text(f"{proc.pid}\n")
     except OSError as exc:
@@ -70,15 +76,16 @@ def listens(proc: subprocess.Popen, port: int) -> bool:
     for member in process_tree(proc.pid):
         try:
             conns = member.net_connections(kind="tcp")
-        except Exception:   # psutil.Error (gone, AccessDenied)
+        except Exception:  # psutil.Error (gone, AccessDenied)
             continue
         if any(c.status == "LISTEN" and c.laddr and c.laddr.port == port for c in conns):
             return True
     return False
 
 
-def wait_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                interval_s: float = 1.0) -> float:
+def wait_health(
+    url: str, timeout_s: float, proc: subprocess.Popen | None = None, interval_s: float = 1.0
+) -> float:
     """Poll ``GET url`` until it answers 200; return the seconds it took.
 
     With ``proc``, an answer counts only while ``proc`` runs and listens on the URL's port itself:
@@ -107,8 +114,9 @@ def wait_health(url: str, timeout_s: float, proc: subprocess.Popen | None = None
         time.sleep(interval_s)
 
 
-def stop_sidecar(proc: subprocess.Popen, grace_s: float = 10.0, *, pid_dir: Path | None = None,
-                 marker: Path | None = None) -> None:
+def stop_sidecar(
+    proc: subprocess.Popen, grace_s: float = 10.0, *, pid_dir: Path | None = None, marker: Path | None = None
+) -> None:
     """End a sidecar and its process group (SIGTERM, then SIGKILL), then what carries ``marker``
     (``AUTOTUNE_TRIAL_DIR``) outside it; remove ``pid_dir``'s pid file."""
     if proc.poll() is None:

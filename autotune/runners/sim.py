@@ -12,8 +12,8 @@ import zlib
 from pathlib import Path
 from typing import Any
 
-from autotune.trial.launch import LaunchSpec
 from autotune.runners.base import Runner
+from autotune.trial.launch import LaunchSpec
 
 
 class SimRunner(Runner):
@@ -39,7 +39,9 @@ class SimRunner(Runner):
             "seed": zlib.crc32(f"{recipe.seed}:{number}".encode()),
             "time_scale": recipe.sim_time_scale,
             "warmup_steps": recipe.warmup_steps,
-            "max_steps": max(50, recipe.warmup_steps + recipe.measure_steps + 20, (self.steps_needed or 0) + 2),
+            "max_steps": max(
+                50, recipe.warmup_steps + recipe.measure_steps + 20, (self.steps_needed or 0) + 2
+            ),
         }
 
     def prepare(self, params: dict[str, Any], trial_dir: Path, number: int) -> LaunchSpec:
@@ -50,6 +52,7 @@ class SimRunner(Runner):
         spec_path.write_text(json.dumps(spec, indent=1))
         return LaunchSpec(
             argv=[sys.executable, "-m", "autotune.sim", "--spec", str(spec_path)],
-            env=self.base_env(trial_dir), trial_dir=trial_dir,
+            env=self.base_env(trial_dir),
+            trial_dir=trial_dir,
             memory_limit_gib=recipe.memory_limit_gib,
         )

@@ -52,12 +52,20 @@ OUTPUT_DIR = "swift_output"
 #: Steps beyond what the controller needs, as the TRL runner keeps: only late log lines need them.
 EXTRA_STEPS = 2
 #: ms-swift's model types for the architectures autotune has cards for (config.json's model_type).
-MODEL_TYPES = {"qwen2": "qwen2", "qwen3": "qwen3", "llama": "llama", "qwen2_5_vl": "qwen2_5_vl",
-               "qwen2_moe": "qwen2_moe", "qwen3_moe": "qwen3_moe"}
+MODEL_TYPES = {
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "llama": "llama",
+    "qwen2_5_vl": "qwen2_5_vl",
+    "qwen2_moe": "qwen2_moe",
+    "qwen3_moe": "qwen3_moe",
+}
 #: The template of a materialised card: its tokenizer carries Qwen's chat markers.
 SHAPE_TEMPLATE = "qwen"
-INSTALL_HINT = ("bash scripts/swift_env.sh makes its own environment (ms-swift pins trl 0.29.1, so install it "
-                "with pip install ms-swift in a separate venv), then pass --swift-bin VENV/bin/swift")
+INSTALL_HINT = (
+    "bash scripts/swift_env.sh makes its own environment (ms-swift pins trl 0.29.1, so install it "
+    "with pip install ms-swift in a separate venv), then pass --swift-bin VENV/bin/swift"
+)
 
 
 def default_venv() -> Path:
@@ -69,7 +77,11 @@ def find_swift(recipe: Recipe) -> Path:
     """The ``swift`` program: ``--swift-bin``, PATH, then scripts/swift_env.sh's venv (UsageError if none)."""
     if recipe.swift_bin:
         given = Path(recipe.swift_bin).expanduser()
-        found = shutil.which(str(given)) if os.sep not in str(given) else (str(given) if given.is_file() else None)
+        found = (
+            shutil.which(str(given))
+            if os.sep not in str(given)
+            else (str(given) if given.is_file() else None)
+        )
         if not found or not os.access(found, os.X_OK):
             raise UsageError(f"--swift-bin {recipe.swift_bin}: no such program; {INSTALL_HINT}")
         return Path(found).absolute()
@@ -111,14 +123,21 @@ def swift_version(python: str) -> SwiftVersion:
     if python in _VERSIONS:
         return _VERSIONS[python]
     try:
-        done = subprocess.run([python, "-c", "import importlib.metadata as m; print(m.version('ms-swift'))"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [python, "-c", "import importlib.metadata as m; print(m.version('ms-swift'))"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     except (OSError, subprocess.TimeoutExpired) as exc:
-        raise UsageError(f"cannot run {python} to read the ms-swift version ({exc}); {INSTALL_HINT}") from None
+        raise UsageError(
+            f"cannot run {python} to read the ms-swift version ({exc}); {INSTALL_HINT}"
+        ) from None
     version = SwiftVersion.parse(done.stdout.strip()) if done.returncode == 0 else None
     if version is None:
-        raise UsageError(f"{python} has no ms-swift installed (importlib.metadata finds no 'ms-swift'); "
-                         f"{INSTALL_HINT}")
+        raise UsageError(
+            f"{python} has no ms-swift installed (importlib.metadata finds no 'ms-swift'); {INSTALL_HINT}"
+        )
     _VERSIONS[python] = version
     return version
 
@@ -139,10 +158,10 @@ def hub_id(model: ModelSpec, given: str) -> str | None:
 class SwiftModel:
     """How a model reaches ms-swift: in trials, and in the exported swift.sh."""
 
-    shape_only: bool              # materialised from its config (no weights on disk)
+    shape_only: bool  # materialised from its config (no weights on disk)
     model_type: str | None
-    export_model: str | None      # the hub id or path swift.sh names; None: the materialised folder
-    export_template: bool         # whether swift.sh keeps the trial's --template
+    export_model: str | None  # the hub id or path swift.sh names; None: the materialised folder
+    export_template: bool  # whether swift.sh keeps the trial's --template
 
 
 def swift_model(model: ModelSpec, recipe: Recipe) -> SwiftModel:
@@ -155,8 +174,9 @@ def swift_model(model: ModelSpec, recipe: Recipe) -> SwiftModel:
     return SwiftModel(True, model_type, hub, hub is None)
 
 
-def export_argv(params: dict[str, Any], recipe: Recipe, model: ModelSpec,
-                ds_config: str = "ds_config.json") -> tuple[list[str], SwiftVersion, Path | None]:
+def export_argv(
+    params: dict[str, Any], recipe: Recipe, model: ModelSpec, ds_config: str = "ds_config.json"
+) -> tuple[list[str], SwiftVersion, Path | None]:
     """swift.sh's command: what a trial of ``params`` runs (:meth:`SwiftRunner.prepare`), minus
     the trial-only flags, for the ms-swift this machine has (or :data:`TESTED`, with no program)."""
     program: Path | None
@@ -166,12 +186,28 @@ def export_argv(params: dict[str, Any], recipe: Recipe, model: ModelSpec,
     except UsageError:
         program, version = None, TESTED
     plan = swift_model(model, recipe)
-    trial_model = (str(_materialised_dir(model, recipe)) if plan.shape_only else plan.export_model or "")
-    inputs = _inputs(recipe, plan, program="swift", model=trial_model, dataset=_dataset(recipe) or PROMPTS_FILE,
-                     output_dir=OUTPUT_DIR, max_steps=1, ds_config_path=ds_config)
+    trial_model = str(_materialised_dir(model, recipe)) if plan.shape_only else plan.export_model or ""
+    inputs = _inputs(
+        recipe,
+        plan,
+        program="swift",
+        model=trial_model,
+        dataset=_dataset(recipe) or PROMPTS_FILE,
+        output_dir=OUTPUT_DIR,
+        max_steps=1,
+        ds_config_path=ds_config,
+    )
     argv = lc.swift_trial_argv(params, recipe, inputs, version)
-    return lc.production_argv(argv, model=plan.export_model or trial_model, keep_dataset=bool(recipe.dataset),
-                              keep_template=plan.export_template), version, program
+    return (
+        lc.production_argv(
+            argv,
+            model=plan.export_model or trial_model,
+            keep_dataset=bool(recipe.dataset),
+            keep_template=plan.export_template,
+        ),
+        version,
+        program,
+    )
 
 
 def _materialised_dir(model: ModelSpec, recipe: Recipe) -> Path:
@@ -193,12 +229,28 @@ def _dataset(recipe: Recipe) -> str | None:
     return recipe.dataset
 
 
-def _inputs(recipe: Recipe, plan: SwiftModel, *, program: str, model: str, dataset: str, output_dir: str,
-            max_steps: int, ds_config_path: str) -> TrialInputs:
-    return TrialInputs(program=program, model=model, model_type=plan.model_type,
-                       template=SHAPE_TEMPLATE if plan.shape_only else None, dataset=dataset,
-                       output_dir=output_dir, max_steps=max_steps, ds_config_path=ds_config_path,
-                       truncate_left=not recipe.dataset)
+def _inputs(
+    recipe: Recipe,
+    plan: SwiftModel,
+    *,
+    program: str,
+    model: str,
+    dataset: str,
+    output_dir: str,
+    max_steps: int,
+    ds_config_path: str,
+) -> TrialInputs:
+    return TrialInputs(
+        program=program,
+        model=model,
+        model_type=plan.model_type,
+        template=SHAPE_TEMPLATE if plan.shape_only else None,
+        dataset=dataset,
+        output_dir=output_dir,
+        max_steps=max_steps,
+        ds_config_path=ds_config_path,
+        truncate_left=not recipe.dataset,
+    )
 
 
 class SwiftRunner(Runner):
@@ -224,29 +276,39 @@ class SwiftRunner(Runner):
         if recipe.device not in ("cuda", "cpu"):
             raise UsageError(f"--device {recipe.device!r}: use cuda or cpu")
         if recipe.device == "cuda" and recipe.memory_limit_gib:
-            raise UsageError("--memory-limit caps a trial's address space (RLIMIT_AS), which CUDA cannot "
-                             "start under: use it with --device cpu")
+            raise UsageError(
+                "--memory-limit caps a trial's address space (RLIMIT_AS), which CUDA cannot "
+                "start under: use it with --device cpu"
+            )
         try:
             shlex.split(recipe.swift_args or "")
         except ValueError as exc:
             raise UsageError(f"--swift-args cannot be split like a shell line: {exc}") from None
-        if recipe.dataset and _looks_local(recipe.dataset) and _dataset(recipe) == recipe.dataset \
-                and not Path(recipe.dataset).expanduser().exists():
+        if (
+            recipe.dataset
+            and _looks_local(recipe.dataset)
+            and _dataset(recipe) == recipe.dataset
+            and not Path(recipe.dataset).expanduser().exists()
+        ):
             raise UsageError(f"--dataset {recipe.dataset}: no such file")
         self.program = find_swift(recipe)
         self.python = swift_python(self.program)
         self.version = swift_version(self.python)
         if not self.version.supported:
-            raise UsageError(f"ms-swift {self.version} at {self.program} is too old: autotune needs ms-swift >= "
-                             f"{OLDEST} (GRPO with --vllm_mode); upgrade it, e.g. bash scripts/swift_env.sh")
+            raise UsageError(
+                f"ms-swift {self.version} at {self.program} is too old: autotune needs ms-swift >= "
+                f"{OLDEST} (GRPO with --vllm_mode); upgrade it, e.g. bash scripts/swift_env.sh"
+            )
 
     def check_inputs(self) -> None:
         """Refuse what a swift trial would not measure: its prompts are text only (worst-case chat
         rows or the user's dataset as given), so image tokens would make the planner count images
         and vision activations that no trial ever carries."""
         if int(self.recipe.image_tokens or 0) > 0:
-            raise UsageError(f"--image-tokens {self.recipe.image_tokens} with --runner swift: the swift runner runs "
-                             "text-only trials (no images); leave --image-tokens out, or use --runner trl")
+            raise UsageError(
+                f"--image-tokens {self.recipe.image_tokens} with --runner swift: the swift runner runs "
+                "text-only trials (no images); leave --image-tokens out, or use --runner trl"
+            )
 
     def rules(self) -> list[Rule]:
         """Candidates this ms-swift or machine cannot run, each with a one-line reason."""
@@ -265,8 +327,10 @@ class SwiftRunner(Runner):
         def sleep_rule(params: dict[str, Any]) -> str | None:
             level = int(params.get("sleep_level") or 0)
             if level > version.max_sleep_level:
-                return (f"sleep_level={level} needs ms-swift >= 3.12.0 (older releases do not reload the "
-                        f"weights after a level-2 sleep); this is {version}")
+                return (
+                    f"sleep_level={level} needs ms-swift >= 3.12.0 (older releases do not reload the "
+                    f"weights after a level-2 sleep); this is {version}"
+                )
             return None
 
         def deepspeed_rule(params: dict[str, Any]) -> str | None:
@@ -275,8 +339,10 @@ class SwiftRunner(Runner):
             if not lc.uses_deepspeed(params, self.recipe):
                 return "deepspeed_config=autotune without ZeRO: the same run as deepspeed_config=preset"
             if lc.swift_deepspeed(params, self.recipe) is None:
-                return "deepspeed_config=autotune: ms-swift has no preset for this stage/offload, so preset " \
-                       "already uses autotune's JSON"
+                return (
+                    "deepspeed_config=autotune: ms-swift has no preset for this stage/offload, so preset "
+                    "already uses autotune's JSON"
+                )
             return None
 
         return [vllm_rule, sleep_rule, deepspeed_rule]
@@ -328,7 +394,9 @@ class SwiftRunner(Runner):
             try:
                 write_prompts(self._ready()[1], Path(model_dir), length, 1, one)
             except RuntimeError as exc:
-                raise UsageError(f"cannot write the trial prompts with {model_dir}'s tokenizer: {exc}") from None
+                raise UsageError(
+                    f"cannot write the trial prompts with {model_dir}'s tokenizer: {exc}"
+                ) from None
         row = one.read_text(encoding="utf-8").splitlines()[0]
         path = trial_dir / PROMPTS_FILE
         path.write_text((row + "\n") * rows, encoding="utf-8")
@@ -347,17 +415,34 @@ class SwiftRunner(Runner):
             ds = lc.deepspeed_config(params, recipe)
             if ds is not None:
                 ds_path.write_text(json.dumps(ds, indent=2), encoding="utf-8")
-        inputs = _inputs(recipe, plan, program=str(program), model=model_dir, dataset=dataset,
-                         output_dir=str((trial_dir / OUTPUT_DIR).resolve()), max_steps=steps,
-                         ds_config_path=str(ds_path.resolve()))
+        inputs = _inputs(
+            recipe,
+            plan,
+            program=str(program),
+            model=model_dir,
+            dataset=dataset,
+            output_dir=str((trial_dir / OUTPUT_DIR).resolve()),
+            max_steps=steps,
+            ds_config_path=str(ds_path.resolve()),
+        )
         argv = lc.swift_trial_argv(params, recipe, inputs, version)
-        (trial_dir / ARGV_FILE).write_text(json.dumps(
-            {"argv": argv, "ms_swift": str(version), "model_dir": model_dir, "shape_only": plan.shape_only},
-            indent=1) + "\n", encoding="utf-8")
+        (trial_dir / ARGV_FILE).write_text(
+            json.dumps(
+                {
+                    "argv": argv,
+                    "ms_swift": str(version),
+                    "model_dir": model_dir,
+                    "shape_only": plan.shape_only,
+                },
+                indent=1,
+            )
+            + "\n",
+            encoding="utf-8",
+        )
 
         env = self.base_env(trial_dir)
         processes = recipe.dp_gpus(params)
-        if processes > 1:        # set at all, it makes swift launch through torch.distributed.run
+        if processes > 1:  # set at all, it makes swift launch through torch.distributed.run
             env["NPROC_PER_NODE"] = str(processes)
             # ms-swift passes --master_port only when MASTER_PORT is set, else torch's 29500: two
             # parallel multi-process trials would both bind it and one would die of EADDRINUSE
@@ -368,8 +453,9 @@ class SwiftRunner(Runner):
             env["OMP_NUM_THREADS"] = str(max(1, min(4, (os.cpu_count() or 1) // max(processes, 1))))
             # glibc's per-thread arenas reserve address space, which RLIMIT_AS (--memory-limit) counts
             env.setdefault("MALLOC_ARENA_MAX", "2")
-        return LaunchSpec(argv=argv, env=env, trial_dir=trial_dir, cwd=trial_dir,
-                          memory_limit_gib=recipe.memory_limit_gib)
+        return LaunchSpec(
+            argv=argv, env=env, trial_dir=trial_dir, cwd=trial_dir, memory_limit_gib=recipe.memory_limit_gib
+        )
 
 
 def _looks_local(text: str) -> bool:

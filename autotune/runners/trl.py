@@ -61,8 +61,12 @@ from autotune import configs as lc
 from autotune.configs.trl import quantization_config
 from autotune.errors import UsageError
 from autotune.runners.base import Rule, Runner
-from autotune.runners.sidecar import (listens, port_in_use, start_sidecar, stop_sidecar,  # noqa: F401 (re-exported)
-                                      vllm_health_url, wait_health)
+from autotune.runners.sidecar import (
+    start_sidecar,
+    stop_sidecar,  # noqa: F401 (re-exported)
+    vllm_health_url,
+    wait_health,
+)
 from autotune.search.memory import base_quantization
 from autotune.trial.launch import LaunchSpec, ServiceFailed
 from autotune.trial.processes import TRIAL_ENV
@@ -116,18 +120,23 @@ class TrlRunner(Runner):
         if self.recipe.device not in ("cuda", "cpu"):
             raise UsageError(f"--device {self.recipe.device!r}: use cuda or cpu")
         if self.recipe.device == "cuda" and self.recipe.memory_limit_gib:
-            raise UsageError("--memory-limit caps a trial's address space (RLIMIT_AS), which CUDA cannot "
-                             "start under: use it with --device cpu")
+            raise UsageError(
+                "--memory-limit caps a trial's address space (RLIMIT_AS), which CUDA cannot "
+                "start under: use it with --device cpu"
+            )
         if self.recipe.device == "cuda":
             import torch
 
             if not torch.cuda.is_available():
-                raise UsageError("no CUDA GPU is visible to torch: use --device cpu for a CPU rehearsal "
-                                 "with real TRL trials, or --runner sim to simulate GPUs")
+                raise UsageError(
+                    "no CUDA GPU is visible to torch: use --device cpu for a CPU rehearsal "
+                    "with real TRL trials, or --runner sim to simulate GPUs"
+                )
         self.check_model()
         if self.recipe.dataset and not Path(self.recipe.dataset).expanduser().is_file():
-            raise UsageError(f"--dataset {self.recipe.dataset}: no such file (a JSON-lines file with a "
-                             "'prompt' field)")
+            raise UsageError(
+                f"--dataset {self.recipe.dataset}: no such file (a JSON-lines file with a 'prompt' field)"
+            )
 
     def check_model(self) -> None:
         """What of the model the worker cannot build: images it cannot make (Pillow missing, a
@@ -141,17 +150,25 @@ class TrlRunner(Runner):
 
             image_grid(recipe.image_tokens)
             if not installed("PIL"):
-                raise UsageError(f"model {model.name!r} with --image-tokens: the trl runner's synthetic images need "
-                                 "Pillow: pip install pillow")
+                raise UsageError(
+                    f"model {model.name!r} with --image-tokens: the trl runner's synthetic images need "
+                    "Pillow: pip install pillow"
+                )
             if recipe.dataset:
-                raise UsageError("--dataset with --image-tokens: vision-language trials use synthetic prompts and "
-                                 "images of the asked sizes; leave out --dataset")
+                raise UsageError(
+                    "--dataset with --image-tokens: vision-language trials use synthetic prompts and "
+                    "images of the asked sizes; leave out --dataset"
+                )
         quant = base_quantization(model, recipe.quantization, recipe.lora_rank)
         if quant is not None and quant.origin == "checkpoint" and not (model.has_weights and model.path):
-            raise UsageError(f"model {model.name!r} is a {quant.label} checkpoint: the trl runner loads it only from "
-                             "its quantized weights, so pass the checkpoint's directory")
+            raise UsageError(
+                f"model {model.name!r} is a {quant.label} checkpoint: the trl runner loads it only from "
+                "its quantized weights, so pass the checkpoint's directory"
+            )
         if recipe.quantization and not installed("bitsandbytes"):
-            raise UsageError(f"--quantization {recipe.quantization} needs bitsandbytes: pip install bitsandbytes")
+            raise UsageError(
+                f"--quantization {recipe.quantization} needs bitsandbytes: pip install bitsandbytes"
+            )
 
     def rules(self) -> list[Rule]:
         """Candidates this machine cannot run, each with a one-line reason (marked invalid)."""
@@ -167,8 +184,11 @@ class TrlRunner(Runner):
             if not have_vllm:
                 return "use_vllm needs the vllm package (pip install -e '.[vllm]')"
             if self._vl_without_processor():
-                return ("use_vllm with a vision-language model needs its checkpoint folder (weights and "
-                        "preprocessor_config.json): vLLM builds its own processor from it; pin --set use_vllm=false")
+                return (
+                    "use_vllm with a vision-language model needs its checkpoint folder (weights and "
+                    "preprocessor_config.json): vLLM builds its own processor from it; "
+                    "pin --set use_vllm=false"
+                )
             return None
 
         def deepspeed_rule(params: dict[str, Any]) -> str | None:
@@ -182,8 +202,10 @@ class TrlRunner(Runner):
                 return None
             if params.get("vllm_mode", "colocate") != "colocate":
                 return None
-            return ("--quantization 8bit with colocated vLLM: TRL 1.16 refuses it ('vLLM does not support "
-                    "in-flight 8-bit quantization.'); use 4bit or vllm_mode=server")
+            return (
+                "--quantization 8bit with colocated vLLM: TRL 1.16 refuses it ('vLLM does not support "
+                "in-flight 8-bit quantization.'); use 4bit or vllm_mode=server"
+            )
 
         return [vllm_rule, deepspeed_rule, int8_vllm_rule]
 
@@ -193,16 +215,23 @@ class TrlRunner(Runner):
         refusing everything."""
         out: dict[str, Any] = {"use_vllm": False} if self.recipe.device == "cpu" else {}
         if not out and not installed("vllm"):
-            log.warning("vllm is not installed: searching without vLLM generation "
-                        "(pip install -e '.[vllm]' to include it)")
+            log.warning(
+                "vllm is not installed: searching without vLLM generation "
+                "(pip install -e '.[vllm]' to include it)"
+            )
             out["use_vllm"] = False
         if not out and self._vl_without_processor():
-            log.warning("model %s is vision-language without its checkpoint folder: searching with transformers "
-                        "generation (vLLM would need the real processor files)", self.context.model.name)
+            log.warning(
+                "model %s is vision-language without its checkpoint folder: searching with transformers "
+                "generation (vLLM would need the real processor files)",
+                self.context.model.name,
+            )
             out["use_vllm"] = False
         if not installed("deepspeed"):
-            log.warning("deepspeed is not installed: searching ZeRO stage 0 only "
-                        "(DS_BUILD_OPS=0 pip install -e '.[deepspeed]' to include ZeRO and offload)")
+            log.warning(
+                "deepspeed is not installed: searching ZeRO stage 0 only "
+                "(DS_BUILD_OPS=0 pip install -e '.[deepspeed]' to include ZeRO and offload)"
+            )
             out.update(zero_stage=0, offload="none")
         return out
 
@@ -213,7 +242,9 @@ class TrlRunner(Runner):
         model = self.context.model
         if model.vision is None:
             return False
-        return not (model.has_weights and model.path and (Path(model.path) / "preprocessor_config.json").is_file())
+        return not (
+            model.has_weights and model.path and (Path(model.path) / "preprocessor_config.json").is_file()
+        )
 
     # -- one trial ------------------------------------------------------------------------------
     def max_steps(self) -> int:
@@ -231,9 +262,11 @@ class TrlRunner(Runner):
             "params": dict(params),
             "grpo_config": lc.grpo_config_kwargs(params, recipe),
             "model": {
-                "name": model.name, "source": model.source,
+                "name": model.name,
+                "source": model.source,
                 "path": str(model.path) if model.path else None,
-                "has_weights": bool(model.has_weights), "config": model.config,
+                "has_weights": bool(model.has_weights),
+                "config": model.config,
             },
             "device": recipe.device,
             "max_prompt_length": int(recipe.max_prompt_length),
@@ -257,7 +290,7 @@ class TrlRunner(Runner):
         spec = self.trial_spec(params, trial_dir, number)
         train, server = lc.gpu_split(params, recipe)
         port = free_port() if server and not recipe.device == "cpu" else None
-        if port is not None:   # the trainer's client and the server meet on this trial's own port
+        if port is not None:  # the trainer's client and the server meet on this trial's own port
             spec["grpo_config"]["vllm_server_port"] = port
         spec_path = trial_dir / SPEC_FILE
         spec_path.write_text(json.dumps(spec, indent=1), encoding="utf-8")
@@ -267,8 +300,17 @@ class TrlRunner(Runner):
         worker = ["-m", "autotune.worker", "--trial-spec", str(spec_path.resolve())]
         if processes > 1 or lc.uses_deepspeed(params, recipe):
             config_path = self.write_launch_configs(params, trial_dir)
-            argv = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_path),
-                    "--num_processes", str(processes), "--main_process_port", str(free_port())]
+            argv = [
+                sys.executable,
+                "-m",
+                "accelerate.commands.launch",
+                "--config_file",
+                str(config_path),
+                "--num_processes",
+                str(processes),
+                "--main_process_port",
+                str(free_port()),
+            ]
             if cpu and processes > 1 and not lc.uses_deepspeed(params, recipe):
                 argv.append("--multi_gpu")
             argv += worker
@@ -277,8 +319,13 @@ class TrlRunner(Runner):
 
         env = self.base_env(trial_dir)
         # a trial never waits on the Hub (models and tokenizers are local) nor forks tokenizer threads
-        env.update({k: v for k, v in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"))
-                    if k not in os.environ})
+        env.update(
+            {
+                k: v
+                for k, v in (("HF_HUB_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false"))
+                if k not in os.environ
+            }
+        )
         devices = [d for d in env["CUDA_VISIBLE_DEVICES"].split(",") if d]
         if cpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
@@ -291,10 +338,18 @@ class TrlRunner(Runner):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices[i] for i in train if i < len(devices))
         sidecars = []
         if port is not None:
-            sidecars.append(self.vllm_sidecar(params, trial_dir, [devices[i] for i in server if i < len(devices)],
-                                              port=port))
-        return LaunchSpec(argv=argv, env=env, trial_dir=trial_dir, memory_limit_gib=recipe.memory_limit_gib,
-                          sidecars=sidecars)
+            sidecars.append(
+                self.vllm_sidecar(
+                    params, trial_dir, [devices[i] for i in server if i < len(devices)], port=port
+                )
+            )
+        return LaunchSpec(
+            argv=argv,
+            env=env,
+            trial_dir=trial_dir,
+            memory_limit_gib=recipe.memory_limit_gib,
+            sidecars=sidecars,
+        )
 
     def write_launch_configs(self, params: dict[str, Any], trial_dir: Path) -> Path:
         """accelerate_config.yaml (+ ds_config.json) in the trial folder, as the export writes them."""
@@ -320,8 +375,11 @@ class TrlRunner(Runner):
                 raise ServiceFailed(str(exc), None, "") from exc
             procs.append((side, proc))
             try:
-                wait_health(vllm_health_url(side.port or lc.DEFAULT_VLLM_SERVER_PORT),
-                            timeout_s=self.recipe.hang_timeout_s, proc=proc)
+                wait_health(
+                    vllm_health_url(side.port or lc.DEFAULT_VLLM_SERVER_PORT),
+                    timeout_s=self.recipe.hang_timeout_s,
+                    proc=proc,
+                )
             except (RuntimeError, TimeoutError) as exc:
                 self.stop_services(procs)
                 err = side.trial_dir / "stderr.log"
@@ -333,8 +391,13 @@ class TrlRunner(Runner):
         for side, proc in handles:
             stop_sidecar(proc, pid_dir=side.trial_dir, marker=Path(side.env.get(TRIAL_ENV, side.trial_dir)))
 
-    def vllm_sidecar(self, params: dict[str, Any], trial_dir: Path, devices: list[str],
-                     port: int = lc.DEFAULT_VLLM_SERVER_PORT) -> LaunchSpec:
+    def vllm_sidecar(
+        self,
+        params: dict[str, Any],
+        trial_dir: Path,
+        devices: list[str],
+        port: int = lc.DEFAULT_VLLM_SERVER_PORT,
+    ) -> LaunchSpec:
         """The ``trl vllm-serve`` process of a server-mode trial, on the GPUs training leaves.
 
         A model without weights is served from the trial's shape directory (config.json in bf16,
@@ -360,4 +423,6 @@ class TrlRunner(Runner):
         argv = [sys.executable, "-m", "trl.cli.main", *argv[1:], *extra]
         env = self.base_env(trial_dir)
         env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-        return LaunchSpec(argv=argv, env=env, trial_dir=trial_dir / SIDECAR_DIR, memory_limit_gib=None, port=port)
+        return LaunchSpec(
+            argv=argv, env=env, trial_dir=trial_dir / SIDECAR_DIR, memory_limit_gib=None, port=port
+        )

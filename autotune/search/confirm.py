@@ -7,8 +7,9 @@ the survivors by their longer runs takes most of the noise out of the choice.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import optuna
 
@@ -24,8 +25,8 @@ from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.execute import abort_on_error
 from autotune.trial.outcome import Outcome
 
-CONFIRM_NUMBER_OFFSET = 100_000   # confirmation runs are numbered apart from search trials
-MIN_NOISE = 0.03                  # relative run-to-run noise assumed before any run was repeated
+CONFIRM_NUMBER_OFFSET = 100_000  # confirmation runs are numbered apart from search trials
+MIN_NOISE = 0.03  # relative run-to-run noise assumed before any run was repeated
 
 
 def noise(rows_: list[TrialRow], done: dict[int, dict[str, Any]]) -> float:
@@ -34,20 +35,32 @@ def noise(rows_: list[TrialRow], done: dict[int, dict[str, Any]]) -> float:
     The search trials already measured every candidate once; a confirmation measures it again,
     longer, so the gap between the two is the noise that can reorder close candidates."""
     short = {r.number: r.throughput for r in rows_ if r.throughput}
-    gaps = [abs((c.get("throughput") or 0) / short[n] - 1) for n, c in done.items()
-            if c.get("status") == "ok" and c.get("throughput") and short.get(n)]
+    gaps = [
+        abs((c.get("throughput") or 0) / short[n] - 1)
+        for n, c in done.items()
+        if c.get("status") == "ok" and c.get("throughput") and short.get(n)
+    ]
     return max([MIN_NOISE, *gaps])
 
 
 def confirm_duration(row: TrialRow, recipe: Recipe) -> float:
     """A confirmation's expected wall time: its short trial's, scaled by the steps it runs."""
     short_steps = recipe.warmup_steps + recipe.measure_steps
-    return (row.wall_time_s or 0.0) * (recipe.warmup_steps + recipe.measure_steps * CONFIRM_FACTOR) / short_steps
+    return (
+        (row.wall_time_s or 0.0) * (recipe.warmup_steps + recipe.measure_steps * CONFIRM_FACTOR) / short_steps
+    )
 
 
-def confirm(study: optuna.Study, recipe: Recipe, paths: StudyPaths, execute: Callable[..., Outcome],
-            reporter: Reporter, planner: Planner | None, budget: Budget,
-            slots: list[list[int] | None] | None = None) -> int:
+def confirm(
+    study: optuna.Study,
+    recipe: Recipe,
+    paths: StudyPaths,
+    execute: Callable[..., Outcome],
+    reporter: Reporter,
+    planner: Planner | None,
+    budget: Budget,
+    slots: list[list[int] | None] | None = None,
+) -> int:
     """Confirm leaders by longer runs, only as many as it takes to separate them from the noise.
 
     The fastest eligible trial is confirmed first. A runner-up is confirmed too only while its
@@ -78,46 +91,56 @@ def confirm(study: optuna.Study, recipe: Recipe, paths: StudyPaths, execute: Cal
         if not todo:
             break
         if len(held) >= recipe.confirm and (todo[0].throughput or 0) <= best:
-            break                        # enough leaders held, and this one is not ahead of them
+            break  # enough leaders held, and this one is not ahead of them
         # with several GPU slots, the leaders still needed are confirmed at once, one per slot
         wanted = max(1, min(len(slots), recipe.confirm - len(held), recipe.confirm + 2 - runs))
         batch = []
         for row in todo[:wanted]:
             if budget.exceeded(confirm_duration(row, recipe)):
-                reporter.message(f"not confirming trial {row.number}: its longer run would exceed --time-budget")
+                reporter.message(
+                    f"not confirming trial {row.number}: its longer run would exceed --time-budget"
+                )
                 break
             batch.append(row)
         if not batch:
             break
         for row in batch:
-            reporter.message(f"confirming trial {row.number} with {recipe.measure_steps * CONFIRM_FACTOR} "
-                             "measured steps")
+            reporter.message(
+                f"confirming trial {row.number} with {recipe.measure_steps * CONFIRM_FACTOR} measured steps"
+            )
         if len(batch) == 1:
             outcomes = [run_one(batch[0], slots[0], recipe, paths, execute)]
         else:
             pool = ThreadPoolExecutor(len(batch), thread_name_prefix="confirm")
             with abort_on_error(pool):
-                outcomes = list(pool.map(lambda rs: run_one(rs[0], rs[1], recipe, paths, execute),
-                                         zip(batch, slots)))
+                outcomes = list(
+                    pool.map(lambda rs: run_one(rs[0], rs[1], recipe, paths, execute), zip(batch, slots))
+                )
         for row, outcome in zip(batch, outcomes):
             save_confirmation(study, row.number, outcome)
             budget.spent(outcome.wall_time_s)
             if planner is not None and outcome.status == "oom":
-                planner.observe(row.number, row.params, outcome.status, outcome.oom_kind, outcome.peak_memory_gib)
-            reporter.message(f"confirmation of trial {row.number}: {outcome.status}"
-                             + (f" {outcome.throughput:.3g}/s" if outcome.throughput else "")
-                             + (f", peak {outcome.peak_memory_gib:.1f} GiB" if outcome.peak_memory_gib else ""))
+                planner.observe(
+                    row.number, row.params, outcome.status, outcome.oom_kind, outcome.peak_memory_gib
+                )
+            reporter.message(
+                f"confirmation of trial {row.number}: {outcome.status}"
+                + (f" {outcome.throughput:.3g}/s" if outcome.throughput else "")
+                + (f", peak {outcome.peak_memory_gib:.1f} GiB" if outcome.peak_memory_gib else "")
+            )
             runs += 1
-        study.set_user_attr("elapsed_s", round(budget.elapsed(), 1))    # a resume goes on from here
+        study.set_user_attr("elapsed_s", round(budget.elapsed(), 1))  # a resume goes on from here
     return runs
 
 
-def run_one(row: TrialRow, gpus: list[int] | None, recipe: Recipe, paths: StudyPaths,
-            execute: Callable[..., Outcome]) -> Outcome:
+def run_one(
+    row: TrialRow, gpus: list[int] | None, recipe: Recipe, paths: StudyPaths, execute: Callable[..., Outcome]
+) -> Outcome:
     """One confirmation run, on ``gpus`` (a parallel slot) or the default GPUs."""
     trial_dir = paths.confirm_dir(row.number)
-    control = TrialControl(StopRule.confirming(recipe), None, constraints.samples_per_step(row.params, recipe),
-                           purpose="confirm")
+    control = TrialControl(
+        StopRule.confirming(recipe), None, constraints.samples_per_step(row.params, recipe), purpose="confirm"
+    )
     with on_gpus(gpus):
         outcome = execute(row.params, trial_dir, CONFIRM_NUMBER_OFFSET + row.number, control)
     outcome.write(trial_dir / "outcome.json")

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import functools
 from collections import Counter
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
@@ -18,8 +19,15 @@ from autotune.search.space import TRL_BATCH, GlobalBatch, Space, load_space
 
 # Parameters the rules look at; exhaustive checks enumerate only these.
 RULE_PARAMS = [
-    "per_device_train_batch_size", "gradient_accumulation_steps", "num_generations", "zero_stage",
-    "offload", "use_vllm", "vllm_mode", "vllm_tensor_parallel_size", "steps_per_generation",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "num_generations",
+    "zero_stage",
+    "offload",
+    "use_vllm",
+    "vllm_mode",
+    "vllm_tensor_parallel_size",
+    "steps_per_generation",
     "generation_batch_size",
 ]
 
@@ -71,13 +79,20 @@ def derive(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -
     batch = batch_of(out, recipe, space)
     if space is not None:
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps"):
-            if name not in space.params and ((batch is not None and batch.declared) or out.get(name, 0) is None):
+            if name not in space.params and (
+                (batch is not None and batch.declared) or out.get(name, 0) is None
+            ):
                 out.pop(name, None)
-    if recipe.global_batch and batch is not None and batch.accumulation is not None \
-            and out.get(batch.micro_batch) is not None:
+    if (
+        recipe.global_batch
+        and batch is not None
+        and batch.accumulation is not None
+        and out.get(batch.micro_batch) is not None
+    ):
         per_micro = int(out[batch.micro_batch]) * batch.gpus_factor(recipe.dp_gpus(out))
         out[batch.accumulation] = (
-            recipe.global_batch // per_micro if recipe.global_batch % per_micro == 0 else 0)
+            recipe.global_batch // per_micro if recipe.global_batch % per_micro == 0 else 0
+        )
     return out
 
 
@@ -88,7 +103,7 @@ def as_trl(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -
     ``offload_optimizer`` (states moved to the CPU while vLLM generates) are not modelled: the
     generation phase's peak is over-estimated with them, never under-estimated."""
     out = dict(params)
-    if out.get("sleep_level") is not None:   # ms-swift: level 1 or 2 puts vLLM to sleep while training
+    if out.get("sleep_level") is not None:  # ms-swift: level 1 or 2 puts vLLM to sleep while training
         out["vllm_enable_sleep_mode"] = int(out["sleep_level"]) >= 1
     batch = batch_of(out, recipe, space)
     if batch is None or not batch.declared or out.get(batch.micro_batch) is None:
@@ -108,14 +123,19 @@ def check_batch(space: Space, recipe: Recipe) -> None:
     if recipe.global_batch and space.batch is None:
         ints = [n for n, p in space.params.items() if p.type == "int"]
         raise UsageError(
-            f"--global-batch {recipe.global_batch}: the space {space.path} does not say which parameters make "
+            f"--global-batch {recipe.global_batch}: the space {space.path} "
+            "does not say which parameters make "
             "the batch; declare them at its top level, e.g. 'global_batch: {micro_batch: NAME, accumulation: "
-            f"NAME, per: gpu}}' (its int parameters: {', '.join(ints) or 'none'}), or drop --global-batch")
+            f"NAME, per: gpu}}' (its int parameters: {', '.join(ints) or 'none'}), or drop --global-batch"
+        )
 
 
-def violations(params: dict[str, Any], recipe: Recipe,
-               extra_rules: Iterable[Callable[[dict[str, Any]], str | None]] = (),
-               space: Space | None = None) -> list[str]:
+def violations(
+    params: dict[str, Any],
+    recipe: Recipe,
+    extra_rules: Iterable[Callable[[dict[str, Any]], str | None]] = (),
+    space: Space | None = None,
+) -> list[str]:
     """Every broken rule as a short sentence; empty when the candidate may be launched.
 
     The batch rules look at the parameters that make the batch: TRL's names, or the ones the space
@@ -150,8 +170,10 @@ def violations(params: dict[str, Any], recipe: Recipe,
         else:
             generation_batch = batch.completions(params, dp, recipe.global_batch)
             steps = batch.accumulation_of(params, dp, recipe.global_batch)
-            how = (f"{batch.micro_batch} {micro} x {batch.gpus_factor(dp)} GPU(s) x "
-                   f"{batch.accumulation or 'accumulation'} {steps}")
+            how = (
+                f"{batch.micro_batch} {micro} x {batch.gpus_factor(dp)} GPU(s) x "
+                f"{batch.accumulation or 'accumulation'} {steps}"
+            )
         if generation_batch is None:
             out.append(how)
         elif gens is not None and gens >= 2 and generation_batch % gens:
@@ -168,7 +190,9 @@ def violations(params: dict[str, Any], recipe: Recipe,
     if use_vllm:
         if mode == "server":
             if tp >= recipe.gpus:
-                out.append(f"vLLM server mode needs GPUs left to train: tensor parallel {tp} of {recipe.gpus}")
+                out.append(
+                    f"vLLM server mode needs GPUs left to train: tensor parallel {tp} of {recipe.gpus}"
+                )
         elif tp > recipe.gpus or recipe.gpus % tp:
             out.append(f"vLLM tensor parallel size {tp} must divide the {recipe.gpus} GPU(s)")
         util = params.get("vllm_gpu_memory_utilization")
@@ -200,25 +224,33 @@ def generation_batch_of(params: dict[str, Any], dp: int) -> tuple[int | None, st
         return None, "generation_batch_size and steps_per_generation cannot both be set (TRL refuses it)"
     if gbs is not None:
         if int(gbs) % (pdbs * dp):
-            return None, (f"generation_batch_size {gbs} is not divisible by the global micro-batch "
-                          f"{pdbs * dp} (= {pdbs} per device x {dp} GPUs)")
+            return None, (
+                f"generation_batch_size {gbs} is not divisible by the global micro-batch "
+                f"{pdbs * dp} (= {pdbs} per device x {dp} GPUs)"
+            )
         return int(gbs), f"generation_batch_size {gbs}"
     steps = (_int(params, "gradient_accumulation_steps", 1) or 0) if spg is None else int(spg)
     what = "accumulation" if spg is None else "steps_per_generation"
     return pdbs * dp * steps, f"{pdbs} per device x {dp} GPUs x {steps} {what}"
 
 
-def valid_combinations(space: Space, recipe: Recipe, fixed: dict[str, Any],
-                       extra_rules: Iterable[Callable[[dict[str, Any]], str | None]] = ()
-                       ) -> tuple[list[dict[str, Any]], Counter[str]]:
+def valid_combinations(
+    space: Space,
+    recipe: Recipe,
+    fixed: dict[str, Any],
+    extra_rules: Iterable[Callable[[dict[str, Any]], str | None]] = (),
+) -> tuple[list[dict[str, Any]], Counter[str]]:
     """Every valid combination of the parameters the rules look at (the rest at defaults), and
     how often each rule blocked one. Stays in the tens of thousands even for wide spaces."""
     extra_rules = list(extra_rules)
     blocking: Counter[str] = Counter()
     valid: list[dict[str, Any]] = []
     batch = space.batch
-    looked_at = RULE_PARAMS + ([n for n in (batch.micro_batch, batch.accumulation, batch.generations)
-                                if n and n not in RULE_PARAMS] if batch is not None else [])
+    looked_at = RULE_PARAMS + (
+        [n for n in (batch.micro_batch, batch.accumulation, batch.generations) if n and n not in RULE_PARAMS]
+        if batch is not None
+        else []
+    )
     names = [n for n in looked_at if n in space.params and n not in fixed]
     for cand in space.grid(fixed, names=looked_at):
         cand = derive(cand, recipe, space)
@@ -243,9 +275,12 @@ def forced_values(space: Space, valid: list[dict[str, Any]]) -> dict[str, Any]:
     return forced
 
 
-def check_pins_leave_candidates(space: Space, recipe: Recipe, fixed: dict[str, Any],
-                                extra_rules: Iterable[Callable[[dict[str, Any]], str | None]] = ()
-                                ) -> int:
+def check_pins_leave_candidates(
+    space: Space,
+    recipe: Recipe,
+    fixed: dict[str, Any],
+    extra_rules: Iterable[Callable[[dict[str, Any]], str | None]] = (),
+) -> int:
     """Count valid discrete candidates; raise a one-line error naming the rule when none is left
     (or, first, when ``--global-batch`` is given to a space that does not say what makes the batch)."""
     check_batch(space, recipe)
@@ -253,11 +288,15 @@ def check_pins_leave_candidates(space: Space, recipe: Recipe, fixed: dict[str, A
     valid = len(combos)
     if valid == 0:
         derived = space.batch.accumulation if recipe.global_batch and space.batch is not None else None
-        shown = ", ".join(f"{k}={v}" for k, v in fixed.items()
-                          if k in space.params and k != derived) or "the space as it is"
+        shown = (
+            ", ".join(f"{k}={v}" for k, v in fixed.items() if k in space.params and k != derived)
+            or "the space as it is"
+        )
         reason = blocking.most_common(1)[0][0] if blocking else "no candidates"
-        raise UsageError(f"no valid candidate is left with {shown}: {reason}; change the pins "
-                         "(--set / --global-batch) or widen the space")
+        raise UsageError(
+            f"no valid candidate is left with {shown}: {reason}; change the pins "
+            "(--set / --global-batch) or widen the space"
+        )
     return valid
 
 
@@ -265,10 +304,16 @@ def _rule_kind(message: str) -> str:
     """Collapse a violation to its rule so that counts group by rule, not by number."""
     for key, kind in (
         ("global batch", "--global-batch must be divisible by the micro-batch x data-parallel GPUs"),
-        ("generation batch", "the generation batch (micro-batch x GPUs x accumulation or "
-                             "steps_per_generation) must be divisible by num_generations"),
-        ("generation_batch_size", "generation_batch_size must be divisible by the global micro-batch, "
-                                  "and not set together with steps_per_generation"),
+        (
+            "generation batch",
+            "the generation batch (micro-batch x GPUs x accumulation or "
+            "steps_per_generation) must be divisible by num_generations",
+        ),
+        (
+            "generation_batch_size",
+            "generation_batch_size must be divisible by the global micro-batch, "
+            "and not set together with steps_per_generation",
+        ),
         ("at least 2", "num_generations must be at least 2"),
         ("optimizer offload", "optimizer offload needs ZeRO stage >= 2"),
         ("parameter offload", "parameter offload needs ZeRO stage 3"),

@@ -14,15 +14,17 @@ the study storage and the trial folders.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import optuna
 
+from autotune.errors import UsageError
 from autotune.export import export_study
 from autotune.export.report import write_report
-from autotune.errors import UsageError
+from autotune.hardware import plan_slots
 from autotune.progress import Reporter, short_params
 from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
@@ -34,18 +36,27 @@ from autotune.search.policy import PolicySampler, make_tpe
 from autotune.search.pruning import BelowBestPruner
 from autotune.search.space import Space
 from autotune.search.stopping import Budget, Stopping
-from autotune.study import (StudyPaths, candidate_key, choose_best, confirmations, launched_rows, measured_configs,
-                            open_study, record, recover_interrupted, rows)
+from autotune.study import (
+    StudyPaths,
+    candidate_key,
+    choose_best,
+    confirmations,
+    launched_rows,
+    measured_configs,
+    open_study,
+    record,
+    recover_interrupted,
+    rows,
+)
 from autotune.study.lock import StudyLock
-from autotune.hardware import plan_slots
 from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.outcome import Outcome
 
 log = logging.getLogger(__name__)
 
 IMPOSSIBLE_FACTOR = 1.5  # refuse to start when even the leanest candidate is predicted above this x capacity
-MIN_LAUNCHED = 6        # trials before the search may stop as converged (seeds plus a few local moves)
-PATIENCE = 8            # launched trials without a gain beyond the noise before converging is considered
+MIN_LAUNCHED = 6  # trials before the search may stop as converged (seeds plus a few local moves)
+PATIENCE = 8  # launched trials without a gain beyond the noise before converging is considered
 
 # An executor runs one candidate and says what happened. The default is the runner's real process;
 # the benchmark swaps in the simulator's ground truth, in-process.
@@ -59,7 +70,7 @@ class SearchResult:
     stopped_reason: str | None = None
     exported: list[Path] = field(default_factory=list)
     confirmed: int = 0
-    confirmation: dict[str, Any] | None = None     # the winner's confirmation run, if it had one
+    confirmation: dict[str, Any] | None = None  # the winner's confirmation run, if it had one
 
 
 def fixed_values(space: Space, recipe: Recipe, runner: Runner) -> dict[str, Any]:
@@ -79,11 +90,20 @@ def fixed_values(space: Space, recipe: Recipe, runner: Runner) -> dict[str, Any]
 class Search:
     """Runs one study until its trial count, its time budget or a stop condition."""
 
-    def __init__(self, recipe: Recipe, paths: StudyPaths, context: TrialContext, reporter: Reporter,
-                 execute: Executor | None = None, storage: Any = None, use_planner: bool = True,
-                 report: bool = True, slots: list[list[int] | None] | None = None):
+    def __init__(
+        self,
+        recipe: Recipe,
+        paths: StudyPaths,
+        context: TrialContext,
+        reporter: Reporter,
+        execute: Executor | None = None,
+        storage: Any = None,
+        use_planner: bool = True,
+        report: bool = True,
+        slots: list[list[int] | None] | None = None,
+    ):
         self.recipe, self.paths, self.reporter, self.storage = recipe, paths, reporter, storage
-        self.report = report                 # keep runs/<study>/report.html current (off in the benchmark)
+        self.report = report  # keep runs/<study>/report.html current (off in the benchmark)
         self.space = context.space
         self.runner = make_runner(context)
         self.rules = self.runner.rules()
@@ -96,31 +116,52 @@ class Search:
             self.fixed.update(forced)
             self.valid, _ = constraints.valid_combinations(self.space, recipe, self.fixed, self.rules)
         self.execute: Executor = execute or self.runner.run
-        self.planner = Planner(context.model, recipe, context.gpu, use_model=recipe.device != "cpu") \
-            if use_planner else None
+        self.planner = (
+            Planner(context.model, recipe, context.gpu, use_model=recipe.device != "cpu")
+            if use_planner
+            else None
+        )
         self.check_something_fits()
         # the GPU sets trials run on at once (one per slot); checked here, before anything is written
-        self.slots = slots or plan_slots(recipe.gpus, recipe.parallel, recipe.node_gpus,
-                                         need_visible=recipe.device == "cuda" and recipe.runner != "sim")
+        self.slots = slots or plan_slots(
+            recipe.gpus,
+            recipe.parallel,
+            recipe.node_gpus,
+            need_visible=recipe.device == "cuda" and recipe.runner != "sim",
+        )
 
     def run(self) -> SearchResult:
         study = self.open()
-        stopped_reason = Scheduler(self, study, self.slots).run()             # ask, gate, execute, tell
+        stopped_reason = Scheduler(self, study, self.slots).run()  # ask, gate, execute, tell
         launched = len(launched_rows(study))
         if stopped_reason is None:
             stopped_reason = f"stopped after {launched} trials: the --trials limit"
         study.set_user_attr("stopped", stopped_reason)
-        with StudyLock(study._storage, study.study_name, "finish"):   # noqa: SLF001  once, across nodes
+        with StudyLock(study._storage, study.study_name, "finish"):  # noqa: SLF001  once, across nodes
             recover_interrupted(study, self.paths, sweep=True)
-            confirmed = confirm(study, self.recipe, self.paths, self.execute, self.reporter, self.planner,
-                                self.stopping.budget, self.slots)
-            study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))   # the study's clock
+            confirmed = confirm(
+                study,
+                self.recipe,
+                self.paths,
+                self.execute,
+                self.reporter,
+                self.planner,
+                self.stopping.budget,
+                self.slots,
+            )
+            study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))  # the study's clock
             exported = export_study(study, self.recipe, self.paths.best)
             self.refresh_report(study)
         done = confirmations(study)
         best, _ = choose_best(rows(study), self.recipe, done)
-        return SearchResult(launched=launched, best=best, stopped_reason=stopped_reason, exported=exported,
-                            confirmed=confirmed, confirmation=done.get(best.number) if best else None)
+        return SearchResult(
+            launched=launched,
+            best=best,
+            stopped_reason=stopped_reason,
+            exported=exported,
+            confirmed=confirmed,
+            confirmation=done.get(best.number) if best else None,
+        )
 
     def refresh_report(self, study: optuna.Study) -> None:
         """Rewrite report.html; a report that cannot be written never stops the search."""
@@ -145,16 +186,25 @@ class Search:
         if lean is None or lean[1].total_gib <= cap * IMPOSSIBLE_FACTOR:
             return
         params, est = lean
-        parts = {"model states": est.model_states_gib, "activations": est.activations_gib, "logits": est.logits_gib,
-                 "reference model": est.reference_gib, "vLLM": est.vllm_gib}
+        parts = {
+            "model states": est.model_states_gib,
+            "activations": est.activations_gib,
+            "logits": est.logits_gib,
+            "reference model": est.reference_gib,
+            "vLLM": est.vllm_gib,
+        }
         part, size = max(parts.items(), key=lambda kv: kv[1])
         pinned = ", ".join(f"{k}={v}" for k, v in self.recipe.pins.items()) or "the space as it is"
-        message = (f"nothing can fit with {pinned}: the leanest candidate ({short_params(params)}) needs "
-                   f"{est.total_gib:.0f} GiB per GPU of {cap:.0f}, {part} alone {size:.0f} GiB; pin less (allow "
-                   "ZeRO-3 and offload), shorten the sequences, or use more or larger GPUs")
+        message = (
+            f"nothing can fit with {pinned}: the leanest candidate ({short_params(params)}) needs "
+            f"{est.total_gib:.0f} GiB per GPU of {cap:.0f}, {part} alone {size:.0f} GiB; pin less (allow "
+            "ZeRO-3 and offload), shorten the sequences, or use more or larger GPUs"
+        )
         if self.recipe.runner in ("trl", "sim"):
             raise UsageError(message)
-        log.warning("%s (searching anyway: the --command trainer may use less than the model predicts)", message)
+        log.warning(
+            "%s (searching anyway: the --command trainer may use less than the model predicts)", message
+        )
 
     def converged(self, study: optuna.Study, launched: int) -> str | None:
         """Why to stop now that nothing untried is likely to beat the incumbent, or None.
@@ -165,36 +215,64 @@ class Search:
         throughput, raised by how far measurements strayed from the prior, beats the best by more
         than the measurement noise. (Patience 8 with half a standard deviation was chosen on the
         benchmark over patience 6 with one: see docs/benchmarks-notes.md.)"""
-        if self.planner is None or not self.planner.use_model or launched < MIN_LAUNCHED or not self.best_value:
+        if (
+            self.planner is None
+            or not self.planner.use_model
+            or launched < MIN_LAUNCHED
+            or not self.best_value
+        ):
             return None
         spread = noise(rows(study), confirmations(study))
         if launched - self.improved_at < PATIENCE:
             return None
         pool = self.planner.pool(self.space, self.fixed, self.rules)
-        if self.planner.improvable(pool, set(measured_configs(study)), candidate_key, self.best_value, spread):
+        if self.planner.improvable(
+            pool, set(measured_configs(study)), candidate_key, self.best_value, spread
+        ):
             return None
-        return (f"stopped after {launched} trials: converged, no untried candidate is expected to beat "
-                f"the best {self.best_value:.3g} completions/s by more than the noise ({spread:.0%})")
+        return (
+            f"stopped after {launched} trials: converged, no untried candidate is expected to beat "
+            f"the best {self.best_value:.3g} completions/s by more than the noise ({spread:.0%})"
+        )
 
     def open(self) -> optuna.Study:
         """Open the study, recover what a killed controller left, and let the planner learn from it."""
         study = open_study(self.paths, self.recipe, pruner=BelowBestPruner(), storage=self.storage)
-        study.sampler = PolicySampler(make_tpe(self.recipe, salt=len(study.trials)), space=self.space,
-                                      recipe=self.recipe, fixed=self.fixed, rules=self.rules, valid=self.valid,
-                                      planner=self.planner)
+        study.sampler = PolicySampler(
+            make_tpe(self.recipe, salt=len(study.trials)),
+            space=self.space,
+            recipe=self.recipe,
+            fixed=self.fixed,
+            rules=self.rules,
+            valid=self.valid,
+            planner=self.planner,
+        )
         recover_interrupted(study, self.paths)
         if self.planner is not None:
             for row in rows(study):
                 if row.launched and row.status not in ("crash", "interrupted"):
-                    self.planner.observe(row.number, row.params, row.status, row.oom_kind, row.peak_memory_gib,
-                                         None if row.pruned else row.throughput,
-                                         leftover=row.status == "oom" and self.leftover(row.number))
+                    self.planner.observe(
+                        row.number,
+                        row.params,
+                        row.status,
+                        row.oom_kind,
+                        row.peak_memory_gib,
+                        None if row.pruned else row.throughput,
+                        leftover=row.status == "oom" and self.leftover(row.number),
+                    )
         previous = launched_rows(study)
-        self.stopping = Stopping(Budget(self.recipe.time_budget_s, float(study.user_attrs.get("elapsed_s", 0.0)),
-                                        [t.user_attrs.get("wall_time_s") or 0 for t in previous]), self.paths.name)
-        self.improved_at = len(launched_rows(study))     # a resumed search waits its patience again
-        self.best_value = max((r.throughput or 0 for r in rows(study) if r.status == "ok" and not r.pruned),
-                              default=0.0)
+        self.stopping = Stopping(
+            Budget(
+                self.recipe.time_budget_s,
+                float(study.user_attrs.get("elapsed_s", 0.0)),
+                [t.user_attrs.get("wall_time_s") or 0 for t in previous],
+            ),
+            self.paths.name,
+        )
+        self.improved_at = len(launched_rows(study))  # a resumed search waits its patience again
+        self.best_value = max(
+            (r.throughput or 0 for r in rows(study) if r.status == "ok" and not r.pruned), default=0.0
+        )
         return study
 
     def leftover(self, number: int) -> bool:
@@ -204,8 +282,9 @@ class Search:
         except (OSError, ValueError, KeyError, TypeError):
             return False
 
-    def gate(self, number: int, params: dict[str, Any], previous: tuple[int, dict[str, Any]] | None
-             ) -> tuple[Outcome | None, float | None]:
+    def gate(
+        self, number: int, params: dict[str, Any], previous: tuple[int, dict[str, Any]] | None
+    ) -> tuple[Outcome | None, float | None]:
         """The outcome of a candidate that needs no launch (invalid, a repeat, skipped), or None
         to launch it, with the planner's predicted peak."""
         broken = constraints.violations(params, self.recipe, self.rules)
@@ -215,49 +294,88 @@ class Search:
         if previous is not None:
             first, prev = previous
             pruned = prev.get("pruned") or (prev.get("extra") or {}).get("pruned")
-            return Outcome(status=prev["status"], oom_kind=prev.get("oom_kind"), throughput=prev.get("throughput"),
-                           peak_memory_gib=prev.get("peak_memory_gib"), error_line=prev.get("error_line"),
-                           detail=f"same configuration as trial {first}; not run again",
-                           extra={"pruned": True} if pruned else {}), None
+            return Outcome(
+                status=prev["status"],
+                oom_kind=prev.get("oom_kind"),
+                throughput=prev.get("throughput"),
+                peak_memory_gib=prev.get("peak_memory_gib"),
+                error_line=prev.get("error_line"),
+                detail=f"same configuration as trial {first}; not run again",
+                extra={"pruned": True} if pruned else {},
+            ), None
         verdict = self.planner.verdict(params) if self.planner else None
         if verdict is not None and verdict.skip:
             self.reporter.not_launched(number, params, "skipped", verdict.reason or "")
-            return Outcome(status="skipped", detail=verdict.reason, extra={"predicted_gib": verdict.predicted_gib}), None
+            return Outcome(
+                status="skipped", detail=verdict.reason, extra={"predicted_gib": verdict.predicted_gib}
+            ), None
         return None, verdict.predicted_gib if verdict is not None else None
 
-    def measure(self, trial: optuna.Trial, params: dict[str, Any], launched: int,
-                predicted_gib: float | None) -> Outcome:
+    def measure(
+        self, trial: optuna.Trial, params: dict[str, Any], launched: int, predicted_gib: float | None
+    ) -> Outcome:
         """Run one candidate as a trial, reported live, until its throughput is measured."""
         self.stopping.launched()
         self.reporter.trial_started(trial.number, launched, params)
-        control = TrialControl(StopRule.searching(self.recipe), trial, constraints.samples_per_step(params, self.recipe, self.space),
-                               on_step=lambda rec, n=trial.number: self.reporter.step(n, rec))
+        control = TrialControl(
+            StopRule.searching(self.recipe),
+            trial,
+            constraints.samples_per_step(params, self.recipe, self.space),
+            on_step=lambda rec, n=trial.number: self.reporter.step(n, rec),
+        )
         outcome = self.execute(params, self.paths.trial_dir(trial.number), trial.number, control)
         outcome.extra["launched"] = True
         if predicted_gib is not None:
             outcome.extra["predicted_gib"] = round(predicted_gib, 3)
         return outcome
 
-    def tell(self, study: optuna.Study, trial: optuna.Trial, params: dict[str, Any], key: str, outcome: Outcome,
-             measured: dict[str, tuple[int, dict[str, Any]]]) -> None:
+    def tell(
+        self,
+        study: optuna.Study,
+        trial: optuna.Trial,
+        params: dict[str, Any],
+        key: str,
+        outcome: Outcome,
+        measured: dict[str, tuple[int, dict[str, Any]]],
+    ) -> None:
         """Record the outcome; a launched one also teaches the planner and may be the new best."""
         launched = bool(outcome.extra.get("launched"))
         trial_dir = self.paths.trial_dir(trial.number)
-        record(study, trial, params, outcome, launched=launched, key=key, trial_dir=trial_dir,
-               memory_limit_gib=self.memory_limit())
-        if outcome.status not in ("crash", "interrupted", "skipped") and (launched or outcome.status != "invalid"):
-            measured.setdefault(key, (trial.number, outcome.to_json()))   # a repeat is answered from it
+        record(
+            study,
+            trial,
+            params,
+            outcome,
+            launched=launched,
+            key=key,
+            trial_dir=trial_dir,
+            memory_limit_gib=self.memory_limit(),
+        )
+        if outcome.status not in ("crash", "interrupted", "skipped") and (
+            launched or outcome.status != "invalid"
+        ):
+            measured.setdefault(key, (trial.number, outcome.to_json()))  # a repeat is answered from it
         if not launched:
             self.stopping.not_launched()
             return
         study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))
         if self.planner is not None and outcome.status not in ("crash", "interrupted"):
-            self.planner.observe(trial.number, params, outcome.status, outcome.oom_kind, outcome.peak_memory_gib,
-                                 None if outcome.extra.get("pruned") else outcome.throughput,
-                                 leftover=bool(outcome.extra.get("leftover_gib")))
+            self.planner.observe(
+                trial.number,
+                params,
+                outcome.status,
+                outcome.oom_kind,
+                outcome.peak_memory_gib,
+                None if outcome.extra.get("pruned") else outcome.throughput,
+                leftover=bool(outcome.extra.get("leftover_gib")),
+            )
         self.reporter.trial_finished(trial.number, outcome)
         self.refresh_report(study)
-        if outcome.status == "ok" and not outcome.extra.get("pruned") and (outcome.throughput or 0) > self.best_value:
+        if (
+            outcome.status == "ok"
+            and not outcome.extra.get("pruned")
+            and (outcome.throughput or 0) > self.best_value
+        ):
             if (outcome.throughput or 0) > self.best_value * (1 + MIN_NOISE):
                 self.improved_at = len(launched_rows(study))
             self.best_value = outcome.throughput or 0

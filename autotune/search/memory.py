@@ -70,10 +70,10 @@ LOGITS_PEAK_FACTOR = 4.6
 CUDA_CONTEXT_GIB = 0.8
 NCCL_GIB = 0.5
 VLLM_SLEEP_LEFTOVER_GIB = 0.6
-VLLM_RUNTIME_GIB = 1.0         # activations, CUDA graphs and sampler buffers inside its budget
-LORA_TARGETS_PER_LAYER = 7     # q, k, v, o, gate, up, down ("all-linear")
-ZERO3_MAX_LIVE_PARAMS = 1e9    # stage3_max_live_parameters in configs/deepspeed.py
-GEN_LOGITS_FACTOR = 3.0        # fp32 last-token logits, their softmax and the sampled copy
+VLLM_RUNTIME_GIB = 1.0  # activations, CUDA graphs and sampler buffers inside its budget
+LORA_TARGETS_PER_LAYER = 7  # q, k, v, o, gate, up, down ("all-linear")
+ZERO3_MAX_LIVE_PARAMS = 1e9  # stage3_max_live_parameters in configs/deepspeed.py
+GEN_LOGITS_FACTOR = 3.0  # fp32 last-token logits, their softmax and the sampled copy
 # How far off the model has been on measured peaks (test_memory.py's H100 cases: 6 runs, largest
 # error 5.3%) and on published figures (trl#3456, within 30%): what ``estimate`` prints beside its
 # verdict. Not a confidence interval: a handful of points on Qwen2.5 shapes.
@@ -93,13 +93,13 @@ class Estimate:
     total_gib: float
     capacity_gib: float
     fits: bool
-    host_gib: float = 0.0                 # offloaded states in host RAM (all GPUs of the node)
-    generation_gib: float = 0.0           # HF generate() without vLLM: KV cache + prefill + sampling
-    generation_sequences: int = 0         # sequences in that one generate() call per GPU
-    phase: str = "training"               # which phase sets the peak: training | generation
-    vllm_problem: str | None = None       # 'vllm_kv' | 'vllm_startup' when vLLM cannot start
-    vision_gib: float = 0.0               # vision encoder activations (vision-language models)
-    quantization: str | None = None       # how the base's weights are stored, when quantized
+    host_gib: float = 0.0  # offloaded states in host RAM (all GPUs of the node)
+    generation_gib: float = 0.0  # HF generate() without vLLM: KV cache + prefill + sampling
+    generation_sequences: int = 0  # sequences in that one generate() call per GPU
+    phase: str = "training"  # which phase sets the peak: training | generation
+    vllm_problem: str | None = None  # 'vllm_kv' | 'vllm_startup' when vLLM cannot start
+    vision_gib: float = 0.0  # vision encoder activations (vision-language models)
+    quantization: str | None = None  # how the base's weights are stored, when quantized
     notes: list[str] = field(default_factory=list)
     # the parts that add up to the peak (training or generation phase, whichever is larger):
     # what calibration regresses measured peaks on
@@ -116,16 +116,22 @@ class Estimate:
     @property
     def parts(self) -> dict[str, float]:
         """The parts that add up to the training peak (``vision`` only for vision-language models)."""
-        parts = {"model_states": self.model_states_gib, "activations": self.activations_gib,
-                 "logits": self.logits_gib, "reference": self.reference_gib, "vllm": self.vllm_gib,
-                 "overhead": self.overhead_gib}
+        parts = {
+            "model_states": self.model_states_gib,
+            "activations": self.activations_gib,
+            "logits": self.logits_gib,
+            "reference": self.reference_gib,
+            "vllm": self.vllm_gib,
+            "overhead": self.overhead_gib,
+        }
         if self.vision_gib:
             parts["vision"] = self.vision_gib
         return parts
 
 
-def zero_model_states_bytes(params: int, largest_layer: int, stage: int, offload: str,
-                            n_gpus: int) -> tuple[float, float]:
+def zero_model_states_bytes(
+    params: int, largest_layer: int, stage: int, offload: str, n_gpus: int
+) -> tuple[float, float]:
     """(GPU bytes, CPU bytes) for weights + gradients + Adam states of a full fine-tune.
 
     Stages 2 and 3 follow DeepSpeed's estimators (CPU side with their 1.5 buffer factor); stage 1
@@ -166,8 +172,10 @@ def base_quantization(model: ModelSpec, flag: str | None, lora_rank: int | None)
     quant = own or asked
     if quant and not lora_rank:
         what = f"--quantization {flag}" if asked else f"model {model.name!r} ({quant.label})"
-        raise UsageError(f"{what} trains adapters on a frozen quantized base: add --lora-rank R (e.g. 16); "
-                         "quantized weights cannot be fully fine-tuned")
+        raise UsageError(
+            f"{what} trains adapters on a frozen quantized base: add --lora-rank R (e.g. 16); "
+            "quantized weights cannot be fully fine-tuned"
+        )
     return quant
 
 
@@ -198,8 +206,13 @@ def vllm_weight_bytes(model: ModelSpec, quant: Quantization | None, tp: int) -> 
     return weight_bytes(model, quant) / tp
 
 
-def model_states(model: ModelSpec, params: dict[str, Any], n_gpus: int, lora_rank: int | None,
-                 quant: Quantization | None = None) -> tuple[float, float]:
+def model_states(
+    model: ModelSpec,
+    params: dict[str, Any],
+    n_gpus: int,
+    lora_rank: int | None,
+    quant: Quantization | None = None,
+) -> tuple[float, float]:
     stage = int(params.get("zero_stage", 0))
     offload = str(params.get("offload", "none"))
     P, LL = model.num_params, model.largest_layer_params
@@ -214,8 +227,9 @@ def model_states(model: ModelSpec, params: dict[str, Any], n_gpus: int, lora_ran
     return zero_model_states_bytes(P, LL, stage, offload, n_gpus)
 
 
-def vision_activation_bytes(model: ModelSpec, micro_batch: int, image_tokens: int, images: int,
-                            checkpointing: bool) -> float:
+def vision_activation_bytes(
+    model: ModelSpec, micro_batch: int, image_tokens: int, images: int, checkpointing: bool
+) -> float:
     """What the vision encoder keeps for backward over one micro-batch's images (0 without)."""
     tower = model.vision
     if tower is None or image_tokens <= 0 or images <= 0:
@@ -233,7 +247,9 @@ def layer_activation_bytes_per_token(model: ModelSpec) -> float:
     return 22 * h + 4 * model.num_kv_heads * model.head_dim + 8 * model.intermediate_size
 
 
-def activation_bytes(model: ModelSpec, micro_batch: int, seq: int, checkpointing: bool) -> tuple[float, float]:
+def activation_bytes(
+    model: ModelSpec, micro_batch: int, seq: int, checkpointing: bool
+) -> tuple[float, float]:
     """(kept through the logits, one layer's recomputation during backward) in bytes."""
     h, L = model.hidden_size, model.num_layers
     per_layer_full = seq * micro_batch * layer_activation_bytes_per_token(model)
@@ -272,10 +288,21 @@ def kv_bytes_per_token(model: ModelSpec) -> float:
     return 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
 
 
-def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gib: float,
-             max_prompt_length: int, max_completion_length: int, beta: float = 0.0,
-             lora_rank: int | None = None, dp_gpus: int | None = None, quantization: str | None = None,
-             image_tokens: int = 0, images_per_prompt: int = 1) -> Estimate:
+def estimate(
+    model: ModelSpec,
+    params: dict[str, Any],
+    *,
+    gpus: int,
+    capacity_gib: float,
+    max_prompt_length: int,
+    max_completion_length: int,
+    beta: float = 0.0,
+    lora_rank: int | None = None,
+    dp_gpus: int | None = None,
+    quantization: str | None = None,
+    image_tokens: int = 0,
+    images_per_prompt: int = 1,
+) -> Estimate:
     """Predict the peak memory per GPU of one GRPO candidate, part by part (the planner calibrates
     the parts to measured peaks through :attr:`Estimate.features`).
 
@@ -287,26 +314,29 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
     n = dp_gpus or gpus
     b = int(params.get("per_device_train_batch_size", 8))
     if image_tokens and model.vision is None:
-        raise UsageError(f"--image-tokens {image_tokens}: model {model.name!r} has no vision tower (a text-only "
-                         "config); drop --image-tokens or use a vision-language model such as Qwen2.5-VL-3B")
+        raise UsageError(
+            f"--image-tokens {image_tokens}: model {model.name!r} has no vision tower (a text-only "
+            "config); drop --image-tokens or use a vision-language model such as Qwen2.5-VL-3B"
+        )
     images = int(images_per_prompt) if image_tokens else 0
     max_prompt_length = int(max_prompt_length) + int(image_tokens) * images
     seq = max_prompt_length + max_completion_length
     stage = int(params.get("zero_stage", 0))
     quant = base_quantization(model, quantization, lora_rank)
     gpu_states, host_states = model_states(model, params, n, lora_rank, quant)
-    if stage == 3 and not lora_rank:   # parameters ZeRO-3 keeps gathered between uses
+    if stage == 3 and not lora_rank:  # parameters ZeRO-3 keeps gathered between uses
         gpu_states += 2 * min(model.num_params, ZERO3_MAX_LIVE_PARAMS)
     kept, recompute = activation_bytes(model, b, seq, bool(params.get("gradient_checkpointing", True)))
     logits = logits_bytes(model, b, max_completion_length)
     # with recomputation one layer's activations come back only after the logits are freed
     acts = kept + max(recompute - logits, 0.0)
     ref = 0.0
-    if beta and not lora_rank:   # with LoRA the reference is the base model with adapters off
+    if beta and not lora_rank:  # with LoRA the reference is the base model with adapters off
         ref = 2 * model.num_params / (n if stage == 3 else 1)
     overhead = (CUDA_CONTEXT_GIB + (NCCL_GIB if n > 1 else 0.0)) * GIB
-    vision = vision_activation_bytes(model, b, image_tokens, images,
-                                     bool(params.get("gradient_checkpointing", True)))
+    vision = vision_activation_bytes(
+        model, b, image_tokens, images, bool(params.get("gradient_checkpointing", True))
+    )
 
     parts = {
         "model_states": gpu_states / GIB,
@@ -326,17 +356,23 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
     mode = params.get("vllm_mode", "colocate")
     sequences = generation_sequences(params, n)
     generation = 0.0
-    if sequences:   # transformers' generate() in the trainer's process
+    if sequences:  # transformers' generate() in the trainer's process
         kv = kv_bytes_per_token(model) * seq * sequences / GIB
         generation = generation_bytes(model, sequences, max_prompt_length, max_completion_length) / GIB
         sampling = sequences * model.vocab_size * 4 * GEN_LOGITS_FACTOR / GIB
-        gathered = 2 * model.num_params / GIB if stage == 3 else 0.0   # ds3_gather_for_generation
+        gathered = 2 * model.num_params / GIB if stage == 3 else 0.0  # ds3_gather_for_generation
         gen_peak = static + gathered + generation
-        gen_features = {"model_states": parts["model_states"] + parts["reference"] + gathered,
-                        "activations": generation - sampling, "logits": sampling, "vllm": 0.0,
-                        "overhead": parts["overhead"]}
-        notes.append(f"generation without vLLM: one generate() over {sequences} sequences x {seq} tokens "
-                     f"per GPU, {kv:.1f} GiB of KV cache, {generation:.1f} GiB in all")
+        gen_features = {
+            "model_states": parts["model_states"] + parts["reference"] + gathered,
+            "activations": generation - sampling,
+            "logits": sampling,
+            "vllm": 0.0,
+            "overhead": parts["overhead"],
+        }
+        notes.append(
+            f"generation without vLLM: one generate() over {sequences} sequences x {seq} tokens "
+            f"per GPU, {kv:.1f} GiB of KV cache, {generation:.1f} GiB in all"
+        )
     if use_vllm and mode == "colocate":
         frac = float(params.get("vllm_gpu_memory_utilization", 0.3))
         tp = int(params.get("vllm_tensor_parallel_size", 1))
@@ -344,65 +380,103 @@ def estimate(model: ModelSpec, params: dict[str, Any], *, gpus: int, capacity_gi
         weights = vllm_weight_bytes(model, quant, tp) / GIB
         if quant is not None and quant.method == "int8":
             problem = "invalid"
-            notes.append("TRL 1.16 refuses a bitsandbytes 8-bit policy with colocated vLLM ('vLLM does not "
-                         "support in-flight 8-bit quantization.'): use --quantization 4bit or vllm_mode=server")
+            notes.append(
+                "TRL 1.16 refuses a bitsandbytes 8-bit policy with colocated vLLM ('vLLM does not "
+                "support in-flight 8-bit quantization.'): use --quantization 4bit or vllm_mode=server"
+            )
         kv_left = budget - weights - VLLM_RUNTIME_GIB
         if kv_left * GIB < kv_bytes_per_token(model) / tp * seq:
             problem = "vllm_kv"
-            notes.append(f"vLLM's {budget:.1f} GiB leave {max(kv_left, 0):.1f} GiB of KV cache after "
-                         f"{weights:.1f} GiB of weights: not one {seq}-token sequence fits")
+            notes.append(
+                f"vLLM's {budget:.1f} GiB leave {max(kv_left, 0):.1f} GiB of KV cache after "
+                f"{weights:.1f} GiB of weights: not one {seq}-token sequence fits"
+            )
         if static + budget > capacity_gib:
             problem = problem or "vllm_startup"
-            notes.append(f"vLLM wants {budget:.1f} GiB but the trainer leaves "
-                         f"{capacity_gib - static:.1f} GiB free")
+            notes.append(
+                f"vLLM wants {budget:.1f} GiB but the trainer leaves {capacity_gib - static:.1f} GiB free"
+            )
         if params.get("vllm_enable_sleep_mode"):
             vllm = VLLM_SLEEP_LEFTOVER_GIB
             # generation still needs the whole budget beside the trainer's static memory
             gen_peak = static + budget
-            gen_features = {"model_states": parts["model_states"] + parts["reference"], "activations": 0.0,
-                            "logits": 0.0, "vllm": budget, "overhead": parts["overhead"]}
+            gen_features = {
+                "model_states": parts["model_states"] + parts["reference"],
+                "activations": 0.0,
+                "logits": 0.0,
+                "vllm": budget,
+                "overhead": parts["overhead"],
+            }
         else:
             vllm = budget
     parts["vllm"] = vllm
     train_peak = sum(parts.values())
-    if gen_peak > train_peak:   # the generation phase sets the peak
+    if gen_peak > train_peak:  # the generation phase sets the peak
         features, phase = gen_features, "generation"
     else:
-        features = {"model_states": parts["model_states"] + parts["reference"],
-                    "activations": parts["activations"] + parts.get("vision", 0.0), "logits": parts["logits"],
-                    "vllm": parts["vllm"], "overhead": parts["overhead"]}
+        features = {
+            "model_states": parts["model_states"] + parts["reference"],
+            "activations": parts["activations"] + parts.get("vision", 0.0),
+            "logits": parts["logits"],
+            "vllm": parts["vllm"],
+            "overhead": parts["overhead"],
+        }
         phase = "training"
     total = max(train_peak, gen_peak)
     fits = total <= capacity_gib and problem is None
     return Estimate(
         model_states_gib=parts["model_states"],
-        activations_gib=parts["activations"], logits_gib=parts["logits"],
-        reference_gib=parts["reference"], vllm_gib=parts["vllm"], overhead_gib=parts["overhead"],
-        total_gib=total, capacity_gib=capacity_gib, fits=fits, host_gib=host_states / GIB,
-        generation_gib=generation, generation_sequences=sequences, phase=phase,
-        vllm_problem=problem, notes=notes, features=features, vision_gib=parts.get("vision", 0.0),
+        activations_gib=parts["activations"],
+        logits_gib=parts["logits"],
+        reference_gib=parts["reference"],
+        vllm_gib=parts["vllm"],
+        overhead_gib=parts["overhead"],
+        total_gib=total,
+        capacity_gib=capacity_gib,
+        fits=fits,
+        host_gib=host_states / GIB,
+        generation_gib=generation,
+        generation_sequences=sequences,
+        phase=phase,
+        vllm_problem=problem,
+        notes=notes,
+        features=features,
+        vision_gib=parts.get("vision", 0.0),
         quantization=quant.label if quant else None,
     )
 
 
-def _base_notes(model: ModelSpec, quant: Quantization | None, lora_rank: int | None, micro_batch: int,
-                image_tokens: int, images: int, vision: float) -> list[str]:
+def _base_notes(
+    model: ModelSpec,
+    quant: Quantization | None,
+    lora_rank: int | None,
+    micro_batch: int,
+    image_tokens: int,
+    images: int,
+    vision: float,
+) -> list[str]:
     """What ``estimate`` says about a quantized base and a vision tower, beside the parts."""
     notes = []
     if quant is not None:
         adapters = lora_params(model, lora_rank or 0)
-        notes.append(f"base weights {quant.label}: {weight_bytes(model, quant) / GIB:.1f} GiB for "
-                     f"{model.num_params / 1e9:.2f}B parameters (bf16 would be {2 * model.num_params / GIB:.1f}), "
-                     f"dequantization workspace {dequant_workspace_bytes(model, quant) / GIB:.2f} GiB, LoRA r{lora_rank} "
-                     f"adapters + AdamW {8 * adapters / GIB:.2f} GiB")
+        notes.append(
+            f"base weights {quant.label}: {weight_bytes(model, quant) / GIB:.1f} GiB for "
+            f"{model.num_params / 1e9:.2f}B parameters (bf16 would be {2 * model.num_params / GIB:.1f}), "
+            f"dequantization workspace {dequant_workspace_bytes(model, quant) / GIB:.2f} GiB, "
+            f"LoRA r{lora_rank} adapters + AdamW {8 * adapters / GIB:.2f} GiB"
+        )
     if model.vision is not None:
         tower = model.vision
         if images:
             patches = micro_batch * images * tower.patches(image_tokens)
-            notes.append(f"vision tower: {tower.num_params / 1e9:.2f}B parameters in the model states; {images} "
-                         f"image(s) x {image_tokens} tokens per prompt ({patches} patches per micro-batch), "
-                         f"{vision / GIB:.2f} GiB of encoder activations")
+            notes.append(
+                f"vision tower: {tower.num_params / 1e9:.2f}B parameters in the model states; {images} "
+                f"image(s) x {image_tokens} tokens per prompt ({patches} patches per micro-batch), "
+                f"{vision / GIB:.2f} GiB of encoder activations"
+            )
         else:
-            notes.append(f"vision tower: {tower.num_params / 1e9:.2f}B parameters counted; no images (pass "
-                         "--image-tokens N, e.g. 1024 for a 1024x1024 image at 28x28 pixels per token)")
+            notes.append(
+                f"vision tower: {tower.num_params / 1e9:.2f}B parameters counted; no images (pass "
+                "--image-tokens N, e.g. 1024 for a 1024x1024 image at 28x28 pixels per token)"
+            )
     return notes

@@ -5,15 +5,21 @@ The local search around the incumbent and the walk toward feasibility both step 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from autotune.recipe import Recipe
 from autotune.search import constraints
 from autotune.search.space import Space
 
 
-def neighbors(params: dict[str, Any], space: Space, fixed: dict[str, Any], recipe: Recipe,
-              rules: Iterable[Callable[[dict[str, Any]], str | None]] = ()) -> list[dict[str, Any]]:
+def neighbors(
+    params: dict[str, Any],
+    space: Space,
+    fixed: dict[str, Any],
+    recipe: Recipe,
+    rules: Iterable[Callable[[dict[str, Any]], str | None]] = (),
+) -> list[dict[str, Any]]:
     """Valid candidates one or two knobs away from ``params`` (the next choice up or down, a
     flipped switch, the vLLM fraction one or two steps away), for a local search around the
     incumbent. Pairs matter: trading memory between knobs (drop offload, turn on checkpointing)
@@ -23,10 +29,14 @@ def neighbors(params: dict[str, Any], space: Space, fixed: dict[str, Any], recip
     moves = _single_moves(full, space, fixed)
     out: list[dict[str, Any]] = []
     combos = [dict([m]) for m in moves]
-    combos += [dict([a, b]) for i, a in enumerate(moves) for b in moves[i + 1:] if a[0] != b[0]]
+    combos += [dict([a, b]) for i, a in enumerate(moves) for b in moves[i + 1 :] if a[0] != b[0]]
     for change in combos:
         cand = space.normalize(constraints.derive({**full, **change}, recipe))
-        if cand != space.normalize(full) and not constraints.violations(cand, recipe, rules) and cand not in out:
+        if (
+            cand != space.normalize(full)
+            and not constraints.violations(cand, recipe, rules)
+            and cand not in out
+        ):
             out.append(cand)
     return out
 

@@ -26,9 +26,9 @@ import optuna
 from optuna.storages._heartbeat import BaseHeartbeatThread
 from optuna.trial import TrialState
 
+from autotune.errors import SearchStopped
 from autotune.runners.base import on_gpus
 from autotune.search import constraints
-from autotune.errors import SearchStopped
 from autotune.study import candidate_key, launched_rows, rows
 from autotune.study.claims import answered, claim, launches, pending_keys
 from autotune.study.recovery import Heartbeat, claim_owner, recover_interrupted
@@ -38,11 +38,11 @@ from autotune.trial.outcome import Outcome
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.5            # how often to look at the study while waiting on others
+POLL_S = 0.5  # how often to look at the study while waiting on others
 RECOVER_EVERY_S = 10.0  # how often to look for trials whose controller died (at most)
 
 
-__all__ = ["Asked", "Scheduler", "answered"]   # answered: study/claims.py's, which claim() agrees with
+__all__ = ["Asked", "Scheduler", "answered"]  # answered: study/claims.py's, which claim() agrees with
 
 
 @dataclass
@@ -65,9 +65,9 @@ class Scheduler:
         self.search, self.study, self.slots = search, study, slots
         self.free = list(range(len(slots)))
         self.running: dict[Future, Asked] = {}
-        self.waiting: list[Asked] = []          # the same configuration is running elsewhere
+        self.waiting: list[Asked] = []  # the same configuration is running elsewhere
         self.last_recover = time.monotonic()
-        self.known = {r.number for r in rows(study)}   # trials the planner has seen (Search.open fed them)
+        self.known = {r.number for r in rows(study)}  # trials the planner has seen (Search.open fed them)
 
     def run(self) -> str | None:
         """Until --trials, a stop condition, or nothing left to do; returns why it stopped (or None)."""
@@ -75,7 +75,7 @@ class Scheduler:
         stopped: str | None = None
         pool = ThreadPoolExecutor(len(self.slots), thread_name_prefix="trial")
         try:
-            with abort_on_error(pool):      # Ctrl-C: running trials stop, and stay unrecorded for resume
+            with abort_on_error(pool):  # Ctrl-C: running trials stop, and stay unrecorded for resume
                 while True:
                     for future in [f for f in self.running if f.done()]:
                         reason = self.finish(self.running.pop(future), future)
@@ -87,9 +87,14 @@ class Scheduler:
                             s.reporter.message(stop[1])
                     if stopped is None:
                         self.recheck_waiting(pool)
-                    else:                           # nothing new is launched once the search stopped
+                    else:  # nothing new is launched once the search stopped
                         self.drop_waiting(stopped)
-                    if stopped is None and self.free and len(self.waiting) < len(self.slots) and self.budget_left():
+                    if (
+                        stopped is None
+                        and self.free
+                        and len(self.waiting) < len(self.slots)
+                        and self.budget_left()
+                    ):
                         self.ask(pool)
                         continue
                     if self.running:
@@ -101,10 +106,10 @@ class Scheduler:
                         self.recover()
                         continue
                     return stopped
-        except SearchStopped as exc:   # the same crash again: held candidates are closed, not left RUNNING
+        except SearchStopped as exc:  # the same crash again: held candidates are closed, not left RUNNING
             self.drop_waiting(f"search stopped: {exc}")
             raise
-        finally:   # every heartbeat stops, whatever ends the search (a live one keeps its trial RUNNING)
+        finally:  # every heartbeat stops, whatever ends the search (a live one keeps its trial RUNNING)
             for asked in [*self.running.values(), *self.waiting]:
                 asked.heartbeat.join()
 
@@ -118,20 +123,24 @@ class Scheduler:
     def others_running(self) -> bool:
         """Whether another controller still runs trials of this study (their failure re-queues work)."""
         mine = {a.trial.number for a in [*self.running.values(), *self.waiting]}
-        return any(t.number not in mine for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)))
+        return any(
+            t.number not in mine for t in self.study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        )
 
     def ask(self, pool: ThreadPoolExecutor) -> None:
         """Ask one candidate, gate it, and launch it on a free slot (or answer it, or hold it)."""
         s = self.search
         try:
-            with warnings.catch_warnings():   # Optuna expects heartbeats with optimize(); ask/tell use them too
+            with (
+                warnings.catch_warnings()
+            ):  # Optuna expects heartbeats with optimize(); ask/tell use them too
                 warnings.filterwarnings("ignore", message="Heartbeat of storage")
                 trial = self.study.ask()
-            claim_owner(self.study, trial)    # (the policy sampler did already; any other sampler too)
+            claim_owner(self.study, trial)  # (the policy sampler did already; any other sampler too)
         except optuna.exceptions.UpdateFinishedTrialError:
             log.info("a trial was taken over by another controller while it was being asked; asking again")
             return
-        heartbeat = Heartbeat(trial._trial_id, self.study._storage)   # noqa: SLF001  (outlives a failed write)
+        heartbeat = Heartbeat(trial._trial_id, self.study._storage)  # noqa: SLF001  (outlives a failed write)
         heartbeat.start()
         try:
             params = s.space.normalize(constraints.derive(s.space.suggest(trial, s.fixed), s.recipe))
@@ -158,25 +167,36 @@ class Scheduler:
                 continue
             self.known.add(row.number)
             if s.planner is not None and row.launched and row.status not in ("crash", "interrupted"):
-                s.planner.observe(row.number, row.params, row.status, row.oom_kind, row.peak_memory_gib,
-                                  None if row.pruned else row.throughput)
+                s.planner.observe(
+                    row.number,
+                    row.params,
+                    row.status,
+                    row.oom_kind,
+                    row.peak_memory_gib,
+                    None if row.pruned else row.throughput,
+                )
             if row.status == "ok" and not row.pruned and (row.throughput or 0) > s.best_value:
                 s.best_value = row.throughput or 0.0
 
     def gate_and_launch(self, asked: Asked, pool: ThreadPoolExecutor) -> None:
         s = self.search
         self.learn_from_others()
-        outcome, asked.predicted_gib = s.gate(asked.trial.number, asked.params, answered(self.study).get(asked.key))
+        outcome, asked.predicted_gib = s.gate(
+            asked.trial.number, asked.params, answered(self.study).get(asked.key)
+        )
         if outcome is not None:
             self.tell(asked, outcome)
             return
         granted = claim(self.study, asked.trial, asked.params, asked.key, s.recipe.trials)
-        if granted.why == "measured":   # told by another controller since the gate looked: answer it
-            self.gate_and_launch(asked, pool)          # (claim and the gate read the same answered())
+        if granted.why == "measured":  # told by another controller since the gate looked: answer it
+            self.gate_and_launch(asked, pool)  # (claim and the gate read the same answered())
             return
         if granted.why == "running":
-            log.info("trial %d: the same configuration is being measured by trial %d; waiting for it",
-                     asked.trial.number, granted.other)
+            log.info(
+                "trial %d: the same configuration is being measured by trial %d; waiting for it",
+                asked.trial.number,
+                granted.other,
+            )
             self.waiting.append(asked)
             return
         if not granted.granted:
@@ -214,7 +234,7 @@ class Scheduler:
             self.waiting.remove(asked)
             try:
                 self.drop(asked, f"not launched: {reason}")
-            except Exception as exc:   # a storage error must not hide why the search stopped
+            except Exception as exc:  # a storage error must not hide why the search stopped
                 log.warning("could not close held trial %d: %s", asked.trial.number, exc)
 
     # -- telling ------------------------------------------------------------------------------
@@ -225,7 +245,7 @@ class Scheduler:
         self.free.sort()
         try:
             outcome = future.result()
-        except BaseException:   # the trial thread failed: its heartbeat must stop, or the process never exits
+        except BaseException:  # the trial thread failed: its heartbeat must stop, or the process never exits
             asked.heartbeat.join()
             raise
         self.tell(asked, outcome)
@@ -241,8 +261,12 @@ class Scheduler:
         try:
             self.search.tell(self.study, asked.trial, asked.params, asked.key, outcome, {})
         except optuna.exceptions.UpdateFinishedTrialError:
-            log.warning("trial %d was taken over by another controller (its heartbeat was late); its result "
-                        "stays in %s only", asked.trial.number, self.search.paths.trial_dir(asked.trial.number))
+            log.warning(
+                "trial %d was taken over by another controller (its heartbeat was late); its result "
+                "stays in %s only",
+                asked.trial.number,
+                self.search.paths.trial_dir(asked.trial.number),
+            )
         finally:
             asked.heartbeat.join()
 

@@ -16,21 +16,22 @@ from __future__ import annotations
 import logging
 import math
 import statistics
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
-from autotune.search import constraints
 from autotune.hardware import GpuType
-from autotune.search.memory import Estimate, estimate, generation_sequences
-from autotune.search.moves import neighbors
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
+from autotune.search import constraints
+from autotune.search.memory import Estimate, estimate, generation_sequences
+from autotune.search.moves import neighbors
 from autotune.search.space import Space
 from autotune.search.speed import throughput_prior
 
 log = logging.getLogger(__name__)
 
-OFFLOAD_RANK = {"none": 2, "optimizer": 1, "optimizer+params": 0}   # higher = more GPU memory
+OFFLOAD_RANK = {"none": 2, "optimizer": 1, "optimizer+params": 0}  # higher = more GPU memory
 
 
 def memory_vector(params: dict[str, Any], dp: int = 1) -> tuple[float, ...]:
@@ -57,8 +58,12 @@ def memory_vector(params: dict[str, Any], dp: int = 1) -> tuple[float, ...]:
 
 
 def _distance(a: tuple[float, ...], b: tuple[float, ...]) -> float:
-    return sum(abs(math.log2(x) - math.log2(y)) if i in (0, 8) and x > 0 and y > 0 else abs(x - y) * (4 if i == 5 else 1)
-               for i, (x, y) in enumerate(zip(a, b)))
+    return sum(
+        abs(math.log2(x) - math.log2(y))
+        if i in (0, 8) and x > 0 and y > 0
+        else abs(x - y) * (4 if i == 5 else 1)
+        for i, (x, y) in enumerate(zip(a, b))
+    )
 
 
 def at_least(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
@@ -80,7 +85,7 @@ class Seen:
     oom_kind: str | None
     peak_gib: float | None
     throughput: float | None = None
-    leftover: bool = False          # started on GPUs still holding an earlier trial's memory
+    leftover: bool = False  # started on GPUs still holding an earlier trial's memory
 
 
 @dataclass
@@ -90,24 +95,33 @@ class Planner:
     model: ModelSpec
     recipe: Recipe
     gpu: GpuType
-    margin: float = 0.10            # skip only when predicted above capacity by this much
+    margin: float = 0.10  # skip only when predicted above capacity by this much
     unexplored_margin: float = 0.30  # ... in a ZeRO stage / offload regime not yet measured
-    use_model: bool = True          # off for CPU trials (the model describes GPU memory)
+    use_model: bool = True  # off for CPU trials (the model describes GPU memory)
     seen: list[Seen] = field(default_factory=list)
-    weights: dict[str, float] = field(default_factory=dict)   # per-part corrections
-    _turn: int = 0                  # which knob the local search moves next
-    rel_error: float = 0.25         # typical |measured - predicted| / measured after calibration
+    weights: dict[str, float] = field(default_factory=dict)  # per-part corrections
+    _turn: int = 0  # which knob the local search moves next
+    rel_error: float = 0.25  # typical |measured - predicted| / measured after calibration
     _pool: list[tuple[float, dict[str, Any]]] | None = None
 
     # -- predictions ------------------------------------------------------------------------
     def raw(self, params: dict[str, Any]) -> Estimate:
         r = self.recipe
-        params = constraints.as_trl(params, r)   # a space in the trainer's own names
-        return estimate(self.model, params, gpus=r.gpus, capacity_gib=r.gpu_memory_gib,
-                        max_prompt_length=r.max_prompt_length,
-                        max_completion_length=r.max_completion_length, beta=r.beta,
-                        lora_rank=r.lora_rank, dp_gpus=r.dp_gpus(params), quantization=r.quantization,
-                        image_tokens=r.image_tokens, images_per_prompt=r.images_per_prompt)
+        params = constraints.as_trl(params, r)  # a space in the trainer's own names
+        return estimate(
+            self.model,
+            params,
+            gpus=r.gpus,
+            capacity_gib=r.gpu_memory_gib,
+            max_prompt_length=r.max_prompt_length,
+            max_completion_length=r.max_completion_length,
+            beta=r.beta,
+            lora_rank=r.lora_rank,
+            dp_gpus=r.dp_gpus(params),
+            quantization=r.quantization,
+            image_tokens=r.image_tokens,
+            images_per_prompt=r.images_per_prompt,
+        )
 
     def predict(self, params: dict[str, Any]) -> float:
         """Calibrated peak GiB per GPU: each part times its learned correction."""
@@ -117,8 +131,16 @@ class Planner:
         return sum(self.weights.get(k, 1.0) * v for k, v in est.features.items())
 
     # -- learning ---------------------------------------------------------------------------
-    def observe(self, number: int, params: dict[str, Any], status: str, oom_kind: str | None,
-                peak_gib: float | None, throughput: float | None = None, leftover: bool = False) -> None:
+    def observe(
+        self,
+        number: int,
+        params: dict[str, Any],
+        status: str,
+        oom_kind: str | None,
+        peak_gib: float | None,
+        throughput: float | None = None,
+        leftover: bool = False,
+    ) -> None:
         self.seen.append(Seen(number, dict(params), status, oom_kind, peak_gib, throughput, leftover))
         self.calibrate()
 
@@ -138,21 +160,25 @@ class Planner:
             return
         import numpy as np
 
-        obs = [(self.raw(s.params).features, s.peak_gib) for s in self.seen
-               if s.status == "ok" and s.peak_gib]
+        obs = [
+            (self.raw(s.params).features, s.peak_gib) for s in self.seen if s.status == "ok" and s.peak_gib
+        ]
         if not obs:
             return
         names = ["model_states", "activations", "logits", "vllm", "overhead"]
         X = np.array([[f.get(n, 0.0) for n in names] for f, _ in obs])
         y = np.array([peak for _, peak in obs])
-        scale = np.maximum((X ** 2).mean(axis=0), 1e-6)
+        scale = np.maximum((X**2).mean(axis=0), 1e-6)
         lam = 1.0
         A = X.T @ X + lam * np.diag(scale)
         b = X.T @ y + lam * scale
         w = np.clip(np.linalg.solve(A, b), 0.3, 3.0)
         self.weights = dict(zip(names, map(float, w)))
-        errors = [abs(self.predict(s.params) - s.peak_gib) / s.peak_gib for s in self.seen
-                  if s.status == "ok" and s.peak_gib]
+        errors = [
+            abs(self.predict(s.params) - s.peak_gib) / s.peak_gib
+            for s in self.seen
+            if s.status == "ok" and s.peak_gib
+        ]
         self.rel_error = float(np.sqrt(np.mean(np.square(errors))))
 
     @property
@@ -171,14 +197,18 @@ class Planner:
         """
         vec = self.vector(params)
         predicted = self.predict(params) if self.use_model else None
-        fits_surely = next((s for s in self.seen if s.status == "ok" and at_least(self.vector(s.params), vec)),
-                           None)
+        fits_surely = next(
+            (s for s in self.seen if s.status == "ok" and at_least(self.vector(s.params), vec)), None
+        )
         if fits_surely is not None:
             return Verdict(False, None, predicted)
         for s in self.seen:
             if s.status == "oom" and not s.leftover and self._dominates_oom(params, vec, s):
-                return Verdict(True, f"needs at least the memory of trial {s.number}, which hit "
-                                     f"oom/{s.oom_kind}", predicted)
+                return Verdict(
+                    True,
+                    f"needs at least the memory of trial {s.number}, which hit oom/{s.oom_kind}",
+                    predicted,
+                )
         # the model only vetoes once a measured peak has anchored it: an uncalibrated model that
         # is wrong for this trainer (a --command trainer with its own tricks) must not veto
         # every candidate before a single trial has run
@@ -189,12 +219,17 @@ class Planner:
         # extrapolating to a ZeRO stage / offload mode no successful trial has used is where the
         # model is least trustworthy (its model-state term was never measured): be modest there
         regime = (params.get("zero_stage"), params.get("offload"))
-        if not any(s.status == "ok" and (s.params.get("zero_stage"), s.params.get("offload")) == regime
-                   for s in self.seen):
+        if not any(
+            s.status == "ok" and (s.params.get("zero_stage"), s.params.get("offload")) == regime
+            for s in self.seen
+        ):
             margin = max(margin, self.unexplored_margin)
         if predicted > cap * (1 + margin):
-            return Verdict(True, f"predicted {predicted:.1f} GiB per GPU > {cap:.1f} GiB capacity "
-                                 f"(+{margin:.0%} margin)", predicted)
+            return Verdict(
+                True,
+                f"predicted {predicted:.1f} GiB per GPU > {cap:.1f} GiB capacity (+{margin:.0%} margin)",
+                predicted,
+            )
         return Verdict(False, None, predicted)
 
     def _dominates_oom(self, params: dict[str, Any], vec: tuple[float, ...], s: Seen) -> bool:
@@ -216,33 +251,61 @@ class Planner:
         if s.oom_kind == "cuda":
             return at_least(vec, other)
         if s.oom_kind == "vllm_kv":
-            return (colocated and fraction <= seen_fraction + 1e-9
-                    and int(params.get("vllm_tensor_parallel_size", 1)) <= int(s.params.get("vllm_tensor_parallel_size", 1)))
+            return (
+                colocated
+                and fraction <= seen_fraction + 1e-9
+                and int(params.get("vllm_tensor_parallel_size", 1))
+                <= int(s.params.get("vllm_tensor_parallel_size", 1))
+            )
         if s.oom_kind == "vllm_startup":
-            return (colocated and fraction >= seen_fraction - 1e-9
-                    and vec[1] >= other[1] and vec[2] >= other[2] and vec[9] >= other[9])
+            return (
+                colocated
+                and fraction >= seen_fraction - 1e-9
+                and vec[1] >= other[1]
+                and vec[2] >= other[2]
+                and vec[9] >= other[9]
+            )
         if s.oom_kind == "host":
             if self.recipe.device == "cpu":  # on CPU trials host RAM is the device memory
                 return at_least(vec, other)
             # on GPUs host RAM holds offloaded states: as large a batch with as much offload
-            return (params.get("zero_stage") == s.params.get("zero_stage")
-                    and vec[0] >= other[0]
-                    and OFFLOAD_RANK.get(params.get("offload", "none"), 2)
-                    <= OFFLOAD_RANK.get(s.params.get("offload", "none"), 2))
+            return (
+                params.get("zero_stage") == s.params.get("zero_stage")
+                and vec[0] >= other[0]
+                and OFFLOAD_RANK.get(params.get("offload", "none"), 2)
+                <= OFFLOAD_RANK.get(s.params.get("offload", "none"), 2)
+            )
         return False
 
     def prior(self, params: dict[str, Any]) -> float:
         r = self.recipe
         params = constraints.as_trl(params, r)
-        return throughput_prior(self.model, params, self.gpu, gpus=r.gpus, dp_gpus=r.dp_gpus(params),
-                                prompt=r.max_prompt_length, completion=r.max_completion_length, beta=r.beta)
+        return throughput_prior(
+            self.model,
+            params,
+            self.gpu,
+            gpus=r.gpus,
+            dp_gpus=r.dp_gpus(params),
+            prompt=r.max_prompt_length,
+            completion=r.max_completion_length,
+            beta=r.beta,
+        )
 
-    def next_local(self, incumbent: dict[str, Any], space: Space, fixed: dict[str, Any],
-                   rules: Iterable[Callable[[dict[str, Any]], str | None]], tried: set[str],
-                   key: Callable[[dict[str, Any]], str]) -> dict[str, Any] | None:
+    def next_local(
+        self,
+        incumbent: dict[str, Any],
+        space: Space,
+        fixed: dict[str, Any],
+        rules: Iterable[Callable[[dict[str, Any]], str | None]],
+        tried: set[str],
+        key: Callable[[dict[str, Any]], str],
+    ) -> dict[str, Any] | None:
         """The untried neighbour of the incumbent the planner would run, best prior first."""
-        options = [c for c in neighbors(incumbent, space, fixed, self.recipe, rules)
-                   if key(c) not in tried and not self.verdict(c).skip]
+        options = [
+            c
+            for c in neighbors(incumbent, space, fixed, self.recipe, rules)
+            if key(c) not in tried and not self.verdict(c).skip
+        ]
         if not options:
             return None
         # take the knobs in turn, so that a prior that is wrong about one knob (say, the cost of
@@ -256,9 +319,14 @@ class Planner:
                 return max(group, key=self.expected_throughput)
         return max(options, key=self.expected_throughput)
 
-    def toward_feasible(self, space: Space, fixed: dict[str, Any],
-                        rules: Iterable[Callable[[dict[str, Any]], str | None]], tried: set[str],
-                        key: Callable[[dict[str, Any]], str]) -> dict[str, Any] | None:
+    def toward_feasible(
+        self,
+        space: Space,
+        fixed: dict[str, Any],
+        rules: Iterable[Callable[[dict[str, Any]], str | None]],
+        tried: set[str],
+        key: Callable[[dict[str, Any]], str],
+    ) -> dict[str, Any] | None:
         """While nothing has fit yet: one step from the OOM closest to fitting toward less memory.
 
         On tight hardware the seeds can all die, and TPE learns nothing from a wall of OOMs. The
@@ -272,8 +340,11 @@ class Planner:
         if not ooms:
             return None
         closest = min(ooms, key=lambda s: self.predict(s.params))
-        options = [c for c in neighbors(closest.params, space, fixed, self.recipe, rules)
-                   if key(c) not in tried and not self.verdict(c).skip]
+        options = [
+            c
+            for c in neighbors(closest.params, space, fixed, self.recipe, rules)
+            if key(c) not in tried and not self.verdict(c).skip
+        ]
         if not options:
             return None
         limit = self.recipe.gpu_memory_gib * (1 - self.recipe.headroom)
@@ -295,8 +366,12 @@ class Planner:
         return prior * statistics.fmean(ratios)
 
     # -- the candidate pool -----------------------------------------------------------------
-    def pool(self, space: Space, fixed: dict[str, Any],
-             rules: Iterable[Callable[[dict[str, Any]], str | None]] = ()) -> list[tuple[float, dict[str, Any]]]:
+    def pool(
+        self,
+        space: Space,
+        fixed: dict[str, Any],
+        rules: Iterable[Callable[[dict[str, Any]], str | None]] = (),
+    ) -> list[tuple[float, dict[str, Any]]]:
         """Every valid candidate of the space's grid with its speed prior, fastest first.
 
         Computed once per search (the space, the pins and the rules do not change): seeding ranks
@@ -313,8 +388,14 @@ class Planner:
             self._pool = sorted(scored.values(), key=lambda t: -t[0])
         return self._pool
 
-    def improvable(self, pool: list[tuple[float, dict[str, Any]]], tried: set[str],
-                   key: Callable[[dict[str, Any]], str], best: float, noise: float) -> dict[str, Any] | None:
+    def improvable(
+        self,
+        pool: list[tuple[float, dict[str, Any]]],
+        tried: set[str],
+        key: Callable[[dict[str, Any]], str],
+        best: float,
+        noise: float,
+    ) -> dict[str, Any] | None:
         """An untried candidate that could still beat ``best`` by more than ``noise``, or None.
 
         A candidate could win when its expected throughput (the prior corrected by the nearest
@@ -325,7 +406,7 @@ class Planner:
         """
         ok = [s for s in self.seen if s.status == "ok" and s.throughput]
         if not ok or not self.use_model:
-            return pool[0][1] if pool else None           # nothing to judge by: keep searching
+            return pool[0][1] if pool else None  # nothing to judge by: keep searching
         logs = [math.log(s.throughput / self.prior(s.params)) for s in ok]
         # half a standard deviation of the prior's log error, never less than 5%: the caller has
         # already waited out its patience, so this guards against a prior that is wrong nearby
@@ -351,23 +432,30 @@ class Planner:
         return best
 
     # -- seeding ----------------------------------------------------------------------------
-    def rank_candidates(self, space: Space, fixed: dict[str, Any],
-                        rules: Iterable[Callable[[dict[str, Any]], str | None]] = (), k: int = 4
-                        ) -> list[dict[str, Any]]:
+    def rank_candidates(
+        self,
+        space: Space,
+        fixed: dict[str, Any],
+        rules: Iterable[Callable[[dict[str, Any]], str | None]] = (),
+        k: int = 4,
+    ) -> list[dict[str, Any]]:
         """The k valid candidates the model expects to fit with headroom and the prior ranks
         fastest, spread over ZeRO stages so one wrong guess does not sink all seeds."""
         limit = self.recipe.gpu_memory_gib * (1 - max(self.recipe.headroom, 0.05) - 0.05)
-        scored = [(score, cand) for score, cand in self.pool(space, fixed, rules)
-                  if not self.use_model or not (self.raw(cand).vllm_problem or self.predict(cand) > limit)]
+        scored = [
+            (score, cand)
+            for score, cand in self.pool(space, fixed, rules)
+            if not self.use_model or not (self.raw(cand).vllm_problem or self.predict(cand) > limit)
+        ]
         picked: list[dict[str, Any]] = []
         stages: set[Any] = set()
-        for score, cand in scored:           # best per ZeRO stage first, then the rest by score
+        for _score, cand in scored:  # best per ZeRO stage first, then the rest by score
             if cand.get("zero_stage") not in stages:
                 stages.add(cand.get("zero_stage"))
                 picked.append(cand)
             if len(picked) >= k:
                 break
-        for score, cand in scored:
+        for _score, cand in scored:
             if len(picked) >= k:
                 break
             if cand not in picked:

@@ -24,7 +24,8 @@ search continues the same list.
 from __future__ import annotations
 
 import random
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import optuna
 from optuna.distributions import BaseDistribution
@@ -39,10 +40,10 @@ from autotune.study import candidate_key, choose_best, measured_configs, rows
 from autotune.study.claims import pending_keys
 from autotune.study.recovery import claim_owner
 
-PROPOSAL_ATTR = "autotune:proposal"   # trial system attribute: seed | local | valid
-SEEDS_ATTR = "seeds"                  # study user attribute: the seed candidates, in order
-LOCAL_EVERY = 3                       # of every three proposals, two are local (after the seeds)
-INVALID_STREAK = 3                    # invalid proposals in a row before a random valid one
+PROPOSAL_ATTR = "autotune:proposal"  # trial system attribute: seed | local | valid
+SEEDS_ATTR = "seeds"  # study user attribute: the seed candidates, in order
+LOCAL_EVERY = 3  # of every three proposals, two are local (after the seeds)
+INVALID_STREAK = 3  # invalid proposals in a row before a random valid one
 
 Rules = Sequence[Callable[[dict[str, Any]], "str | None"]]
 
@@ -51,8 +52,9 @@ def make_tpe(recipe: Recipe, salt: int = 0) -> TPESampler:
     """TPE; it reads each trial's constraint (``Trial.set_constraint``) and ranks infeasible
     trials below feasible ones. Few random start-up trials: seeds come first. ``salt`` keeps a
     resumed study from replaying the random start-up proposals of the first session."""
-    return TPESampler(seed=recipe.seed + salt, n_startup_trials=8, multivariate=True, group=False,
-                      constant_liar=True)
+    return TPESampler(
+        seed=recipe.seed + salt, n_startup_trials=8, multivariate=True, group=False, constant_liar=True
+    )
 
 
 def fallback_seeds(space: Space, recipe: Recipe, fixed: dict[str, Any], rules: Rules) -> list[dict[str, Any]]:
@@ -72,8 +74,11 @@ def fallback_seeds(space: Space, recipe: Recipe, fixed: dict[str, Any], rules: R
     ]
     seeds: list[dict[str, Any]] = []
     for idea in ideas:
-        base = {**defaults, **{k: v for k, v in idea.items() if k in space.params and space.params[k].contains(v)},
-                **fixed}
+        base = {
+            **defaults,
+            **{k: v for k, v in idea.items() if k in space.params and space.params[k].contains(v)},
+            **fixed,
+        }
         choices = [base.get(accumulation)] if accumulation is not None else [None]
         if accumulation in space.params and accumulation not in fixed:
             choices += list(space.params[accumulation].grid_values())
@@ -87,8 +92,9 @@ def fallback_seeds(space: Space, recipe: Recipe, fixed: dict[str, Any], rules: R
     return seeds
 
 
-def seed_candidates(planner: Planner | None, space: Space, recipe: Recipe, fixed: dict[str, Any],
-                    rules: Rules) -> list[dict[str, Any]]:
+def seed_candidates(
+    planner: Planner | None, space: Space, recipe: Recipe, fixed: dict[str, Any], rules: Rules
+) -> list[dict[str, Any]]:
     """Model-ranked seeds when the memory model can rank, else the hand-written ones."""
     if planner is not None and planner.use_model:
         ranked = planner.rank_candidates(space, fixed, rules, k=4)
@@ -100,26 +106,39 @@ def seed_candidates(planner: Planner | None, space: Space, recipe: Recipe, fixed
 class PolicySampler(BaseSampler):
     """Seeds, local search around the incumbent and a random valid fallback, over TPE."""
 
-    def __init__(self, tpe: BaseSampler, *, space: Space, recipe: Recipe, fixed: dict[str, Any], rules: Rules,
-                 valid: list[dict[str, Any]], planner: Planner | None) -> None:
+    def __init__(
+        self,
+        tpe: BaseSampler,
+        *,
+        space: Space,
+        recipe: Recipe,
+        fixed: dict[str, Any],
+        rules: Rules,
+        valid: list[dict[str, Any]],
+        planner: Planner | None,
+    ) -> None:
         self._tpe = tpe
         self.space, self.recipe, self.fixed, self.rules = space, recipe, fixed, list(rules)
         self.valid = valid
         self.planner = planner
         self.rng = random.Random(recipe.seed)
-        self.asked = 0            # proposals in this session: the local-search rhythm counts them
+        self.asked = 0  # proposals in this session: the local-search rhythm counts them
         self.invalid_streak = 0
 
     # -- Optuna's sampler interface: TPE does the sampling --------------------------------------
-    def infer_relative_search_space(self, study: optuna.Study, trial: FrozenTrial) -> dict[str, BaseDistribution]:
+    def infer_relative_search_space(
+        self, study: optuna.Study, trial: FrozenTrial
+    ) -> dict[str, BaseDistribution]:
         return self._tpe.infer_relative_search_space(study, trial)
 
-    def sample_relative(self, study: optuna.Study, trial: FrozenTrial,
-                        search_space: dict[str, BaseDistribution]) -> dict[str, Any]:
+    def sample_relative(
+        self, study: optuna.Study, trial: FrozenTrial, search_space: dict[str, BaseDistribution]
+    ) -> dict[str, Any]:
         return self._tpe.sample_relative(study, trial, search_space)
 
-    def sample_independent(self, study: optuna.Study, trial: FrozenTrial, param_name: str,
-                           param_distribution: BaseDistribution) -> Any:
+    def sample_independent(
+        self, study: optuna.Study, trial: FrozenTrial, param_name: str, param_distribution: BaseDistribution
+    ) -> Any:
         return self._tpe.sample_independent(study, trial, param_name, param_distribution)
 
     def reseed_rng(self) -> None:
@@ -137,12 +156,13 @@ class PolicySampler(BaseSampler):
             return
         kind, params = proposal
         fixed = {k: v for k, v in params.items() if k in self.space.params and k not in self.fixed}
-        trial.system_attrs["fixed_params"] = fixed   # optuna.Trial reads it right after this call
-        study._storage.set_trial_system_attr(trial._trial_id, "fixed_params", fixed)   # noqa: SLF001
-        study._storage.set_trial_system_attr(trial._trial_id, PROPOSAL_ATTR, kind)     # noqa: SLF001
+        trial.system_attrs["fixed_params"] = fixed  # optuna.Trial reads it right after this call
+        study._storage.set_trial_system_attr(trial._trial_id, "fixed_params", fixed)  # noqa: SLF001
+        study._storage.set_trial_system_attr(trial._trial_id, PROPOSAL_ATTR, kind)  # noqa: SLF001
 
-    def after_trial(self, study: optuna.Study, trial: FrozenTrial, state: TrialState,
-                    values: Sequence[float] | None) -> None:
+    def after_trial(
+        self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None
+    ) -> None:
         refused = trial.user_attrs.get("status") == "invalid" and not trial.user_attrs.get("launched")
         self.invalid_streak = self.invalid_streak + 1 if refused else 0
         self._tpe.after_trial(study, trial, state, values)
@@ -153,7 +173,7 @@ class PolicySampler(BaseSampler):
         turn = self.asked
         self.asked += 1
         if trial.system_attrs.get("fixed_params"):
-            return None                      # queued again after an interruption: run it as it was
+            return None  # queued again after an interruption: run it as it was
         seed = self.next_seed(study)
         if seed is not None:
             return "seed", seed
@@ -168,10 +188,11 @@ class PolicySampler(BaseSampler):
 
     def next_seed(self, study: optuna.Study) -> dict[str, Any] | None:
         if SEEDS_ATTR not in study.user_attrs:
-            if study.user_attrs.get("seeded"):   # a study from before seeds were kept: nothing left
+            if study.user_attrs.get("seeded"):  # a study from before seeds were kept: nothing left
                 return None
-            study.set_user_attr(SEEDS_ATTR, seed_candidates(self.planner, self.space, self.recipe,
-                                                            self.fixed, self.rules))
+            study.set_user_attr(
+                SEEDS_ATTR, seed_candidates(self.planner, self.space, self.recipe, self.fixed, self.rules)
+            )
         used = sum(1 for t in study.get_trials(deepcopy=False) if t.system_attrs.get(PROPOSAL_ATTR) == "seed")
         seeds = study.user_attrs[SEEDS_ATTR]
         return seeds[used] if used < len(seeds) else None
@@ -181,18 +202,26 @@ class PolicySampler(BaseSampler):
         if self.planner is None:
             return None
         best, _ = choose_best(rows(study), self.recipe)
-        if best is None:                     # nothing fits yet: walk from the nearest OOM
-            return self.planner.toward_feasible(self.space, self.fixed, self.rules, tried(study), candidate_key)
-        return self.planner.next_local(best.params, self.space, self.fixed, self.rules, tried(study), candidate_key)
+        if best is None:  # nothing fits yet: walk from the nearest OOM
+            return self.planner.toward_feasible(
+                self.space, self.fixed, self.rules, tried(study), candidate_key
+            )
+        return self.planner.next_local(
+            best.params, self.space, self.fixed, self.rules, tried(study), candidate_key
+        )
 
     def random_valid(self, study: optuna.Study) -> dict[str, Any] | None:
         """A random untried candidate that passes the rules."""
         tried_ = tried(study)
         for _ in range(50):
             combo = self.rng.choice(self.valid)
-            values = {name: self.rng.choice(param.grid_values(15)) for name, param in self.space.params.items()}
+            values = {
+                name: self.rng.choice(param.grid_values(15)) for name, param in self.space.params.items()
+            }
             cand = self.space.normalize(constraints.derive({**values, **self.fixed, **combo}, self.recipe))
-            if candidate_key(cand) not in tried_ and not constraints.violations(cand, self.recipe, self.rules):
+            if candidate_key(cand) not in tried_ and not constraints.violations(
+                cand, self.recipe, self.rules
+            ):
                 return cand
         return None
 

@@ -24,6 +24,6 @@ class BelowBestPruner(BasePruner):
             return False
         try:
             best = study.best_trial.value
-        except ValueError:   # nothing completed, or nothing feasible yet
+        except ValueError:  # nothing completed, or nothing feasible yet
             return False
         return bool(best) and trial.intermediate_values[trial.last_step] < self.ratio * best

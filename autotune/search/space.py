@@ -10,9 +10,10 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import optuna
 import yaml
@@ -49,19 +50,21 @@ class Param:
         if self.choices is not None:
             return optuna.distributions.CategoricalDistribution(list(self.choices))
         if self.type == "int":
-            return optuna.distributions.IntDistribution(int(self.low), int(self.high), log=self.log,
-                                                        step=int(self.step or 1))
-        return optuna.distributions.FloatDistribution(float(self.low), float(self.high), log=self.log,
-                                                      step=self.step)
+            return optuna.distributions.IntDistribution(
+                int(self.low), int(self.high), log=self.log, step=int(self.step or 1)
+            )
+        return optuna.distributions.FloatDistribution(
+            float(self.low), float(self.high), log=self.log, step=self.step
+        )
 
     def suggest(self, trial: optuna.Trial) -> Any:
         if self.choices is not None:
             return trial.suggest_categorical(self.name, list(self.choices))
         if self.type == "int":
-            return trial.suggest_int(self.name, int(self.low), int(self.high), step=int(self.step or 1),
-                                     log=self.log)
-        return trial.suggest_float(self.name, float(self.low), float(self.high), step=self.step,
-                                   log=self.log)
+            return trial.suggest_int(
+                self.name, int(self.low), int(self.high), step=int(self.step or 1), log=self.log
+            )
+        return trial.suggest_float(self.name, float(self.low), float(self.high), step=self.step, log=self.log)
 
     def contains(self, value: Any) -> bool:
         if self.choices is not None:
@@ -103,7 +106,7 @@ class Param:
             step = int(self.step or 1)
             values = [int(self.low + round((v - self.low) / step) * step) for v in values]
             return sorted(set(values))
-        if self.step:   # stay on the parameter's own grid
+        if self.step:  # stay on the parameter's own grid
             values = [round(self.low + round((v - self.low) / self.step) * self.step, 10) for v in values]
         return sorted(set(values))
 
@@ -136,7 +139,7 @@ class GlobalBatch:
     accumulation: str | None = None
     per: str = "gpu"
     generations: str | None = None
-    declared: bool = False           # written in the space, not TRL's names taken as they are
+    declared: bool = False  # written in the space, not TRL's names taken as they are
 
     def gpus_factor(self, dp: int) -> int:
         """GPUs the micro-batch is multiplied by: the data-parallel ones, or 1 with ``per: all``."""
@@ -163,8 +166,12 @@ class GlobalBatch:
         return int(params[self.micro_batch]) * accumulation * self.gpus_factor(dp)
 
 
-TRL_BATCH = GlobalBatch(micro_batch="per_device_train_batch_size", accumulation="gradient_accumulation_steps",
-                        per="gpu", generations="num_generations")
+TRL_BATCH = GlobalBatch(
+    micro_batch="per_device_train_batch_size",
+    accumulation="gradient_accumulation_steps",
+    per="gpu",
+    generations="num_generations",
+)
 
 
 @dataclass
@@ -174,7 +181,7 @@ class Space:
     params: dict[str, Param]
     path: Path
     digest: str
-    declared_batch: GlobalBatch | None = None     # the file's ``global_batch:`` block, if any
+    declared_batch: GlobalBatch | None = None  # the file's ``global_batch:`` block, if any
 
     @property
     def batch(self) -> GlobalBatch | None:
@@ -214,19 +221,22 @@ class Space:
         for name, value in pins.items():
             if name not in self.params:
                 raise UsageError(
-                    f"--set {name}: unknown parameter; the space {self.path} has "
-                    + ", ".join(self.params)
+                    f"--set {name}: unknown parameter; the space {self.path} has " + ", ".join(self.params)
                 )
             param = self.params[name]
             if not param.contains(value):
-                raise UsageError(f"--set {name}={_show(value)} is out of range: {name} is {param.allowed()} "
-                                 f"({self.how_to_widen()})")
+                raise UsageError(
+                    f"--set {name}={_show(value)} is out of range: {name} is {param.allowed()} "
+                    f"({self.how_to_widen()})"
+                )
 
     def how_to_widen(self) -> str:
         """Where to widen a range: a copy passed with ``--space``, never the installed package."""
         if self.path.resolve() == default_space_path().resolve():
-            return (f"to widen it, copy the shipped space: cp {self.path} my_space.yaml, edit the copy "
-                    "and pass --space my_space.yaml")
+            return (
+                f"to widen it, copy the shipped space: cp {self.path} my_space.yaml, edit the copy "
+                "and pass --space my_space.yaml"
+            )
         return f"widen it in {self.path}, the file given to --space"
 
     def outside(self, pins: dict[str, Any]) -> list[str]:
@@ -240,10 +250,14 @@ class Space:
             if param.contains(value):
                 continue
             if not _type_ok(param.type, value) or (param.type == "float" and isinstance(value, bool)):
-                raise UsageError(f"--set {name}={_show(value)}: {name} takes {param.type} values "
-                                 f"(the space has {param.allowed()})")
-            warnings.append(f"--set {name}={_show(value)} is outside the space ({name} is {param.allowed()}); "
-                            "estimated anyway")
+                raise UsageError(
+                    f"--set {name}={_show(value)}: {name} takes {param.type} values "
+                    f"(the space has {param.allowed()})"
+                )
+            warnings.append(
+                f"--set {name}={_show(value)} is outside the space ({name} is {param.allowed()}); "
+                "estimated anyway"
+            )
         return warnings
 
     def suggest(self, trial: optuna.Trial, fixed: dict[str, Any]) -> dict[str, Any]:
@@ -255,8 +269,9 @@ class Space:
             values[name] = param.suggest(trial)
         return values
 
-    def grid(self, fixed: dict[str, Any], names: list[str] | None = None,
-             float_points: int = 3) -> Iterator[dict[str, Any]]:
+    def grid(
+        self, fixed: dict[str, Any], names: list[str] | None = None, float_points: int = 3
+    ) -> Iterator[dict[str, Any]]:
         """Every combination of the discrete values of ``names`` (all params by default);
         continuous ranges contribute ``float_points`` evenly spaced values."""
         names = [n for n in (names or list(self.params)) if n not in fixed and n in self.params]
@@ -275,9 +290,9 @@ def load_space(path: str | Path | None = None) -> Space:
     try:
         text = path.read_text()
     except FileNotFoundError:
-        raise UsageError(f"search space {path} does not exist: give an existing file to --space")
+        raise UsageError(f"search space {path} does not exist: give an existing file to --space") from None
     except OSError as exc:
-        raise UsageError(f"cannot read search space {path}: {exc.strerror}")
+        raise UsageError(f"cannot read search space {path}: {exc.strerror}") from None
     try:
         root = yaml.compose(text)
         data = yaml.safe_load(text)
@@ -287,9 +302,9 @@ def load_space(path: str | Path | None = None) -> Space:
         opened = ""
         if exc.context_mark is not None and exc.context_mark.line + 1 != line:
             opened = f" ({exc.context} at line {exc.context_mark.line + 1})"
-        raise UsageError(f"{path}:{line}: invalid YAML: {exc.problem or exc}{opened}")
+        raise UsageError(f"{path}:{line}: invalid YAML: {exc.problem or exc}{opened}") from None
     except yaml.YAMLError as exc:
-        raise UsageError(f"{path}: invalid YAML: {exc}")
+        raise UsageError(f"{path}: invalid YAML: {exc}") from None
 
     def fail(node: yaml.Node | None, message: str) -> UsageError:
         return UsageError(f"{path}:{_line_of(node)}: {message}")
@@ -307,12 +322,13 @@ def load_space(path: str | Path | None = None) -> Space:
         unknown = set(spec) - PARAM_KEYS
         if unknown:
             key = sorted(unknown)[0]
-            raise fail(fields_.get(key, knode),
-                       f"{name}: unknown key '{key}'; allowed: {', '.join(sorted(PARAM_KEYS))}")
+            raise fail(
+                fields_.get(key, knode),
+                f"{name}: unknown key '{key}'; allowed: {', '.join(sorted(PARAM_KEYS))}",
+            )
         ptype = spec.get("type")
         if ptype not in TYPES:
-            raise fail(fields_.get("type", knode),
-                       f"{name}.type is {ptype!r}; allowed: {', '.join(TYPES)}")
+            raise fail(fields_.get("type", knode), f"{name}.type is {ptype!r}; allowed: {', '.join(TYPES)}")
         choices = spec.get("choices")
         if choices is not None:
             if not isinstance(choices, list) or not choices:
@@ -327,7 +343,8 @@ def load_space(path: str | Path | None = None) -> Space:
         else:
             for key in ("low", "high"):
                 if not _type_ok(ptype, spec.get(key)) and not (
-                        ptype == "float" and _type_ok("int", spec.get(key))):
+                    ptype == "float" and _type_ok("int", spec.get(key))
+                ):
                     raise fail(fields_.get(key, knode), f"{name}: needs 'choices' or numeric '{key}'")
             if spec["low"] > spec["high"]:
                 raise fail(fields_.get("low"), f"{name}: low {spec['low']} is above high {spec['high']}")
@@ -344,9 +361,15 @@ def load_space(path: str | Path | None = None) -> Space:
         if not isinstance(requires, dict):
             raise fail(fields_.get("requires"), f"{name}.requires must map parameter names to values")
         param = Param(
-            name=str(name), type=ptype, choices=tuple(choices) if choices is not None else None,
-            low=spec.get("low"), high=spec.get("high"), step=spec.get("step"),
-            log=bool(spec.get("log", False)), default=spec.get("default"), requires=dict(requires),
+            name=str(name),
+            type=ptype,
+            choices=tuple(choices) if choices is not None else None,
+            low=spec.get("low"),
+            high=spec.get("high"),
+            step=spec.get("step"),
+            log=bool(spec.get("log", False)),
+            default=spec.get("default"),
+            requires=dict(requires),
             help=str(spec.get("help", "")),
         )
         if param.default is None:
@@ -360,7 +383,9 @@ def load_space(path: str | Path | None = None) -> Space:
             if dep not in params:
                 raise fail(knode, f"{param.name}.requires names unknown parameter '{dep}'")
             if not params[dep].contains(value):
-                raise fail(knode, f"{param.name}.requires {dep}={value!r} but {dep} is {params[dep].allowed()}")
+                raise fail(
+                    knode, f"{param.name}.requires {dep}={value!r} but {dep} is {params[dep].allowed()}"
+                )
     batch = None
     if "global_batch" in data:
         bnode = {k.value: (k, v) for k, v in _mapping(root).items()}.get("global_batch", (None, None))
@@ -374,29 +399,48 @@ def _load_batch(spec: Any, nodes: tuple[Any, Any], params: dict[str, Param], fai
     knode, vnode = nodes
     keys = {k.value: k for k in _mapping(vnode)}
     if not isinstance(spec, dict) or "micro_batch" not in spec:
-        raise fail(knode, "global_batch needs 'micro_batch' (the parameter with completions per GPU per "
-                          "micro-step), e.g. {micro_batch: PARAM, accumulation: PARAM, per: gpu}")
+        raise fail(
+            knode,
+            "global_batch needs 'micro_batch' (the parameter with completions per GPU per "
+            "micro-step), e.g. {micro_batch: PARAM, accumulation: PARAM, per: gpu}",
+        )
     unknown = sorted(set(map(str, spec)) - set(BATCH_KEYS))
     if unknown:
-        raise fail(keys.get(unknown[0]), f"global_batch: unknown key '{unknown[0]}'; allowed: {', '.join(BATCH_KEYS)}")
+        raise fail(
+            keys.get(unknown[0]),
+            f"global_batch: unknown key '{unknown[0]}'; allowed: {', '.join(BATCH_KEYS)}",
+        )
     named = [spec[k] for k in ("micro_batch", "accumulation", "generations") if k in spec]
     for key in ("micro_batch", "accumulation", "generations"):
         name = spec.get(key)
         if key in spec and (not isinstance(name, str) or name not in params or params[name].type != "int"):
-            raise fail(keys.get(key), f"global_batch.{key} is {name!r}, not an int parameter of this space; "
-                                      f"the parameters are {', '.join(params)}")
+            raise fail(
+                keys.get(key),
+                f"global_batch.{key} is {name!r}, not an int parameter of this space; "
+                f"the parameters are {', '.join(params)}",
+            )
     if len(set(named)) != len(named):
-        raise fail(knode, "global_batch: micro_batch, accumulation and generations must name different parameters")
+        raise fail(
+            knode, "global_batch: micro_batch, accumulation and generations must name different parameters"
+        )
     per = spec.get("per", "gpu")
     if per not in BATCH_PER:
-        raise fail(keys.get("per"), f"global_batch.per is {per!r}; allowed: gpu (the micro-batch is per GPU) "
-                                    "or all (it counts every GPU's completions)")
+        raise fail(
+            keys.get("per"),
+            f"global_batch.per is {per!r}; allowed: gpu (the micro-batch is per GPU) "
+            "or all (it counts every GPU's completions)",
+        )
     generations = spec.get("generations")
     trl_group = getattr(params.get("num_generations"), "type", "") == "int" and "num_generations" not in named
     if generations is None and trl_group:
-        generations = "num_generations"      # TRL's name for the group size applies as it is
-    return GlobalBatch(micro_batch=spec["micro_batch"], accumulation=spec.get("accumulation"), per=per,
-                       generations=generations, declared=True)
+        generations = "num_generations"  # TRL's name for the group size applies as it is
+    return GlobalBatch(
+        micro_batch=spec["micro_batch"],
+        accumulation=spec.get("accumulation"),
+        per=per,
+        generations=generations,
+        declared=True,
+    )
 
 
 def _mapping(node: yaml.Node | None) -> dict:

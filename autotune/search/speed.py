@@ -16,13 +16,22 @@ from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.units import GIB
 
-MFU = 0.35                  # model FLOP utilisation a GRPO training step typically reaches
-DECODE_EFFICIENCY = 0.5     # fraction of HBM bandwidth a decode step achieves
-PCIE_GBS = 20.0             # host <-> GPU for offload traffic
+MFU = 0.35  # model FLOP utilisation a GRPO training step typically reaches
+DECODE_EFFICIENCY = 0.5  # fraction of HBM bandwidth a decode step achieves
+PCIE_GBS = 20.0  # host <-> GPU for offload traffic
 
 
-def step_time_prior(model: ModelSpec, params: dict[str, Any], gpu: GpuType, *, gpus: int,
-                    dp_gpus: int, prompt: int, completion: int, beta: float = 0.0) -> float:
+def step_time_prior(
+    model: ModelSpec,
+    params: dict[str, Any],
+    gpu: GpuType,
+    *,
+    gpus: int,
+    dp_gpus: int,
+    prompt: int,
+    completion: int,
+    beta: float = 0.0,
+) -> float:
     """Rough seconds per optimizer step for a candidate."""
     P = float(model.num_params)
     pdbs = int(params.get("per_device_train_batch_size", 8))
@@ -32,33 +41,50 @@ def step_time_prior(model: ModelSpec, params: dict[str, Any], gpu: GpuType, *, g
     tokens = completions * seq
 
     flops = 6 * P * tokens * (4 / 3 if params.get("gradient_checkpointing", True) else 1.0)
-    flops += 2 * P * tokens * (2 if beta else 1)               # old and reference log-probs
+    flops += 2 * P * tokens * (2 if beta else 1)  # old and reference log-probs
     train = flops / (dp_gpus * gpu.tflops_bf16 * 1e12 * MFU)
 
     stage = int(params.get("zero_stage", 0))
     link = gpu.interconnect_gbs * 1e9
     if dp_gpus > 1:
         if stage == 3:
-            train += gas * 3 * 2 * P / link                    # gather fwd + bwd, reduce-scatter
+            train += gas * 3 * 2 * P / link  # gather fwd + bwd, reduce-scatter
         else:
-            train += gas * 2 * P / link                        # gradient reduction
+            train += gas * 2 * P / link  # gradient reduction
     offload = params.get("offload", "none")
     if offload in ("optimizer", "optimizer+params"):
-        train += 16 * P / dp_gpus / (PCIE_GBS * 1e9) + 12 * P / dp_gpus / 2e10   # move + CPU Adam
+        train += 16 * P / dp_gpus / (PCIE_GBS * 1e9) + 12 * P / dp_gpus / 2e10  # move + CPU Adam
     if offload == "optimizer+params":
         train += gas * 2 * 2 * P / dp_gpus / (PCIE_GBS * 1e9)
 
-    generate = _generation_time(model, params, gpu, gpus=gpus, dp_gpus=dp_gpus, completions=completions,
-                                seq=seq, completion=completion)
+    generate = _generation_time(
+        model,
+        params,
+        gpu,
+        gpus=gpus,
+        dp_gpus=dp_gpus,
+        completions=completions,
+        seq=seq,
+        completion=completion,
+    )
     return train + generate
 
 
-def _generation_time(model: ModelSpec, params: dict[str, Any], gpu: GpuType, *, gpus: int, dp_gpus: int,
-                     completions: int, seq: int, completion: int) -> float:
+def _generation_time(
+    model: ModelSpec,
+    params: dict[str, Any],
+    gpu: GpuType,
+    *,
+    gpus: int,
+    dp_gpus: int,
+    completions: int,
+    seq: int,
+    completion: int,
+) -> float:
     P = float(model.num_params)
     kv_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
     if not params.get("use_vllm", False):
-        per_token = 2 * P / (gpu.bandwidth_tbs * 1e12 * DECODE_EFFICIENCY) * 3   # HF generate is slow
+        per_token = 2 * P / (gpu.bandwidth_tbs * 1e12 * DECODE_EFFICIENCY) * 3  # HF generate is slow
         per_gpu = math.ceil(completions / dp_gpus)
         waves = math.ceil(per_gpu / max(int(params.get("per_device_train_batch_size", 8)), 1))
         return waves * completion * per_token
@@ -81,6 +107,9 @@ def _generation_time(model: ModelSpec, params: dict[str, Any], gpu: GpuType, *, 
 
 def throughput_prior(model: ModelSpec, params: dict[str, Any], gpu: GpuType, **kw: Any) -> float:
     """Completions per second implied by :func:`step_time_prior`."""
-    completions = (int(params.get("per_device_train_batch_size", 8))
-                   * int(params.get("gradient_accumulation_steps", 1)) * kw["dp_gpus"])
+    completions = (
+        int(params.get("per_device_train_batch_size", 8))
+        * int(params.get("gradient_accumulation_steps", 1))
+        * kw["dp_gpus"]
+    )
     return completions / step_time_prior(model, params, gpu, **kw)

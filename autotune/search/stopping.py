@@ -13,8 +13,8 @@ from pathlib import Path
 from autotune.errors import SearchStopped
 from autotune.trial.outcome import Outcome
 
-SAME_CRASH_LIMIT = 3          # the same crash this many times in a row ends the search
-UNLAUNCHED_LIMIT = 300        # proposals in a row that need no launch: the space is exhausted
+SAME_CRASH_LIMIT = 3  # the same crash this many times in a row ends the search
+UNLAUNCHED_LIMIT = 300  # proposals in a row that need no launch: the space is exhausted
 
 
 def crash_signature(error_line: str | None) -> str:
@@ -60,8 +60,10 @@ class Stopping:
         if self.budget.exceeded():
             return "time budget reached", "stopping: the next trial would exceed --time-budget"
         if self.unlaunched >= UNLAUNCHED_LIMIT:
-            return "space exhausted", (f"stopping: the last {UNLAUNCHED_LIMIT} proposals were all invalid, "
-                                       "skipped or already measured; the space is exhausted")
+            return "space exhausted", (
+                f"stopping: the last {UNLAUNCHED_LIMIT} proposals were all invalid, "
+                "skipped or already measured; the space is exhausted"
+            )
         return None
 
     def not_launched(self) -> None:
@@ -80,4 +82,5 @@ class Stopping:
         if len(self.crashes) >= SAME_CRASH_LIMIT and len(set(self.crashes[-SAME_CRASH_LIMIT:])) == 1:
             raise SearchStopped(
                 f"the same crash {SAME_CRASH_LIMIT} times in a row: {outcome.error_line} "
-                f"(see {trial_dir}/stderr.log; fix it, then autotune resume {self.study_name})")
+                f"(see {trial_dir}/stderr.log; fix it, then autotune resume {self.study_name})"
+            )

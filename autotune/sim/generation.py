@@ -5,8 +5,7 @@ from __future__ import annotations
 from autotune.sim.scenario import Gpu, Knobs, Model, Scenario
 
 
-def generation_time(sc: Scenario, m: Model, k: Knobs, g: Gpu, seqs: int, conc: int,
-                    P: float) -> float:
+def generation_time(sc: Scenario, m: Model, k: Knobs, g: Gpu, seqs: int, conc: int, P: float) -> float:
     """Seconds for one engine to produce `seqs` completions of full length.
 
     Decode is bound by reading the weights (and KV) from HBM at small batch, by FLOPs at large
@@ -19,8 +18,12 @@ def generation_time(sc: Scenario, m: Model, k: Knobs, g: Gpu, seqs: int, conc: i
     active = 2.0 * (m.layers * m.layer_linear + m.embed)
     if not k.use_vllm:
         # transformers generate: all of the generation batch at once, ZeRO-3 gathered weights
-        per_tok = (0.021 + 2.0 * P / (bw * 0.75) + active * seqs / (tfl * 0.3)
-                   + seqs * (prompt + C / 2) * m.kv_bytes_per_token / bw)
+        per_tok = (
+            0.021
+            + 2.0 * P / (bw * 0.75)
+            + active * seqs / (tfl * 0.3)
+            + seqs * (prompt + C / 2) * m.kv_bytes_per_token / bw
+        )
         prefill = active * seqs * prompt / (tfl * 0.35)
         return prefill + C * per_tok + 0.3
     tp = k.tp
@@ -38,9 +41,9 @@ def generation_time(sc: Scenario, m: Model, k: Knobs, g: Gpu, seqs: int, conc: i
         compute = active * nw / tp / (tfl * 0.45)
         comm = 2 * m.layers * (18e-6 + nw * m.hidden * 2.0 / (g.link * 1e9 * 0.6)) if tp > 1 else 0.0
         step = 0.0035 + max(w_read + kv_read, compute) + comm + nw * 0.5e-6
-        uniq = max(1.0, nw / max(k.num_gen, 1))        # prefix caching shares each prompt
+        uniq = max(1.0, nw / max(k.num_gen, 1))  # prefix caching shares each prompt
         prefill = active * uniq * prompt / tp / (tfl * 0.55) + 0.02
         total += prefill + C * step
     if len(waves) > 1:
-        total *= 1.06            # preemption and recompute when the KV cache runs full
+        total *= 1.06  # preemption and recompute when the KV cache runs full
     return total + 0.15

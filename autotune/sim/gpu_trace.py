@@ -25,8 +25,9 @@ from __future__ import annotations
 import bisect
 import csv
 import random
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from autotune.sim.landscape import Scenario, TrialTruth
 from autotune.trial.telemetry import CSV_COLUMNS, CSV_NAME
@@ -34,12 +35,23 @@ from autotune.trial.utilization import MEASURE, GpuReading, Tick
 
 # utilization levels (percent of the sample period with a kernel running) of each kind of work
 LEVEL = {
-    "start": 3.0, "generate_vllm": 93.0, "generate_vllm_few": 62.0, "generate_hf": 34.0, "sync": 22.0,
-    "wake": 4.0, "compute": 96.0, "hooks": 28.0, "comm": 55.0, "pcie": 6.0, "optimizer_gpu": 88.0,
-    "optimizer_cpu": 2.0, "misc": 30.0, "server_wait": 4.0,
+    "start": 3.0,
+    "generate_vllm": 93.0,
+    "generate_vllm_few": 62.0,
+    "generate_hf": 34.0,
+    "sync": 22.0,
+    "wake": 4.0,
+    "compute": 96.0,
+    "hooks": 28.0,
+    "comm": 55.0,
+    "pcie": 6.0,
+    "optimizer_gpu": 88.0,
+    "optimizer_cpu": 2.0,
+    "misc": 30.0,
+    "server_wait": 4.0,
 }
-FEW_SEQUENCES = 32      # vLLM decoding fewer sequences at once than this runs at lower occupancy
-SUBSAMPLES = 8          # points averaged per sample (NVML reports the busy share of its period)
+FEW_SEQUENCES = 32  # vLLM decoding fewer sequences at once than this runs at lower occupancy
+SUBSAMPLES = 8  # points averaged per sample (NVML reports the busy share of its period)
 
 
 class GpuTrace:
@@ -55,9 +67,9 @@ class GpuTrace:
         self.interval = min(max(steady / 40.0, 0.25), 5.0)
         self.server_gpus = self.k.tp * self.k.vllm_dp if self.k.server else 0
         self.gpus = max(sc.gpus, 1)
-        self.segments: list[tuple[float, float, str]] = []   # (start, end, level name), in order
+        self.segments: list[tuple[float, float, str]] = []  # (start, end, level name), in order
         self.starts: list[float] = []
-        self.now = 0.0              # simulated seconds written up to
+        self.now = 0.0  # simulated seconds written up to
         self.next_sample = 0.0
         trial_dir.mkdir(parents=True, exist_ok=True)
         self.fh: TextIO = open(trial_dir / CSV_NAME, "w", newline="", encoding="utf-8")
@@ -92,13 +104,19 @@ class GpuTrace:
         self._add(self.truth.startup_s, "start")
         peak = self.truth.startup_peak_gib
         host = float(self.info.get("host_init_gib", 4.0))
-        low = min(0.5, peak)   # the CUDA context first, then the weights, DeepSpeed's states, vLLM
-        self._flush("start", lambda t: low + (peak - low) * min(t / max(self.truth.startup_s, 1e-9), 1.0), host)
+        low = min(0.5, peak)  # the CUDA context first, then the weights, DeepSpeed's states, vLLM
+        self._flush(
+            "start", lambda t: low + (peak - low) * min(t / max(self.truth.startup_s, 1e-9), 1.0), host
+        )
 
     def step(self, number: int, gen_s: float, train_s: float, peak_gib: float) -> None:
         """One completed optimizer step: ``gen_s`` generation (with the weight sync), ``train_s`` training."""
         info, k = self.info, self.k
-        gen, sync, wake = float(info.get("gen_s", 0.0)), float(info.get("sync_s", 0.0)), float(info.get("wake_s", 0.0))
+        gen, sync, wake = (
+            float(info.get("gen_s", 0.0)),
+            float(info.get("sync_s", 0.0)),
+            float(info.get("wake_s", 0.0)),
+        )
         if gen_s > 0 and gen + sync > 0:
             scale = gen_s / (gen + sync)
             if not k.use_vllm:
@@ -122,7 +140,9 @@ class GpuTrace:
         phase = "warmup" if number <= self.warmup else MEASURE
         self._flush(phase, lambda t: peak_gib, float(self.info.get("host_need_gib", 4.0)))
 
-    def failing_step(self, number: int, seconds: float, gen_s: float, from_gib: float, cuda_oom: bool) -> None:
+    def failing_step(
+        self, number: int, seconds: float, gen_s: float, from_gib: float, cuda_oom: bool
+    ) -> None:
         """The part of the step a trial died in: generation, then training, until the failure. A
         CUDA OOM shows the GPU filling up to its capacity, as NVML sees it just before the error."""
         gen = min(seconds, gen_s)
@@ -142,8 +162,10 @@ class GpuTrace:
         end = self.segments[-1][1] if self.segments else 0.0
         cap = self.truth.capacity_gib
         train_levels = dict(LEVEL)
-        serve_levels = {name: (LEVEL["generate_vllm"] if name.startswith("generate") else 0.0) for name in LEVEL}
-        if self.k.server:   # the trainers wait on the server's HTTP answers while it generates
+        serve_levels = {
+            name: (LEVEL["generate_vllm"] if name.startswith("generate") else 0.0) for name in LEVEL
+        }
+        if self.k.server:  # the trainers wait on the server's HTTP answers while it generates
             train_levels.update({n: LEVEL["server_wait"] for n in LEVEL if n.startswith("generate")})
         while self.next_sample <= end:
             t = self.next_sample

@@ -53,10 +53,19 @@ __all__ = ["GIB", "Failure", "Scenario", "SpecError", "TrialTruth", "evaluate", 
 def _rng(spec: dict, seed: int) -> random.Random:
     """Noise is keyed by seed AND configuration: two configs with one seed still differ, like two
     real runs would, while the same spec+seed always gives the same trial."""
-    key = json.dumps([seed, spec.get("params"), spec.get("recipe"), spec.get("gpu"),
-                      sorted((spec.get("model_config") or {}).items(), key=lambda kv: kv[0])
-                      if isinstance(spec.get("model_config"), dict) else None],
-                     sort_keys=True, default=str)
+    key = json.dumps(
+        [
+            seed,
+            spec.get("params"),
+            spec.get("recipe"),
+            spec.get("gpu"),
+            sorted((spec.get("model_config") or {}).items(), key=lambda kv: kv[0])
+            if isinstance(spec.get("model_config"), dict)
+            else None,
+        ],
+        sort_keys=True,
+        default=str,
+    )
     return random.Random(int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big"))
 
 
@@ -70,20 +79,34 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
     m, k, g = sc.m, sc.k, sc.gpu
     cap = g.mem
     server_gpus = k.tp * k.vllm_dp if k.server else 0
-    n = sc.gpus - server_gpus            # data-parallel training GPUs
+    n = sc.gpus - server_gpus  # data-parallel training GPUs
     s_len = sc.prompt + sc.completion
     samples = k.pdbs * k.ga * max(n, 0)
     tokens = samples * s_len
     info: dict[str, Any] = {"params_b": m.params / 1e9, "n_train_gpus": n, "world_size": sc.gpus}
 
-    def result(startup: float, failure: Failure | None, fail_after: float = 0.0,
-               times: tuple[list, list, list, list] = ([], [], [], []), startup_peak: float = 0.0
-               ) -> TrialTruth:
-        return TrialTruth(startup_s=startup, step_times=times[0], generation_times=times[1],
-                          training_times=times[2], peak_memory_gib=times[3],
-                          startup_peak_gib=startup_peak, failure=failure, samples_per_step=samples,
-                          tokens_per_step=tokens, capacity_gib=cap, max_steps=sc.max_steps,
-                          fail_after_s=fail_after, info=info)
+    def result(
+        startup: float,
+        failure: Failure | None,
+        fail_after: float = 0.0,
+        times: tuple[list, list, list, list] = ([], [], [], []),
+        startup_peak: float = 0.0,
+    ) -> TrialTruth:
+        return TrialTruth(
+            startup_s=startup,
+            step_times=times[0],
+            generation_times=times[1],
+            training_times=times[2],
+            peak_memory_gib=times[3],
+            startup_peak_gib=startup_peak,
+            failure=failure,
+            samples_per_step=samples,
+            tokens_per_step=tokens,
+            capacity_gib=cap,
+            max_steps=sc.max_steps,
+            fail_after_s=fail_after,
+            info=info,
+        )
 
     # -- start-up clock (hidden: imports, rendezvous, disk speed, CUDA graph capture) ----------
     t_import = 11.0 + rng.uniform(0.0, 5.0) + (2.5 if sc.gpus > 1 else 0.0)
@@ -95,8 +118,8 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
 
     P = m.params
     lora = sc.lora_rank is not None
-    A = (sc.lora_rank or 0) * m.lora_targets * m.layers if lora else P      # trainable params
-    ref = sc.beta != 0.0 and not lora      # with LoRA TRL uses the base model with adapters off
+    A = (sc.lora_rank or 0) * m.lora_targets * m.layers if lora else P  # trainable params
+    ref = sc.beta != 0.0 and not lora  # with LoRA TRL uses the base model with adapters off
     info["trainable_b"] = A / 1e9
 
     # -- model states on each training GPU (bytes) ---------------------------------------------
@@ -107,25 +130,25 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
     else:
         weights = 2.0 * P
     if k.offload_opt:
-        grads_opt = (0.5 * 2.0 * A / n) if z3 else (0.25 * 2.0 * A / n)   # staging for CPU copy
+        grads_opt = (0.5 * 2.0 * A / n) if z3 else (0.25 * 2.0 * A / n)  # staging for CPU copy
     elif k.zero == 0:
-        grads_opt = 14.0 * A                     # bf16 grads + fp32 master, m, v (weights above)
+        grads_opt = 14.0 * A  # bf16 grads + fp32 master, m, v (weights above)
     elif k.zero == 1:
-        grads_opt = 2.0 * A + 16.0 * A / n       # full bf16 grads; fp32 master, m, v, grad partition
+        grads_opt = 2.0 * A + 16.0 * A / n  # full bf16 grads; fp32 master, m, v, grad partition
     elif k.zero == 2:
-        grads_opt = 14.0 * A / n                 # bf16 grad partition + fp32 master, m, v
+        grads_opt = 14.0 * A / n  # bf16 grad partition + fp32 master, m, v
     else:
         grads_opt = 14.0 * A / n
-    if lora:                                     # only the adapters train: tiny states
+    if lora:  # only the adapters train: tiny states
         grads_opt = 16.0 * A / (n if z3 else 1)
     # buckets and gathered working sets: what the textbook formulas leave out or round off
     if z3:
         live = 2.0 * (m.largest_module + 2.0 * m.layer_linear) * (1.15 if k.offload_params else 1.0)
-        buffers = live + 2.0 * 0.9 * m.hidden ** 2 * 2
+        buffers = live + 2.0 * 0.9 * m.hidden**2 * 2
     else:
-        buffers = 2.0 * 2.0 * min(5e8, max(m.hidden ** 2, 2e7)) + (0.0 if k.zero else 2.0 * A * 0.04)
+        buffers = 2.0 * 2.0 * min(5e8, max(m.hidden**2, 2e7)) + (0.0 if k.zero else 2.0 * A * 0.04)
     ref_w = (0.0 if k.offload_params else 2.0 * P / n) if (ref and z3) else (2.0 * P if ref else 0.0)
-    states = (weights + grads_opt + buffers + ref_w) * 1.012     # flat-buffer padding/alignment
+    states = (weights + grads_opt + buffers + ref_w) * 1.012  # flat-buffer padding/alignment
 
     # non-PyTorch memory: CUDA context, NCCL communicators, cuBLAS workspaces (hidden)
     ctx = (0.52 if g.tflops >= 700 else 0.44) * GIB
@@ -138,7 +161,7 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
     # -- dynamic training memory for one micro-batch ---------------------------------------------
     b, C, h = k.pdbs, sc.completion, m.hidden
     qd, kvd = m.heads * m.head_dim, m.kv_heads * m.head_dim
-    layer_tok = 2.0 * (7 * h + 2 * kvd + 4 * m.inter) + 4.0 * m.heads   # stored per token per layer
+    layer_tok = 2.0 * (7 * h + 2 * kvd + 4 * m.inter) + 4.0 * m.heads  # stored per token per layer
     if k.gc:
         acts = m.layers * s_len * b * h * 2.0 + s_len * b * layer_tok * 1.0
     else:
@@ -146,7 +169,7 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
     if k.liger:
         logits = 2.0 * b * C * h * 4.0 + min(b * C, 1024) * m.vocab * 4.0 * 2.0
     else:
-        logits = 5.8 * b * C * m.vocab            # fp32 upcast of bf16 logits, ~2.9x the bf16 tensor
+        logits = 5.8 * b * C * m.vocab  # fp32 upcast of bf16 logits, ~2.9x the bf16 tensor
     frag = 1.03 + 0.022 * math.log2(b) + (0.025 if not k.gc else 0.0) + rng.uniform(-0.006, 0.006)
     dyn = (acts + logits) * frag
     info["logits_gib"] = logits / GIB
@@ -154,10 +177,10 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
     info["states_gib"] = states / GIB
 
     # -- vLLM engine ---------------------------------------------------------------------------
-    kvb_gpu = m.kv_bytes_per_token / min(k.tp, m.kv_heads)   # KV heads shard across TP ranks
+    kvb_gpu = m.kv_bytes_per_token / min(k.tp, m.kv_heads)  # KV heads shard across TP ranks
     w_vllm = 2.0 * P / k.tp
-    vllm_outside = 0.15 * GIB        # allocations outside the budget (hidden)
-    vllm_train = vllm_gen = 0.0      # vLLM bytes on a training GPU in each phase
+    vllm_outside = 0.15 * GIB  # allocations outside the budget (hidden)
+    vllm_train = vllm_gen = 0.0  # vLLM bytes on a training GPU in each phase
     kv_tokens = 0
     conc = 0
     # TRL sizes the colocated engine for exactly one generation batch; vllm-serve keeps vLLM's 256
@@ -165,13 +188,20 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
     batched_tokens = 8192 if k.server else 4096
     if k.use_vllm:
         budget = k.util * cap * GIB
-        act_peak = (batched_tokens * (2 * m.inter + 4 * h) * 2.0 / k.tp
-                    + min(max_num_seqs, batched_tokens) * m.vocab * 4.0) * 1.1
+        act_peak = (
+            batched_tokens * (2 * m.inter + 4 * h) * 2.0 / k.tp
+            + min(max_num_seqs, batched_tokens) * m.vocab * 4.0
+        ) * 1.1
         graphs = rng.uniform(0.25, 0.6) * GIB
         kv_mem = budget - w_vllm - act_peak - graphs
-        info.update(vllm_budget_gib=budget / GIB, vllm_weights_gib=w_vllm / GIB,
-                    kv_cache_gib=max(kv_mem, 0.0) / GIB, kv_avail_gib=kv_mem / GIB, graphs_gib=graphs / GIB,
-                    max_model_len=sc.max_model_len)
+        info.update(
+            vllm_budget_gib=budget / GIB,
+            vllm_weights_gib=w_vllm / GIB,
+            kv_cache_gib=max(kv_mem, 0.0) / GIB,
+            kv_avail_gib=kv_mem / GIB,
+            graphs_gib=graphs / GIB,
+            max_model_len=sc.max_model_len,
+        )
         if kv_mem > 0:
             kv_tokens = int(kv_mem // (16 * kvb_gpu)) * 16
             info["gpu_blocks"] = kv_tokens // 16
@@ -187,10 +217,17 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
 
     # -- start-up time pieces ------------------------------------------------------------------
     t_load = t_import + 2.0 + 2.0 * P / (1.8e9) * (2.0 if ref else 1.0) * rng.uniform(0.85, 1.2)
-    t_ds = (2.0 + (4.0 + 0.6 * P / 1e9 if z3 else 1.0)
-            + (16.0 * A / 5e9 if k.offload_opt else 0.0) + (2.0 * P / 5e9 if k.offload_params else 0.0))
-    t_vllm = (6.0 + 2.0 * P / k.tp / 2.5e9 + 4.0 + rng.uniform(10.0, 28.0) + (2.0 if k.sleep else 0.0)
-              ) if k.use_vllm else 0.0
+    t_ds = (
+        2.0
+        + (4.0 + 0.6 * P / 1e9 if z3 else 1.0)
+        + (16.0 * A / 5e9 if k.offload_opt else 0.0)
+        + (2.0 * P / 5e9 if k.offload_params else 0.0)
+    )
+    t_vllm = (
+        (6.0 + 2.0 * P / k.tp / 2.5e9 + 4.0 + rng.uniform(10.0, 28.0) + (2.0 if k.sleep else 0.0))
+        if k.use_vllm
+        else 0.0
+    )
     info["phases"] = {"import": t_import, "load": t_load - t_import, "deepspeed": t_ds, "vllm": t_vllm}
 
     # host memory (hidden buffer factors; DeepSpeed's CPUAdam creates m and v lazily at step 1)
@@ -200,42 +237,58 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
     host_init = host_base
     host_step1 = host_base
     if k.offload_opt:
-        host_init += (4.0 * A + 4.0 * A) * 1.06 + sc.gpus * 0.5 * GIB   # fp32 master + grads, pinned
-        host_step1 = host_init + 8.0 * A * 1.02                         # Adam m and v
+        host_init += (4.0 * A + 4.0 * A) * 1.06 + sc.gpus * 0.5 * GIB  # fp32 master + grads, pinned
+        host_step1 = host_init + 8.0 * A * 1.02  # Adam m and v
     if k.offload_params:
         extra = 2.0 * P * 1.1 + (2.0 * P * 1.1 if ref else 0.0)
         host_init += extra
         host_step1 += extra
     host_limit = sc.host_gib * GIB * 0.94 - 3.0 * GIB
-    info.update(host_init_gib=host_init / GIB, host_need_gib=host_step1 / GIB, host_limit_gib=host_limit / GIB)
+    info.update(
+        host_init_gib=host_init / GIB, host_need_gib=host_step1 / GIB, host_limit_gib=host_limit / GIB
+    )
 
     startup_states = ctx + states + rank0_extra
     if startup_states > cap * GIB:
         # DeepSpeed allocates its fp32 partitions in deepspeed.initialize: dies before training
-        info["oom"] = oom_numbers(rng, cap, startup_states, alloc=min(4.0 * A / shard, startup_states * 0.5),
-                                  non_torch=ctx, unalloc=0.05 * GIB)
+        info["oom"] = oom_numbers(
+            rng,
+            cap,
+            startup_states,
+            alloc=min(4.0 * A / shard, startup_states * 0.5),
+            non_torch=ctx,
+            unalloc=0.05 * GIB,
+        )
         info["oom_where"] = "deepspeed_init"
         return result(t_load + t_ds * 0.6, Failure("cuda", 0, "cuda_oom"), startup_peak=cap)
     if host_init > host_limit:
-        return result(t_load + t_ds * 0.8, Failure("host", 0, "sigkill"),
-                      startup_peak=startup_states / GIB)
+        return result(t_load + t_ds * 0.8, Failure("host", 0, "sigkill"), startup_peak=startup_states / GIB)
 
     if k.use_vllm:
         free = cap * GIB - (0.0 if k.server else startup_states)
         budget = k.util * cap * GIB
         if budget > free:
             info["free_gib"] = free / GIB
-            return result(t_load + t_ds + 6.0, Failure("vllm_startup", 0, "vllm_free_memory"),
-                          startup_peak=startup_states / GIB)
+            return result(
+                t_load + t_ds + 6.0,
+                Failure("vllm_startup", 0, "vllm_free_memory"),
+                startup_peak=startup_states / GIB,
+            )
         kv_need = sc.max_model_len * kvb_gpu
         if kv_mem <= 0:
-            return result(t_load + t_ds + t_vllm * 0.5, Failure("vllm_kv", 0, "vllm_no_cache_blocks"),
-                          startup_peak=(startup_states + budget) / GIB)
+            return result(
+                t_load + t_ds + t_vllm * 0.5,
+                Failure("vllm_kv", 0, "vllm_no_cache_blocks"),
+                startup_peak=(startup_states + budget) / GIB,
+            )
         if kv_mem < kv_need:
             info["kv_need_gib"] = kv_need / GIB
             info["est_max_len"] = int(kv_mem // kvb_gpu) // 16 * 16
-            return result(t_load + t_ds + t_vllm * 0.5, Failure("vllm_kv", 0, "vllm_kv_max_seq"),
-                          startup_peak=(startup_states + budget) / GIB)
+            return result(
+                t_load + t_ds + t_vllm * 0.5,
+                Failure("vllm_kv", 0, "vllm_kv_max_seq"),
+                startup_peak=(startup_states + budget) / GIB,
+            )
     startup_s = t_load + t_ds + t_vllm + 2.0
     startup_peak = (startup_states + vllm_gen) / GIB
 
@@ -275,19 +328,28 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
     elif k.server:
         sync_s = 2.0 * P / (link * 0.6) + m.n_tensors * 0.0022 + 0.5
     else:
-        sync_s = (m.n_tensors * (0.008 if z3 else 0.0012) + 2.0 * P / (bw * 0.5)
-                  + (2.0 * P * (1 - 1 / n) / link if z3 and n > 1 else 0.0)
-                  + (2.0 * P / n / pcie if k.offload_params else 0.0) + (0.6 if lora else 0.0))
+        sync_s = (
+            m.n_tensors * (0.008 if z3 else 0.0012)
+            + 2.0 * P / (bw * 0.5)
+            + (2.0 * P * (1 - 1 / n) / link if z3 and n > 1 else 0.0)
+            + (2.0 * P / n / pcie if k.offload_params else 0.0)
+            + (0.6 if lora else 0.0)
+        )
     if k.sleep:
-        sync_s += 1.6 + 0.02 * k.util * cap       # wake_up (re-allocate KV, reset caches) + sleep
+        sync_s += 1.6 + 0.02 * k.util * cap  # wake_up (re-allocate KV, reset caches) + sleep
     if k.server:
-        sync_s += 0.35            # HTTP round trips
+        sync_s += 0.35  # HTTP round trips
 
     # training: one micro-batch
     T = b * s_len
-    fwd = 2.0 * m.layers * m.layer_linear * T + 2.0 * h * m.vocab * b * C + 2.0 * b * s_len ** 2 * qd * m.layers
-    passes = (1.0 + (2.0 if not lora else 1.1) + (1.0 if k.gc else 0.0) + (1.0 if ref else 0.0)
-              + (1.0 if k.spg > k.ga else 0.0))
+    fwd = 2.0 * m.layers * m.layer_linear * T + 2.0 * h * m.vocab * b * C + 2.0 * b * s_len**2 * qd * m.layers
+    passes = (
+        1.0
+        + (2.0 if not lora else 1.1)
+        + (1.0 if k.gc else 0.0)
+        + (1.0 if ref else 0.0)
+        + (1.0 if k.spg > k.ga else 0.0)
+    )
     mfu = (0.50 if g.tflops < 700 else 0.42) * (T / (T + 1100.0)) * (h / (h + 500.0))
     compute = fwd * passes / (tfl * mfu) * (1.04 if k.liger else 1.0)
     mb = compute + 0.02
@@ -310,13 +372,13 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
         mb += max(comm - 0.6 * compute, 0.1 * comm)
     if k.offload_opt:
         parts["pcie"] += 4.0 * A / n / pcie + 0.04
-        mb += 4.0 * A / n / pcie + 0.04           # fp32 gradient partitions to pinned host memory
+        mb += 4.0 * A / n / pcie + 0.04  # fp32 gradient partitions to pinned host memory
     if k.offload_params:
         parts["pcie"] += hook_passes * (2.0 * P / n / pcie + m.n_modules * 0.0004)
         mb += hook_passes * (2.0 * P / n / pcie + m.n_modules * 0.0004)
     # optimizer step
     if k.offload_opt:
-        opt = A / 1.1e9 + 2.0 * A / n / pcie + 0.4    # DeepSpeedCPUAdam shares the host's cores
+        opt = A / 1.1e9 + 2.0 * A / n / pcie + 0.4  # DeepSpeedCPUAdam shares the host's cores
     else:
         opt = 16.0 * A / shard * 2.0 / (bw * 0.6) + 0.08
     if n > 1 and k.zero <= 1:
@@ -325,8 +387,15 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
         opt += 2.0 * A * (1 - 1 / n) / link * 0.8
     misc = 0.12 + 0.0015 * k.pdbs * k.ga + (0.05 if k.empty_cache else 0.0)
     train_s = k.ga * mb + opt
-    info.update(gen_s=gen_s, sync_s=sync_s, micro_batch_s=mb, optimizer_s=opt, misc_s=misc,
-                micro_batch_parts=parts, wake_s=(1.6 + 0.02 * k.util * cap) if k.sleep else 0.0)
+    info.update(
+        gen_s=gen_s,
+        sync_s=sync_s,
+        micro_batch_s=mb,
+        optimizer_s=opt,
+        misc_s=misc,
+        micro_batch_parts=parts,
+        wake_s=(1.6 + 0.02 * k.util * cap) if k.sleep else 0.0,
+    )
 
     run_factor = math.exp(rng.gauss(0.0, 0.03))
     times: list[float] = []
@@ -357,19 +426,31 @@ def _evaluate(sc: Scenario, rng: random.Random) -> TrialTruth:  # noqa: C901 - o
             break
         if gp_peak > cap * GIB and n_gens:
             kind = "cumem_oom" if k.sleep else "cuda_oom"
-            info["oom"] = oom_numbers(rng, cap, gp_peak, alloc=(k.util * cap * GIB - w_vllm) * 0.5
-                                      if k.sleep else seqs_engine * s_len * m.kv_bytes_per_token,
-                                      non_torch=ctx + (vllm_gen if k.sleep else 0.0),
-                                      unalloc=0.06 * dyn + creep)
+            info["oom"] = oom_numbers(
+                rng,
+                cap,
+                gp_peak,
+                alloc=(k.util * cap * GIB - w_vllm) * 0.5
+                if k.sleep
+                else seqs_engine * s_len * m.kv_bytes_per_token,
+                non_torch=ctx + (vllm_gen if k.sleep else 0.0),
+                unalloc=0.06 * dyn + creep,
+            )
             info["oom_where"] = "generation"
             failure, fail_after = Failure("cuda", step, kind), g_t * 0.1
             break
         if tp_peak > cap * GIB:
-            alloc = (b * C * m.vocab * 4.0) if (logits >= acts and not k.liger) else \
-                s_len * b * m.inter * 2.0 * 2
-            info["oom"] = oom_numbers(rng, cap, tp_peak, alloc=alloc,
-                                      non_torch=ctx + (vllm_train if k.sleep else vllm_outside),
-                                      unalloc=(frag - 1.0) * (acts + logits) + creep)
+            alloc = (
+                (b * C * m.vocab * 4.0) if (logits >= acts and not k.liger) else s_len * b * m.inter * 2.0 * 2
+            )
+            info["oom"] = oom_numbers(
+                rng,
+                cap,
+                tp_peak,
+                alloc=alloc,
+                non_torch=ctx + (vllm_train if k.sleep else vllm_outside),
+                unalloc=(frag - 1.0) * (acts + logits) + creep,
+            )
             info["oom_where"] = "logits" if (logits >= acts and not k.liger) else "layer"
             failure, fail_after = Failure("cuda", step, "cuda_oom"), g_t + min(t_t, mb * 1.2)
             break

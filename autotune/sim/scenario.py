@@ -22,19 +22,19 @@ class SpecError(ValueError):
 @dataclass(frozen=True)
 class Model:
     hidden: int
-    inter: int              # dense MLP width, or active experts' total width for MoE
+    inter: int  # dense MLP width, or active experts' total width for MoE
     layers: int
     heads: int
     kv_heads: int
     head_dim: int
     vocab: int
     tied: bool
-    params: float           # total parameters, vision tower included
-    layer_linear: float     # parameters of one decoder layer's matmuls
-    embed: float            # vocab x hidden
-    n_tensors: int          # weight tensors (for per-tensor sync costs)
-    n_modules: int          # modules with ZeRO-3 hooks
-    lora_targets: float     # sum over one layer's linears of (in + out), for LoRA sizing
+    params: float  # total parameters, vision tower included
+    layer_linear: float  # parameters of one decoder layer's matmuls
+    embed: float  # vocab x hidden
+    n_tensors: int  # weight tensors (for per-tensor sync costs)
+    n_modules: int  # modules with ZeRO-3 hooks
+    lora_targets: float  # sum over one layer's linears of (in + out), for LoRA sizing
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -63,8 +63,10 @@ def _parse_model(cfg: dict) -> Model:
         heads = int(text["num_attention_heads"])
         vocab = int(text["vocab_size"])
     except (KeyError, TypeError, ValueError) as e:
-        raise SpecError(f"model_config lacks a usable {e} (need hidden_size, num_hidden_layers, "
-                        "num_attention_heads, vocab_size)") from None
+        raise SpecError(
+            f"model_config lacks a usable {e} (need hidden_size, num_hidden_layers, "
+            "num_attention_heads, vocab_size)"
+        ) from None
     if min(h, layers, heads, vocab) <= 0:
         raise SpecError("model_config has non-positive sizes")
     kvh = int(_i(text, "num_key_value_heads", heads))
@@ -99,9 +101,19 @@ def _parse_model(cfg: dict) -> Model:
         params += depth * (4 * vh * vh + 3 * vh * vi) + (4 * vh) ** 2 + 4 * vh * out
 
     return Model(
-        hidden=h, inter=inter_active, layers=layers, heads=heads, kv_heads=kvh, head_dim=hd,
-        vocab=vocab, tied=tied, params=float(params), layer_linear=float(attn + mlp_active),
-        embed=embed, n_tensors=layers * (12 if qkv_bias else 9) + 3, n_modules=layers * 9 + 3,
+        hidden=h,
+        inter=inter_active,
+        layers=layers,
+        heads=heads,
+        kv_heads=kvh,
+        head_dim=hd,
+        vocab=vocab,
+        tied=tied,
+        params=float(params),
+        layer_linear=float(attn + mlp_active),
+        embed=embed,
+        n_tensors=layers * (12 if qkv_bias else 9) + 3,
+        n_modules=layers * 9 + 3,
         lora_targets=float((h + qd) + 2 * (h + kvd) + (qd + h) + 3 * (h + inter_active)),
     )
 
@@ -123,16 +135,16 @@ class Knobs:
     vllm_dp: int
     liger: bool
     empty_cache: bool
-    spg: int                # steps_per_generation, in micro-steps
+    spg: int  # steps_per_generation, in micro-steps
 
 
 @dataclass(frozen=True)
 class Gpu:
     name: str
-    mem: float              # GiB
+    mem: float  # GiB
     tflops: float
-    bw: float               # TB/s
-    link: float             # GB/s GPU-GPU
+    bw: float  # TB/s
+    link: float  # GB/s GPU-GPU
 
 
 def _as_bool(v: Any, name: str) -> bool:
@@ -189,15 +201,21 @@ def _parse_knobs(p: dict) -> Knobs:
     spg = ga if spg_raw is None else _as_int(spg_raw, "steps_per_generation")
     tce = p.get("torch_empty_cache_steps")
     return Knobs(
-        pdbs=pdbs, ga=ga, num_gen=num_gen, zero=zero,
+        pdbs=pdbs,
+        ga=ga,
+        num_gen=num_gen,
+        zero=zero,
         # DeepSpeed only offloads from ZeRO >= 1 (optimizer) and ZeRO 3 (params); below that the
         # extra offload keys are ignored, which is what this models.
         offload_opt=offload != "none" and zero >= 1,
         offload_params=offload == "optimizer+params" and zero == 3,
         gc=_as_bool(_i(p, "gradient_checkpointing", True), "gradient_checkpointing"),
-        use_vllm=use_vllm, server=server, util=util,
-        sleep=use_vllm and not server and _as_bool(_i(p, "vllm_enable_sleep_mode", False),
-                                                   "vllm_enable_sleep_mode"),
+        use_vllm=use_vllm,
+        server=server,
+        util=util,
+        sleep=use_vllm
+        and not server
+        and _as_bool(_i(p, "vllm_enable_sleep_mode", False), "vllm_enable_sleep_mode"),
         tp=_as_int(_i(p, "vllm_tensor_parallel_size", 1), "vllm_tensor_parallel_size"),
         vllm_dp=_as_int(_i(p, "vllm_data_parallel_size", 1), "vllm_data_parallel_size"),
         liger=_as_bool(_i(p, "use_liger_kernel", False), "use_liger_kernel"),
@@ -216,9 +234,13 @@ def _parse_gpu(g: Any) -> Gpu:
     if mem <= 0.5:
         raise SpecError(f"gpu.memory_gib must be positive, got {mem}")
     try:
-        return Gpu(name=str(g.get("name", "GPU")), mem=mem,
-                    tflops=float(_i(g, "tflops_bf16", 312.0)), bw=float(_i(g, "bandwidth_tbs", 2.0)),
-                    link=float(_i(g, "interconnect_gbs", 300.0)))
+        return Gpu(
+            name=str(g.get("name", "GPU")),
+            mem=mem,
+            tflops=float(_i(g, "tflops_bf16", 312.0)),
+            bw=float(_i(g, "bandwidth_tbs", 2.0)),
+            link=float(_i(g, "interconnect_gbs", 300.0)),
+        )
     except (TypeError, ValueError):
         raise SpecError("gpu fields must be numbers") from None
 
@@ -264,10 +286,18 @@ def parse_spec(spec: dict) -> Scenario:
     except (TypeError, ValueError):
         raise SpecError("recipe.beta, recipe.host_memory_gib and seed must be numbers") from None
     return Scenario(
-        m=m, k=k, gpu=gpu, gpus=gpus, prompt=prompt, completion=completion, beta=beta,
-        lora_rank=lora_rank, host_gib=host,
+        m=m,
+        k=k,
+        gpu=gpu,
+        gpus=gpus,
+        prompt=prompt,
+        completion=completion,
+        beta=beta,
+        lora_rank=lora_rank,
+        host_gib=host,
         max_model_len=int(mml) if mml else prompt + completion,
-        max_steps=_as_int(_i(spec, "max_steps", 20), "max_steps"), seed=seed,
+        max_steps=_as_int(_i(spec, "max_steps", 20), "max_steps"),
+        seed=seed,
     )
 
 

@@ -36,9 +36,9 @@ from typing import Any, TextIO
 
 from autotune.sim.error_text import ds_ts, failure_text, vllm_ts
 from autotune.sim.gpu_trace import GpuTrace
-from autotune.sim.landscape import SpecError, TrialTruth, Scenario, evaluate, parse_spec
+from autotune.sim.landscape import Scenario, SpecError, TrialTruth, evaluate, parse_spec
 
-DATASET_ROWS = 7473          # prompts in the (simulated) training set, for the `epoch` field
+DATASET_ROWS = 7473  # prompts in the (simulated) training set, for the `epoch` field
 
 
 class BadSpec(Exception):
@@ -75,8 +75,9 @@ class SimTrainer:
         self.time_scale = float(self.spec.get("time_scale", 0.002) or 0.0)
         mf = self.spec.get("metrics_file", True)
         self.metrics_path = os.environ.get("AUTOTUNE_METRICS_FILE") if mf is not False else None
-        self.model_name = str(self.spec.get("model") or self.spec["model_config"].get("_name_or_path")
-                              or "model")
+        self.model_name = str(
+            self.spec.get("model") or self.spec["model_config"].get("_name_or_path") or "model"
+        )
         self.log_style = str(self.spec.get("log_style", "float"))
         # log values (loss, rewards) only need to look plausible; keep them reproducible per seed
         self.rng = random.Random(f"{self.sc.seed}-logs")
@@ -106,8 +107,10 @@ class SimTrainer:
         ph_import = phases.get("import", t.startup_s)
         self.wait(min(ph_import, t.startup_s))
         # every zero_stage, 0 included, runs under DeepSpeed in this simulation
-        self.say(f"[{ds_ts()}] [INFO] [real_accelerator.py:260:get_accelerator] Setting ds_accelerator "
-                 "to cuda (auto detect)")
+        self.say(
+            f"[{ds_ts()}] [INFO] [real_accelerator.py:260:get_accelerator] Setting ds_accelerator "
+            "to cuda (auto detect)"
+        )
         if k.use_vllm:
             self.say(f"INFO {vllm_ts()} [__init__.py:241] Automatically detected platform cuda.")
         if f is not None and f.kind == "invalid":
@@ -117,39 +120,55 @@ class SimTrainer:
         load = phases.get("load", 0.0)
         self.wait(load)
         n_shards = max(1, round(info.get("params_b", 1.0) * 2 / 4.5))
-        self.warn(f"Loading checkpoint shards: 100%|██████████| {n_shards}/{n_shards} "
-                  f"[00:{min(int(load * 0.6), 59):02d}<00:00, {load * 0.6 / n_shards:.2f}s/it]")
+        self.warn(
+            f"Loading checkpoint shards: 100%|██████████| {n_shards}/{n_shards} "
+            f"[00:{min(int(load * 0.6), 59):02d}<00:00, {load * 0.6 / n_shards:.2f}s/it]"
+        )
 
         ds = phases.get("deepspeed", 0.0)
         stage_failed = f is not None and f.at_step == 0 and f.kind in ("cuda", "host")
-        self.say(f"[{ds_ts()}] [INFO] [logging.py:107:log_dist] [Rank 0] DeepSpeed info: "
-                 "version=0.17.5, git-hash=unknown, git-branch=unknown")
+        self.say(
+            f"[{ds_ts()}] [INFO] [logging.py:107:log_dist] [Rank 0] DeepSpeed info: "
+            "version=0.17.5, git-hash=unknown, git-branch=unknown"
+        )
         if k.zero == 3:
-            self.say(f"[{ds_ts()}] [INFO] [logging.py:107:log_dist] [Rank 0] Creating ZeRO stage 3 "
-                     "optimizer, MiCS is enabled False, Hierarchical params gather False")
+            self.say(
+                f"[{ds_ts()}] [INFO] [logging.py:107:log_dist] [Rank 0] Creating ZeRO stage 3 "
+                "optimizer, MiCS is enabled False, Hierarchical params gather False"
+            )
         elif k.zero in (1, 2):
-            self.say(f"[{ds_ts()}] [INFO] [stage_1_and_2.py:151:__init__] Reduce bucket size "
-                     f"{int(self.sc.m.hidden ** 2)}")
-            self.say(f"[{ds_ts()}] [INFO] [logging.py:107:log_dist] [Rank 0] Creating torch.bfloat16 "
-                     f"ZeRO stage {k.zero} optimizer")
+            self.say(
+                f"[{ds_ts()}] [INFO] [stage_1_and_2.py:151:__init__] Reduce bucket size "
+                f"{int(self.sc.m.hidden**2)}"
+            )
+            self.say(
+                f"[{ds_ts()}] [INFO] [logging.py:107:log_dist] [Rank 0] Creating torch.bfloat16 "
+                f"ZeRO stage {k.zero} optimizer"
+            )
         else:
             self.say(f"[{ds_ts()}] [INFO] [logging.py:107:log_dist] [Rank 0] Creating BF16 optimizer")
-        self.say(f"[{ds_ts()}] [INFO] [stage_1_and_2.py:154:__init__] CPU Offload: {k.offload_opt}"
-                 if k.zero in (1, 2) else
-                 f"[{ds_ts()}] [INFO] [config.py:1000:print] zero_optimization.offload_optimizer  "
-                 f"device={'cpu' if k.offload_opt else 'none'} offload_param "
-                 f"device={'cpu' if k.offload_params else 'none'}")
+        self.say(
+            f"[{ds_ts()}] [INFO] [stage_1_and_2.py:154:__init__] CPU Offload: {k.offload_opt}"
+            if k.zero in (1, 2)
+            else f"[{ds_ts()}] [INFO] [config.py:1000:print] zero_optimization.offload_optimizer  "
+            f"device={'cpu' if k.offload_opt else 'none'} offload_param "
+            f"device={'cpu' if k.offload_params else 'none'}"
+        )
         self.wait(ds * (0.6 if stage_failed else 1.0))
         if stage_failed:
             return
         states = info.get("states_gib", 0.0)
         self.say(f"[{ds_ts()}] [INFO] [utils.py:781:see_memory_usage] After initializing ZeRO optimizer")
-        self.say(f"[{ds_ts()}] [INFO] [utils.py:782:see_memory_usage] MA {states * 1.0737:.2f} GB         "
-                 f"Max_MA {states * 1.0737 * 1.04:.2f} GB         CA {states * 1.0737 * 1.01:.2f} GB         "
-                 f"Max_CA {states * 1.0737 * 1.05:.0f} GB ")
+        self.say(
+            f"[{ds_ts()}] [INFO] [utils.py:782:see_memory_usage] MA {states * 1.0737:.2f} GB         "
+            f"Max_MA {states * 1.0737 * 1.04:.2f} GB         CA {states * 1.0737 * 1.01:.2f} GB         "
+            f"Max_CA {states * 1.0737 * 1.05:.0f} GB "
+        )
         host_used = info.get("host_init_gib", 20.0)
-        self.say(f"[{ds_ts()}] [INFO] [utils.py:789:see_memory_usage] CPU Virtual Memory:  used = "
-                 f"{host_used * 1.0737:.2f} GB, percent = {100 * host_used / max(self.sc.host_gib, 1):.1f}%")
+        self.say(
+            f"[{ds_ts()}] [INFO] [utils.py:789:see_memory_usage] CPU Virtual Memory:  used = "
+            f"{host_used * 1.0737:.2f} GB, percent = {100 * host_used / max(self.sc.host_gib, 1):.1f}%"
+        )
         if k.use_vllm:
             self._vllm_startup()
 
@@ -158,21 +177,30 @@ class SimTrainer:
         f = t.failure
         vphase = (info.get("phases") or {}).get("vllm", 0.0)
         mml = info.get("max_model_len", self.sc.prompt + self.sc.completion)
-        self.say(f"INFO {vllm_ts()} [core.py:654] Initializing a V1 LLM engine (v0.10.2) with config: "
-                 f"model='{self.model_name}', speculative_config=None, tokenizer='{self.model_name}', "
-                 f"skip_tokenizer_init=False, tokenizer_mode=auto, revision=None, trust_remote_code=False, "
-                 f"dtype=torch.bfloat16, max_seq_len={mml}, download_dir=None, load_format=auto, "
-                 f"tensor_parallel_size={k.tp}, pipeline_parallel_size=1, data_parallel_size=1, "
-                 f"disable_custom_all_reduce=False, quantization=None, enforce_eager=False, "
-                 f"kv_cache_dtype=auto, device_config=cuda, seed=0, served_model_name={self.model_name}, "
-                 f"enable_prefix_caching=True, chunked_prefill_enabled=True")
+        self.say(
+            f"INFO {vllm_ts()} [core.py:654] Initializing a V1 LLM engine (v0.10.2) with config: "
+            f"model='{self.model_name}', speculative_config=None, tokenizer='{self.model_name}', "
+            f"skip_tokenizer_init=False, tokenizer_mode=auto, revision=None, trust_remote_code=False, "
+            f"dtype=torch.bfloat16, max_seq_len={mml}, download_dir=None, load_format=auto, "
+            f"tensor_parallel_size={k.tp}, pipeline_parallel_size=1, data_parallel_size=1, "
+            f"disable_custom_all_reduce=False, quantization=None, enforce_eager=False, "
+            f"kv_cache_dtype=auto, device_config=cuda, seed=0, served_model_name={self.model_name}, "
+            f"enable_prefix_caching=True, chunked_prefill_enabled=True"
+        )
         if f is not None and f.kind == "vllm_startup":
-            self.wait(max(t.startup_s - sum((info.get("phases") or {}).get(p, 0.0)
-                                            for p in ("import", "load", "deepspeed")), 0.0))
+            self.wait(
+                max(
+                    t.startup_s
+                    - sum((info.get("phases") or {}).get(p, 0.0) for p in ("import", "load", "deepspeed")),
+                    0.0,
+                )
+            )
             return
         self.wait(vphase * 0.3)
-        self.say(f"INFO {vllm_ts()} [gpu_model_runner.py:1953] Model loading took "
-                 f"{info.get('vllm_weights_gib', 0.0):.4f} GiB and {vphase * 0.2:.6f} seconds")
+        self.say(
+            f"INFO {vllm_ts()} [gpu_model_runner.py:1953] Model loading took "
+            f"{info.get('vllm_weights_gib', 0.0):.4f} GiB and {vphase * 0.2:.6f} seconds"
+        )
         self.wait(vphase * 0.2)
         kv = info.get("kv_avail_gib", 0.0)
         self.say(f"INFO {vllm_ts()} [gpu_worker.py:276] Available KV cache memory: {kv:.2f} GiB")
@@ -180,19 +208,29 @@ class SimTrainer:
             return
         tokens = int(info.get("kv_tokens", 0))
         self.say(f"INFO {vllm_ts()} [kv_cache_utils.py:849] GPU KV cache size: {tokens:,} tokens")
-        self.say(f"INFO {vllm_ts()} [kv_cache_utils.py:853] Maximum concurrency for {mml:,} tokens per "
-                 f"request: {info.get('max_concurrency', 0.0):.2f}x")
-        self.say(f"INFO {vllm_ts()} [executor_base.py:113] # cuda blocks: {int(info.get('gpu_blocks', 0))}, "
-                 "# CPU blocks: 0")
+        self.say(
+            f"INFO {vllm_ts()} [kv_cache_utils.py:853] Maximum concurrency for {mml:,} tokens per "
+            f"request: {info.get('max_concurrency', 0.0):.2f}x"
+        )
+        self.say(
+            f"INFO {vllm_ts()} [executor_base.py:113] # cuda blocks: {int(info.get('gpu_blocks', 0))}, "
+            "# CPU blocks: 0"
+        )
         self.wait(vphase * 0.5)
-        self.say(f"INFO {vllm_ts()} [gpu_model_runner.py:2708] Graph capturing finished in "
-                 f"{int(vphase * 0.4)} secs, took {info.get('graphs_gib', 0.4):.2f} GiB")
-        self.say(f"INFO {vllm_ts()} [core.py:214] init engine (profile, create kv cache, warmup model) "
-                 f"took {vphase * 0.7:.2f} seconds")
+        self.say(
+            f"INFO {vllm_ts()} [gpu_model_runner.py:2708] Graph capturing finished in "
+            f"{int(vphase * 0.4)} secs, took {info.get('graphs_gib', 0.4):.2f} GiB"
+        )
+        self.say(
+            f"INFO {vllm_ts()} [core.py:214] init engine (profile, create kv cache, warmup model) "
+            f"took {vphase * 0.7:.2f} seconds"
+        )
         if k.sleep:
             freed = info.get("vllm_budget_gib", 0.0) - info.get("graphs_gib", 0.4) - 0.3
-            self.say(f"INFO {vllm_ts()} [gpu_worker.py:104] Sleep mode freed {freed:.2f} GiB memory, "
-                     f"{t.startup_peak_gib - freed:.2f} GiB memory is still in use.")
+            self.say(
+                f"INFO {vllm_ts()} [gpu_worker.py:104] Sleep mode freed {freed:.2f} GiB memory, "
+                f"{t.startup_peak_gib - freed:.2f} GiB memory is still in use."
+            )
         self.wait(2.0)
 
     # -- steps -------------------------------------------------------------------------------
@@ -250,7 +288,11 @@ class SimTrainer:
         f = t.failure
         # a config TRL rejects dies before it touches a GPU: nothing to sample
         invalid = f is not None and f.kind == "invalid"
-        trace = GpuTrace(self.gpu_dir, t, self.sc, self.spec) if self.gpu_dir is not None and not invalid else None
+        trace = (
+            GpuTrace(self.gpu_dir, t, self.sc, self.spec)
+            if self.gpu_dir is not None and not invalid
+            else None
+        )
         if trace is not None:
             trace.startup()
         if f is not None and f.at_step == 0:
@@ -260,8 +302,9 @@ class SimTrainer:
         peak_so_far = t.startup_peak_gib
         tokens_so_far = 0
         losses: list[float] = []
-        for i, (st, gen, train, peak) in enumerate(zip(t.step_times, t.generation_times,
-                                                         t.training_times, t.peak_memory_gib), start=1):
+        for i, (st, gen, train, peak) in enumerate(
+            zip(t.step_times, t.generation_times, t.training_times, t.peak_memory_gib), start=1
+        ):
             self.wait(st)
             peak_so_far = max(peak_so_far, peak)
             if trace is not None:
@@ -270,9 +313,17 @@ class SimTrainer:
             loss = self.rng.gauss(0.0, 0.015)
             losses.append(round(loss, 4))
             self.show(self.log_dict(i, st, loss, tokens_so_far))
-            self.write_metrics({"step": i, "step_time": round(st, 4), "samples": t.samples_per_step,
-                                "tokens": t.tokens_per_step, "peak_memory_gib": round(peak_so_far, 3),
-                                "generation_time": round(gen, 4), "training_time": round(train, 4)})
+            self.write_metrics(
+                {
+                    "step": i,
+                    "step_time": round(st, 4),
+                    "samples": t.samples_per_step,
+                    "tokens": t.tokens_per_step,
+                    "peak_memory_gib": round(peak_so_far, 3),
+                    "generation_time": round(gen, 4),
+                    "training_time": round(train, 4),
+                }
+            )
         if f is not None:
             self.wait(t.fail_after_s)
             if trace is not None:
@@ -285,13 +336,17 @@ class SimTrainer:
         runtime = sum(t.step_times)
         steps = len(t.step_times)
         prompts_per_step = t.samples_per_step / max(self.sc.k.num_gen, 1)
-        self.show({
-            "train_runtime": round(runtime, 4),
-            "train_samples_per_second": round(steps * t.samples_per_step / runtime, 3) if runtime else 0.0,
-            "train_steps_per_second": round(steps / runtime, 3) if runtime else 0.0,
-            "train_loss": sum(losses) / len(losses) if losses else 0.0,
-            "epoch": round(steps * prompts_per_step / DATASET_ROWS, 4),
-        })
+        self.show(
+            {
+                "train_runtime": round(runtime, 4),
+                "train_samples_per_second": round(steps * t.samples_per_step / runtime, 3)
+                if runtime
+                else 0.0,
+                "train_steps_per_second": round(steps / runtime, 3) if runtime else 0.0,
+                "train_loss": sum(losses) / len(losses) if losses else 0.0,
+                "epoch": round(steps * prompts_per_step / DATASET_ROWS, 4),
+            }
+        )
         return 0
 
     # -- failures ----------------------------------------------------------------------------
@@ -304,7 +359,7 @@ class SimTrainer:
             self.out.flush()
             self.err.flush()
             os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(5)          # not reached
+            time.sleep(5)  # not reached
             return 137
         self.warn(failure_text(self.spec, self.sc, self.truth))
         return 1

@@ -37,15 +37,15 @@ class TrialTruth:
     step_times: list[float]
     generation_times: list[float]
     training_times: list[float]
-    peak_memory_gib: list[float]          # per step, max over the trial's GPUs (not cumulative)
-    startup_peak_gib: float               # after model states and vLLM are up, before step 1
+    peak_memory_gib: list[float]  # per step, max over the trial's GPUs (not cumulative)
+    startup_peak_gib: float  # after model states and vLLM are up, before step 1
     failure: Failure | None
-    samples_per_step: int                 # completions trained per optimizer step
-    tokens_per_step: int                  # prompt + completion tokens per optimizer step
+    samples_per_step: int  # completions trained per optimizer step
+    tokens_per_step: int  # prompt + completion tokens per optimizer step
     capacity_gib: float
     max_steps: int
-    fail_after_s: float = 0.0             # simulated seconds into the failing phase (start-up or step)
-    info: dict[str, Any] = field(default_factory=dict)   # numbers for log lines and error texts
+    fail_after_s: float = 0.0  # simulated seconds into the failing phase (start-up or step)
+    info: dict[str, Any] = field(default_factory=dict)  # numbers for log lines and error texts
 
     @property
     def ok(self) -> bool:
@@ -69,8 +69,9 @@ class TrialTruth:
         return self.samples_per_step / t if t else None
 
 
-def oom_numbers(rng: random.Random, cap_gib: float, demand: float, alloc: float, non_torch: float,
-                unalloc: float) -> dict[str, float]:
+def oom_numbers(
+    rng: random.Random, cap_gib: float, demand: float, alloc: float, non_torch: float, unalloc: float
+) -> dict[str, float]:
     """Numbers for PyTorch's OOM message that agree with each other and with the demand:
     what was in use before the failing allocation, and a free amount smaller than it."""
     cap = cap_gib * GIB
@@ -80,6 +81,12 @@ def oom_numbers(rng: random.Random, cap_gib: float, demand: float, alloc: float,
     alloc = max(alloc, free + 0.01 * GIB)
     reserved = max(used - non_torch, 0.0)
     unalloc = min(max(unalloc, 0.02 * GIB), reserved * 0.3)
-    return {"tried_gib": alloc / GIB, "capacity_gib": cap_gib, "free_gib": free / GIB,
-            "in_use_gib": used / GIB, "allocated_gib": (reserved - unalloc) / GIB,
-            "unallocated_gib": unalloc / GIB, "gpu": 0}
+    return {
+        "tried_gib": alloc / GIB,
+        "capacity_gib": cap_gib,
+        "free_gib": free / GIB,
+        "in_use_gib": used / GIB,
+        "allocated_gib": (reserved - unalloc) / GIB,
+        "unallocated_gib": unalloc / GIB,
+        "gpu": 0,
+    }

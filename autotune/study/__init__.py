@@ -9,11 +9,34 @@ from autotune.study.paths import StudyPaths, prepare_root
 from autotune.study.ranking import choose_best, confirmations, eligible, rank, save_confirmation
 from autotune.study.record import TrialRow, candidate_key, launched_rows, measured_configs, record, rows
 from autotune.study.recovery import recover_interrupted
-from autotune.study.storage import (check_database, check_storage, held_trials, load_existing, open_study,
-                                    plain_failures)
+from autotune.study.storage import (
+    check_database,
+    check_storage,
+    held_trials,
+    load_existing,
+    open_study,
+    plain_failures,
+)
 
 __all__ = [
-    "StudyPaths", "TrialRow", "candidate_key", "check_database", "check_storage", "choose_best", "confirmations", "eligible",
-    "held_trials", "launched_rows", "load_existing", "measured_configs", "open_study", "plain_failures",
-    "prepare_root", "rank", "record", "recover_interrupted", "rows", "save_confirmation",
+    "StudyPaths",
+    "TrialRow",
+    "candidate_key",
+    "check_database",
+    "check_storage",
+    "choose_best",
+    "confirmations",
+    "eligible",
+    "held_trials",
+    "launched_rows",
+    "load_existing",
+    "measured_configs",
+    "open_study",
+    "plain_failures",
+    "prepare_root",
+    "rank",
+    "record",
+    "recover_interrupted",
+    "rows",
+    "save_confirmation",
 ]

@@ -46,9 +46,11 @@ def answered(study: optuna.Study) -> dict[str, tuple[int, dict[str, Any]]]:
 
 def pending_keys(study: optuna.Study, *, exclude: int | None = None) -> dict[str, int]:
     """Keys of the configurations RUNNING trials were claimed for, to their trial numbers."""
-    return {t.user_attrs[PENDING_KEY]: t.number
-            for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
-            if t.user_attrs.get(PENDING_KEY) and t.number != exclude}
+    return {
+        t.user_attrs[PENDING_KEY]: t.number
+        for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+        if t.user_attrs.get(PENDING_KEY) and t.number != exclude
+    }
 
 
 def launches(study: optuna.Study) -> int:
@@ -66,7 +68,7 @@ def claim(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any], key:
     """Claim ``trial`` for launching ``params``, unless the study's launches reached ``limit`` or the
     same configuration is running elsewhere or was measured since the caller looked. Held under the
     study's claim lock, across machines."""
-    with StudyLock(study._storage, study.study_name, "claim"):   # noqa: SLF001
+    with StudyLock(study._storage, study.study_name, "claim"):  # noqa: SLF001
         done = answered(study).get(key)
         if done is not None:
             return Claim(False, "measured", done[0])

@@ -22,7 +22,8 @@ import copy
 import importlib
 import socket
 import sys
-from typing import Any, Container
+from collections.abc import Container
+from typing import Any
 
 from optuna.storages import RDBStorage
 from optuna.trial import FrozenTrial, TrialState
@@ -34,26 +35,30 @@ from autotune.study.ranking import choose_best, eligible
 from autotune.study.record import row_of
 
 EXTRA = "pip install 'autotune[dashboard]'"
-VERDICT = "verdict"   # the user attribute the dashboard shows with autotune's decision on a trial
+VERDICT = "verdict"  # the user attribute the dashboard shows with autotune's decision on a trial
 
 
 def require_dashboard() -> None:
     """Fail with one line naming the extra when optuna-dashboard cannot be imported."""
     try:
-        importlib.import_module("optuna_dashboard")   # a broken install fails here too, not only a missing one
+        importlib.import_module("optuna_dashboard")  # a broken install fails here too, not only a missing one
     except ImportError as exc:
         raise UsageError(f"optuna-dashboard is not installed ({exc.msg or exc}): {EXTRA}") from None
 
 
-def decisions(trials: list[FrozenTrial], study_attrs: dict[str, Any],
-              recipe: Recipe) -> tuple[int | None, dict[int, str]]:
+def decisions(
+    trials: list[FrozenTrial], study_attrs: dict[str, Any], recipe: Recipe
+) -> tuple[int | None, dict[int, str]]:
     """The exported trial's number (None when nothing is exportable) and a verdict per trial number.
 
     The same decisions as the export and ``autotune show``: ranking, the headroom rule and the
     confirmation runs, read from the storage as they are now."""
     rows = [row_of(t) for t in trials if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)]
-    confirmed = {int(k.split(":", 1)[1]): v for k, v in study_attrs.items()
-                 if k.startswith("confirm:") and k.split(":", 1)[1].isdigit() and isinstance(v, dict)}
+    confirmed = {
+        int(k.split(":", 1)[1]): v
+        for k, v in study_attrs.items()
+        if k.startswith("confirm:") and k.split(":", 1)[1].isdigit() and isinstance(v, dict)
+    }
     best, _ = choose_best(rows, recipe, confirmed)
     passed: dict[int, str] = {}
     eligible(rows, recipe, confirmed, passed_over=passed)
@@ -87,7 +92,9 @@ class ExportedBestStorage(RDBStorage):
                 return False
         return study_id == self._study_id
 
-    def _decisions(self, study_id: int, trials: list[FrozenTrial] | None = None) -> tuple[int | None, dict[int, str]]:
+    def _decisions(
+        self, study_id: int, trials: list[FrozenTrial] | None = None
+    ) -> tuple[int | None, dict[int, str]]:
         trials = trials if trials is not None else super().get_all_trials(study_id, deepcopy=False)
         return decisions(trials, self.get_study_user_attrs(study_id), self.recipe)
 
@@ -102,14 +109,20 @@ class ExportedBestStorage(RDBStorage):
             best = copy.copy(self.get_trial(self.get_trial_id_from_study_id_trial_number(study_id, number)))
             best.user_attrs = {**best.user_attrs, VERDICT: "exported"}
             return best
-        feasible = [t for t in trials if t.state == TrialState.COMPLETE and t.value is not None
-                    and all(c <= 0.0 for c in t.constraints.values())]
+        feasible = [
+            t
+            for t in trials
+            if t.state == TrialState.COMPLETE
+            and t.value is not None
+            and all(c <= 0.0 for c in t.constraints.values())
+        ]
         if feasible:
             return max(feasible, key=lambda t: t.value)
         return super().get_best_trial(study_id)
 
-    def get_all_trials(self, study_id: int, deepcopy: bool = True,
-                       states: Container[TrialState] | None = None) -> list[FrozenTrial]:
+    def get_all_trials(
+        self, study_id: int, deepcopy: bool = True, states: Container[TrialState] | None = None
+    ) -> list[FrozenTrial]:
         """The trials, each of this study with its ``verdict`` user attribute (empty when none)."""
         trials = super().get_all_trials(study_id, deepcopy=deepcopy, states=states)
         if not self._ours(study_id):
@@ -132,8 +145,11 @@ def serve(paths: StudyPaths, recipe: Recipe, *, host: str = "127.0.0.1", port: i
     _check_address(host, port)
     storage, study_id = _open(paths, recipe)
     shown = f"[{host}]" if ":" in host else host
-    print(f"optuna-dashboard for study '{paths.name}': http://{shown}:{port}/dashboard/studies/{study_id} "
-          "(best trial = the exported one; Ctrl-C stops it)", flush=True)
+    print(
+        f"optuna-dashboard for study '{paths.name}': http://{shown}:{port}/dashboard/studies/{study_id} "
+        "(best trial = the exported one; Ctrl-C stops it)",
+        flush=True,
+    )
     try:
         run_server(storage, host=host, port=port)
     except OSError as exc:
@@ -149,17 +165,21 @@ def _open(paths: StudyPaths, recipe: Recipe) -> tuple[ExportedBestStorage, int]:
     from autotune.study.storage import driver_url, redact
 
     url = paths.storage_url(recipe)
-    real = driver_url(url)        # a missing driver: its own one-line UsageError
+    real = driver_url(url)  # a missing driver: its own one-line UsageError
     try:
         storage = ExportedBestStorage(real, paths.name, recipe)
         return storage, storage.get_study_id_from_name(paths.name)
     except KeyError:
-        raise UsageError(f"the storage {redact(url)} has no study '{paths.name}': "
-                         "check --storage, or run autotune search first") from None
-    except Exception as exc:      # sqlalchemy and optuna errors: bad URL, server down, permissions, no driver
+        raise UsageError(
+            f"the storage {redact(url)} has no study '{paths.name}': "
+            "check --storage, or run autotune search first"
+        ) from None
+    except Exception as exc:  # sqlalchemy and optuna errors: bad URL, server down, permissions, no driver
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
-        raise UsageError(f"cannot open the study storage {redact(url)} ({exc.__class__.__name__}: {first}): "
-                         "check the host, port, user and database, and that the server runs") from None
+        raise UsageError(
+            f"cannot open the study storage {redact(url)} ({exc.__class__.__name__}: {first}): "
+            "check the host, port, user and database, and that the server runs"
+        ) from None
 
 
 def _check_address(host: str, port: int) -> None:
@@ -168,11 +188,13 @@ def _check_address(host: str, port: int) -> None:
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         with socket.socket(family, socket.SOCK_STREAM) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # as the server itself does
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server itself does
             probe.bind((host, port))
     except OSError as exc:
         raise _address_error(host, port, exc) from None
 
 
 def _address_error(host: str, port: int, exc: OSError) -> UsageError:
-    return UsageError(f"cannot serve on {host}:{port} ({exc.strerror or exc}): choose another --port or --host")
+    return UsageError(
+        f"cannot serve on {host}:{port} ({exc.strerror or exc}): choose another --port or --host"
+    )

@@ -30,9 +30,9 @@ from autotune.errors import UsageError
 
 log = logging.getLogger(__name__)
 
-STALE_S = 60.0        # a lock not refreshed for this long belongs to a dead controller
-REFRESH_S = 5.0       # how often a holder says it is alive
-WAIT_S = 300.0        # how long a lock may sit unchanged (never refreshed, never broken) before giving up
+STALE_S = 60.0  # a lock not refreshed for this long belongs to a dead controller
+REFRESH_S = 5.0  # how often a holder says it is alive
+WAIT_S = 300.0  # how long a lock may sit unchanged (never refreshed, never broken) before giving up
 
 # lock studies seen without their "at" (a holder killed between creating and stamping them), by
 # (name, id): when this process first saw each, so such a lock too goes stale after ``stale_s``
@@ -47,8 +47,16 @@ def holder_name() -> str:
 class StudyLock:
     """``with StudyLock(storage, study, "finish"):`` -- one controller at a time, across machines."""
 
-    def __init__(self, storage: optuna.storages.BaseStorage, study_name: str, what: str, *,
-                 stale_s: float = STALE_S, poll_s: float = 0.2, wait_s: float = WAIT_S) -> None:
+    def __init__(
+        self,
+        storage: optuna.storages.BaseStorage,
+        study_name: str,
+        what: str,
+        *,
+        stale_s: float = STALE_S,
+        poll_s: float = 0.2,
+        wait_s: float = WAIT_S,
+    ) -> None:
         self.storage, self.name = storage, f"{study_name}:lock:{what}"
         self.stale_s, self.poll_s, self.wait_s = stale_s, poll_s, wait_s
         self.lock_id: int | None = None
@@ -89,13 +97,15 @@ class StudyLock:
         since = time.monotonic()
         while not self.try_acquire():
             now_seen = self._peek()
-            if now_seen != seen:               # taken again, or refreshed: its holder is alive
+            if now_seen != seen:  # taken again, or refreshed: its holder is alive
                 seen, since = now_seen, time.monotonic()
             elif time.monotonic() - since >= limit:
                 holder = (now_seen or {}).get("holder") or "an unknown controller"
-                raise UsageError(f"the study lock '{self.name}' held by {holder} has not changed for "
-                                 f"{limit:.0f} s and could not be broken: if that controller is gone, "
-                                 f"delete the study '{self.name}' from the storage (optuna delete-study)")
+                raise UsageError(
+                    f"the study lock '{self.name}' held by {holder} has not changed for "
+                    f"{limit:.0f} s and could not be broken: if that controller is gone, "
+                    f"delete the study '{self.name}' from the storage (optuna delete-study)"
+                )
             time.sleep(self.poll_s)
         return True
 
@@ -111,12 +121,13 @@ class StudyLock:
             log.warning("lock %s was broken by another controller while held", self.name)
         self.lock_id, self.token = None, ""
 
-    def __enter__(self) -> "StudyLock":
+    def __enter__(self) -> StudyLock:
         self.acquire()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         self.release()
 
     def _touch(self) -> None:
@@ -128,8 +139,10 @@ class StudyLock:
     def _mine(self) -> bool:
         """Whether the study under our lock id is still our lock (not broken, not someone else's)."""
         try:
-            return self.lock_id is not None and \
-                self.storage.get_study_user_attrs(self.lock_id).get("token") == self.token
+            return (
+                self.lock_id is not None
+                and self.storage.get_study_user_attrs(self.lock_id).get("token") == self.token
+            )
         except KeyError:
             return False
 
@@ -138,17 +151,17 @@ class StudyLock:
             self.storage.delete_study(lock_id)
         except KeyError:
             pass
-        except Exception as exc:   # the lock goes stale on its own; the original error matters more
+        except Exception as exc:  # the lock goes stale on its own; the original error matters more
             log.warning("could not delete lock %s: %s", self.name, exc)
 
     def _refresh(self) -> None:
         while not self._stop.wait(REFRESH_S):
             try:
-                if not self._mine():       # broken and perhaps taken again: never stamp another's lock
+                if not self._mine():  # broken and perhaps taken again: never stamp another's lock
                     log.warning("lock %s was broken by another controller while held", self.name)
                     return
                 self.storage.set_study_user_attr(self.lock_id, "at", time.time())
-            except Exception as exc:   # a storage hiccup: the next refresh tries again
+            except Exception as exc:  # a storage hiccup: the next refresh tries again
                 log.debug("could not refresh lock %s: %s", self.name, exc)
 
     def _peek(self) -> Any:
@@ -158,7 +171,7 @@ class StudyLock:
             return {"id": lock_id, **self.storage.get_study_user_attrs(lock_id)}
         except KeyError:
             return None
-        except Exception as exc:   # a storage hiccup: the wait goes on
+        except Exception as exc:  # a storage hiccup: the wait goes on
             log.debug("could not read lock %s: %s", self.name, exc)
             return None
 
@@ -172,7 +185,7 @@ class StudyLock:
             lock_id = self.storage.get_study_id_from_name(self.name)
             attrs = self.storage.get_study_user_attrs(lock_id)
         except KeyError:
-            return                      # released meanwhile
+            return  # released meanwhile
         at = attrs.get("at")
         if at is None:
             first = _FIRST_SEEN.setdefault((self.name, lock_id), time.monotonic())
@@ -181,6 +194,8 @@ class StudyLock:
             _FIRST_SEEN.pop((self.name, lock_id), None)
             age, since = time.time() - float(at), "not refreshed"
         if age > self.stale_s:
-            log.warning("breaking the lock %s of %s: %s for %.0f s", self.name, attrs.get("holder", "?"), since, age)
+            log.warning(
+                "breaking the lock %s of %s: %s for %.0f s", self.name, attrs.get("holder", "?"), since, age
+            )
             _FIRST_SEEN.pop((self.name, lock_id), None)
             self._delete(lock_id)

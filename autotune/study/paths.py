@@ -54,4 +54,6 @@ def prepare_root(paths: StudyPaths) -> None:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise UsageError(f"cannot write to {paths.root} ({exc.strerror}): choose another --runs-dir")
+        raise UsageError(
+            f"cannot write to {paths.root} ({exc.strerror}): choose another --runs-dir"
+        ) from None

@@ -34,6 +34,7 @@ def headroom_limit(recipe: Recipe) -> float | None:
 
 def rank(rows_: list[TrialRow]) -> list[TrialRow]:
     """Best first: ok trials by throughput, then the rest by trial number."""
+
     def good(r: TrialRow) -> bool:
         return r.status == "ok" and bool(r.throughput) and r.launched and not r.pruned
 
@@ -42,8 +43,12 @@ def rank(rows_: list[TrialRow]) -> list[TrialRow]:
     return ok + rest
 
 
-def eligible(rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[str, Any]] | None = None,
-             passed_over: dict[int, str] | None = None) -> tuple[list[TrialRow], list[str]]:
+def eligible(
+    rows_: list[TrialRow],
+    recipe: Recipe,
+    confirmed: dict[int, dict[str, Any]] | None = None,
+    passed_over: dict[int, str] | None = None,
+) -> tuple[list[TrialRow], list[str]]:
     """Launched ok trials, fastest first, that left ``headroom`` of GPU memory free and, when a
     longer confirmation run was made, survived it with headroom too; plus why others were not.
     ``passed_over``, when given, receives each passed-over trial's reason by number (for ``show``)."""
@@ -60,14 +65,23 @@ def eligible(rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[st
         why = None
         c = confirmed.get(row.number)
         if check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
-            why = (f"peak {row.peak_memory_gib:.1f} GiB is within {recipe.headroom:.0%} of the "
-                   f"{capacity:.1f} GiB {what_cap}")
+            why = (
+                f"peak {row.peak_memory_gib:.1f} GiB is within {recipe.headroom:.0%} of the "
+                f"{capacity:.1f} GiB {what_cap}"
+            )
         elif c is not None and c.get("status") != "ok":
             kind = f"{c['status']}/{c.get('oom_kind')}" if c.get("oom_kind") else c.get("status")
             why = f"it died in its longer confirmation run ({kind} after {c.get('steps', 0)} steps)"
-        elif c is not None and check_peak and c.get("peak_memory_gib") is not None and c["peak_memory_gib"] > limit:
-            why = (f"its confirmation run peaked at {c['peak_memory_gib']:.1f} GiB, within "
-                   f"{recipe.headroom:.0%} of the {capacity:.1f} GiB {what_cap}")
+        elif (
+            c is not None
+            and check_peak
+            and c.get("peak_memory_gib") is not None
+            and c["peak_memory_gib"] > limit
+        ):
+            why = (
+                f"its confirmation run peaked at {c['peak_memory_gib']:.1f} GiB, within "
+                f"{recipe.headroom:.0%} of the {capacity:.1f} GiB {what_cap}"
+            )
         if why is None:
             out.append(row)
             continue
@@ -77,8 +91,9 @@ def eligible(rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[st
     return out, notes
 
 
-def choose_best(rows_: list[TrialRow], recipe: Recipe,
-                confirmed: dict[int, dict[str, Any]] | None = None) -> tuple[TrialRow | None, list[str]]:
+def choose_best(
+    rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[str, Any]] | None = None
+) -> tuple[TrialRow | None, list[str]]:
     """The configuration to export, with notes on what was passed over and why.
 
     Before any confirmation: the fastest eligible trial. Once leading trials were confirmed by
@@ -97,9 +112,12 @@ def choose_best(rows_: list[TrialRow], recipe: Recipe,
     best = max(held, key=lambda r: confirmed[r.number].get("throughput") or 0.0)
     c = confirmed[best.number]
     peak = c.get("peak_memory_gib")
-    notes.append(f"trial {best.number} was confirmed by a run of {c.get('steps', 0)} steps: "
-                 f"{(c.get('throughput') or 0):.3g} completions/s" + (f", peak {peak:.1f} GiB" if peak else "")
-                 + (f" (best of {len(held)} confirmed)" if len(held) > 1 else ""))
+    notes.append(
+        f"trial {best.number} was confirmed by a run of {c.get('steps', 0)} steps: "
+        f"{(c.get('throughput') or 0):.3g} completions/s"
+        + (f", peak {peak:.1f} GiB" if peak else "")
+        + (f" (best of {len(held)} confirmed)" if len(held) > 1 else "")
+    )
     return best, notes
 
 

@@ -26,8 +26,8 @@ from autotune.files import write_json
 from autotune.trial.outcome import Outcome
 
 FEASIBLE, INFEASIBLE = 0.0, 1.0
-CONSTRAINT = "fits"   # Optuna 5 constraint key: > 0 means the trial violated it
-DASHBOARD_CONSTRAINTS = "constraints"   # the system attribute (a list) optuna-dashboard 0.21 shows
+CONSTRAINT = "fits"  # Optuna 5 constraint key: > 0 means the trial violated it
+DASHBOARD_CONSTRAINTS = "constraints"  # the system attribute (a list) optuna-dashboard 0.21 shows
 # outcome status -> (constraint, Optuna state). Crashes say nothing about the config's memory or
 # speed, so they are FAIL (ignored by the sampler); a hang or timeout is a config to avoid.
 TELL = {
@@ -48,17 +48,17 @@ class TrialRow:
 
     number: int
     params: dict
-    status: str                          # ok | oom | invalid | timeout | hang | crash | interrupted | skipped
+    status: str  # ok | oom | invalid | timeout | hang | crash | interrupted | skipped
     oom_kind: str | None = None
-    throughput: float | None = None      # completions/s
+    throughput: float | None = None  # completions/s
     peak_memory_gib: float | None = None
     error_line: str | None = None
     wall_time_s: float | None = None
-    reason: str | None = None            # why invalid / skipped / passed over
-    launched: bool = True                # False: decided without a run (invalid, skipped, a repeat)
-    pruned: bool = False                 # stopped early for being clearly slower than the best
-    mean_gpu_util: float | None = None   # over the measured steps, a fraction
-    diagnosis: str | None = None         # the low-utilization diagnosis of a trial that ran ok, or None
+    reason: str | None = None  # why invalid / skipped / passed over
+    launched: bool = True  # False: decided without a run (invalid, skipped, a repeat)
+    pruned: bool = False  # stopped early for being clearly slower than the best
+    mean_gpu_util: float | None = None  # over the measured steps, a fraction
+    diagnosis: str | None = None  # the low-utilization diagnosis of a trial that ran ok, or None
 
 
 def candidate_key(params: dict[str, Any]) -> str:
@@ -69,27 +69,49 @@ def candidate_key(params: dict[str, Any]) -> str:
 def measured_configs(study: optuna.Study) -> dict[str, tuple[int, dict[str, Any]]]:
     """Configurations the study has an answer for (measured, skipped or refused), by key: the
     first trial that answered and its attributes. A repeat proposal is answered from here."""
-    return {t.user_attrs["key"]: (t.number, t.user_attrs) for t in study.get_trials(deepcopy=False)
-            if t.user_attrs.get("key") and t.user_attrs.get("status") not in (None, "crash", "interrupted")}
+    return {
+        t.user_attrs["key"]: (t.number, t.user_attrs)
+        for t in study.get_trials(deepcopy=False)
+        if t.user_attrs.get("key") and t.user_attrs.get("status") not in (None, "crash", "interrupted")
+    }
 
 
-def record(study: optuna.Study, trial: optuna.Trial, params: dict[str, Any], outcome: Outcome,
-           *, launched: bool, key: str, trial_dir: Path | None = None,
-           memory_limit_gib: float | None = None) -> None:
+def record(
+    study: optuna.Study,
+    trial: optuna.Trial,
+    params: dict[str, Any],
+    outcome: Outcome,
+    *,
+    launched: bool,
+    key: str,
+    trial_dir: Path | None = None,
+    memory_limit_gib: float | None = None,
+) -> None:
     """Tell Optuna what happened and remember enough to rebuild every report from storage.
 
     A trial that ran but peaked inside the headroom (``memory_limit_gib``) cannot be exported, so
     the sampler sees it as slightly infeasible (by how far it went over), not as a target.
     """
     constraint, state = TELL[outcome.status]
-    if (constraint == FEASIBLE and memory_limit_gib and outcome.peak_memory_gib
-            and outcome.peak_memory_gib > memory_limit_gib):
+    if (
+        constraint == FEASIBLE
+        and memory_limit_gib
+        and outcome.peak_memory_gib
+        and outcome.peak_memory_gib > memory_limit_gib
+    ):
         constraint = (outcome.peak_memory_gib - memory_limit_gib) / memory_limit_gib
     attrs = {
-        "status": outcome.status, "oom_kind": outcome.oom_kind, "throughput": outcome.throughput,
-        "peak_memory_gib": outcome.peak_memory_gib, "error_line": outcome.error_line,
-        "wall_time_s": outcome.wall_time_s, "launched": launched, "key": key,
-        "candidate": params, "reason": outcome.detail, "mean_gpu_util": outcome.mean_gpu_util,
+        "status": outcome.status,
+        "oom_kind": outcome.oom_kind,
+        "throughput": outcome.throughput,
+        "peak_memory_gib": outcome.peak_memory_gib,
+        "error_line": outcome.error_line,
+        "wall_time_s": outcome.wall_time_s,
+        "launched": launched,
+        "key": key,
+        "candidate": params,
+        "reason": outcome.detail,
+        "mean_gpu_util": outcome.mean_gpu_util,
         "predicted_gib": outcome.extra.get("predicted_gib"),
         "pruned": bool(outcome.extra.get("pruned")),
         "diagnosis": low_util_diagnosis(outcome),
@@ -118,12 +140,19 @@ def row_of(trial: FrozenTrial) -> TrialRow:
     a = trial.user_attrs
     status = a.get("status") or ("interrupted" if trial.state == TrialState.FAIL else "running")
     return TrialRow(
-        number=trial.number, params=dict(a.get("candidate") or trial.params), status=status,
-        oom_kind=a.get("oom_kind"), throughput=a.get("throughput"),
-        peak_memory_gib=a.get("peak_memory_gib"), error_line=a.get("error_line"),
-        wall_time_s=a.get("wall_time_s"), reason=a.get("reason"),
-        launched=bool(a.get("launched")), pruned=trial.state == TrialState.PRUNED,
-        mean_gpu_util=a.get("mean_gpu_util"), diagnosis=a.get("diagnosis"),
+        number=trial.number,
+        params=dict(a.get("candidate") or trial.params),
+        status=status,
+        oom_kind=a.get("oom_kind"),
+        throughput=a.get("throughput"),
+        peak_memory_gib=a.get("peak_memory_gib"),
+        error_line=a.get("error_line"),
+        wall_time_s=a.get("wall_time_s"),
+        reason=a.get("reason"),
+        launched=bool(a.get("launched")),
+        pruned=trial.state == TrialState.PRUNED,
+        mean_gpu_util=a.get("mean_gpu_util"),
+        diagnosis=a.get("diagnosis"),
     )
 
 
@@ -143,5 +172,8 @@ def launched_rows(study: optuna.Study) -> list[FrozenTrial]:
 
 def rows(study: optuna.Study) -> list[TrialRow]:
     """All finished or interrupted trials, as the reports want them."""
-    return [row_of(t) for t in study.get_trials(deepcopy=False)
-            if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)]
+    return [
+        row_of(t)
+        for t in study.get_trials(deepcopy=False)
+        if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+    ]

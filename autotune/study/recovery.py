@@ -45,9 +45,9 @@ from autotune.trial.processes import kill_stale
 
 log = logging.getLogger(__name__)
 
-OWNER_ATTR = "autotune:owner"      # trial system attribute: "host:pid" of the controller running it
-RETRY_ATTR = "retry_of"            # trial user attribute: the interrupted trial this one re-runs
-MAX_RETRIES = 3                    # a configuration interrupted this often is not queued again
+OWNER_ATTR = "autotune:owner"  # trial system attribute: "host:pid" of the controller running it
+RETRY_ATTR = "retry_of"  # trial user attribute: the interrupted trial this one re-runs
+MAX_RETRIES = 3  # a configuration interrupted this often is not queued again
 
 
 def node_name() -> str:
@@ -60,12 +60,12 @@ def claim_owner(study: optuna.Study, trial: optuna.Trial | FrozenTrial) -> None:
     """Mark a trial as this controller's, so another one on this machine can tell if it died, and
     record its first heartbeat at once, so that another machine can tell too (Optuna's stale check
     skips a trial with no heartbeat at all, and the heartbeat thread starts only after ``ask``)."""
-    storage = study._storage   # noqa: SLF001
+    storage = study._storage  # noqa: SLF001
     storage.set_trial_system_attr(trial._trial_id, OWNER_ATTR, f"{node_name()}:{psutil.Process().pid}")
     if is_heartbeat_enabled(storage):
         try:
-            storage.record_heartbeat(trial._trial_id)   # type: ignore[attr-defined]
-        except Exception as exc:   # a blip: the trial's Heartbeat starts right after ask and tries again
+            storage.record_heartbeat(trial._trial_id)  # type: ignore[attr-defined]
+        except Exception as exc:  # a blip: the trial's Heartbeat starts right after ask and tries again
             log.warning("first heartbeat of trial %d not recorded: %s", trial.number, exc)
 
 
@@ -94,13 +94,16 @@ class Heartbeat(BaseHeartbeatThread):
         return self._thread is not None and self._thread.is_alive()
 
     def _beat(self) -> None:
-        interval = self.storage.get_heartbeat_interval()   # type: ignore[attr-defined]
+        interval = self.storage.get_heartbeat_interval()  # type: ignore[attr-defined]
         while True:
             try:
-                self.storage.record_heartbeat(self.trial_id)   # type: ignore[attr-defined]
-            except Exception as exc:      # the storage comes back; a missed beat is not a dead trial
-                log.warning("heartbeat of trial %d not recorded (%s); trying again", self.trial_id,
-                            str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__)
+                self.storage.record_heartbeat(self.trial_id)  # type: ignore[attr-defined]
+            except Exception as exc:  # the storage comes back; a missed beat is not a dead trial
+                log.warning(
+                    "heartbeat of trial %d not recorded (%s); trying again",
+                    self.trial_id,
+                    str(exc).splitlines()[0] if str(exc) else exc.__class__.__name__,
+                )
             if self._stop.wait(interval):
                 return
 
@@ -122,7 +125,7 @@ def owner_gone(trial: FrozenTrial) -> bool:
         return True
     host, _, pid = str(owner).rpartition(":")
     if host != node_name() or not pid.isdigit():
-        return False                     # another machine: only its heartbeat can tell
+        return False  # another machine: only its heartbeat can tell
     try:
         proc = psutil.Process(int(pid))
         started = trial.datetime_start.timestamp() if trial.datetime_start else time.time()
@@ -148,17 +151,22 @@ class RetryInterrupted:
     def __call__(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if owner_alive_here(trial):
             # (recover_interrupted never fails such a trial; Optuna's own fail_stale_trials may have)
-            log.warning("trial %d was failed for a late heartbeat while its controller (pid %s) is alive; "
-                        "its processes and folder are left alone", trial.number,
-                        str(trial.system_attrs.get(OWNER_ATTR)).rpartition(":")[2])
+            log.warning(
+                "trial %d was failed for a late heartbeat while its controller (pid %s) is alive; "
+                "its processes and folder are left alone",
+                trial.number,
+                str(trial.system_attrs.get(OWNER_ATTR)).rpartition(":")[2],
+            )
             return
         trial_dir = self.paths.trial_dir(trial.number) if self.paths is not None else Path("/nonexistent")
         params, source = interrupted_candidate(trial, trial_dir)
         killed = kill_stale(trial_dir) if trial_dir.is_dir() else False
-        if trial_dir.is_dir() and not (trial_dir / "outcome.json").exists():   # never overwrite a result
+        if trial_dir.is_dir() and not (trial_dir / "outcome.json").exists():  # never overwrite a result
             detail = "its controller stopped sending heartbeats; the trial is run again by another one"
-            Outcome(status="interrupted", detail=detail + (" (its leftover processes were killed)" if killed
-                                                           else "")).write(trial_dir / "outcome.json")
+            Outcome(
+                status="interrupted",
+                detail=detail + (" (its leftover processes were killed)" if killed else ""),
+            ).write(trial_dir / "outcome.json")
         queue_again(study, trial, params, source)
 
 
@@ -166,7 +174,7 @@ def label(study: optuna.Study, trial: FrozenTrial, params: dict[str, Any], sourc
     """Keep the whole candidate on a trial about to be failed, so that show lists what it stood
     for, not the half that was suggested (a finished trial can no longer be written)."""
     if params and source != "candidate":
-        study._storage.set_trial_user_attr(trial._trial_id, "candidate", params)   # noqa: SLF001
+        study._storage.set_trial_user_attr(trial._trial_id, "candidate", params)  # noqa: SLF001
 
 
 def queue_again(study: optuna.Study, trial: FrozenTrial, params: dict[str, Any], source: str) -> None:
@@ -175,8 +183,9 @@ def queue_again(study: optuna.Study, trial: FrozenTrial, params: dict[str, Any],
     if not params or len(history) > MAX_RETRIES:
         log.warning("trial %d was interrupted %d times; not queued again", trial.number, len(history))
         return
-    study.enqueue_trial(params, user_attrs={RETRY_ATTR: trial.number, "retry_history": history},
-                        skip_if_exists=False)
+    study.enqueue_trial(
+        params, user_attrs={RETRY_ATTR: trial.number, "retry_history": history}, skip_if_exists=False
+    )
     log.info("trial %d was interrupted; queued again (configuration from %s)", trial.number, source)
 
 
@@ -216,7 +225,7 @@ def recover_interrupted(study: optuna.Study, paths: StudyPaths, *, sweep: bool =
     caller passes it only when no other controller can be confirming (it holds the finish lock).
     """
     recovered = []
-    if sweep:   # what finished trials, confirmation and verify runs left (a running trial is its owner's)
+    if sweep:  # what finished trials, confirmation and verify runs left (a running trial is its owner's)
         running = {str(t.number) for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))}
         for pid_file in paths.root.glob("*/*/pid"):
             if pid_file.parent.parent.name != "trials" or pid_file.parent.name not in running:
@@ -236,17 +245,26 @@ def recover_interrupted(study: optuna.Study, paths: StudyPaths, *, sweep: bool =
             if done is not None and done.extra.get("launched") and done.status != "interrupted":
                 # the trial ended and its outcome was written; only the telling was cut short
                 try:
-                    record(study, optuna.trial.Trial(study, trial._trial_id), params, done,  # noqa: SLF001
-                           launched=True, key=candidate_key(params), trial_dir=trial_dir)
+                    record(
+                        study,
+                        optuna.trial.Trial(study, trial._trial_id),
+                        params,
+                        done,  # noqa: SLF001
+                        launched=True,
+                        key=candidate_key(params),
+                        trial_dir=trial_dir,
+                    )
                 except optuna.exceptions.UpdateFinishedTrialError:
-                    continue             # another controller recorded it first
-                log.info("trial %d had finished (%s); its result was recorded on resume", trial.number, done.status)
+                    continue  # another controller recorded it first
+                log.info(
+                    "trial %d had finished (%s); its result was recorded on resume", trial.number, done.status
+                )
                 continue
         detail = "the controller stopped during this trial; it is run again on resume"
         if killed:
             detail += " (its leftover processes were killed)"
         if source == "partial" and params:
-            detail += (f"; only {len(params)} of its parameters had been chosen, so the rest are chosen anew")
+            detail += f"; only {len(params)} of its parameters had been chosen, so the rest are chosen anew"
         outcome = Outcome(status="interrupted", detail=detail)
         trial_dir.mkdir(parents=True, exist_ok=True)
         outcome.write(trial_dir / "outcome.json")
@@ -255,10 +273,10 @@ def recover_interrupted(study: optuna.Study, paths: StudyPaths, *, sweep: bool =
             if not study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):  # noqa: SLF001
                 continue
         except optuna.exceptions.UpdateFinishedTrialError:
-            continue                     # another controller took it over first
+            continue  # another controller took it over first
         queue_again(study, trial, params, source)
         recovered.append(trial.number)
-    fail_stale(study)                              # other machines' dead controllers: RetryInterrupted
+    fail_stale(study)  # other machines' dead controllers: RetryInterrupted
     return recovered
 
 
@@ -269,8 +287,12 @@ def silent_elsewhere(study: optuna.Study, trial: FrozenTrial) -> bool:
     from optuna.storages._rdb import models
     from optuna.storages._rdb.storage import _create_scoped_session
 
-    rdb = getattr(study._storage, "_backend", study._storage)   # noqa: SLF001  (Optuna's cache wraps it)
-    if not isinstance(rdb, optuna.storages.RDBStorage) or not is_heartbeat_enabled(rdb) or not trial.datetime_start:
+    rdb = getattr(study._storage, "_backend", study._storage)  # noqa: SLF001  (Optuna's cache wraps it)
+    if (
+        not isinstance(rdb, optuna.storages.RDBStorage)
+        or not is_heartbeat_enabled(rdb)
+        or not trial.datetime_start
+    ):
         return False
     grace = rdb.grace_period or 2 * (rdb.heartbeat_interval or 0)
     if datetime.now() - trial.datetime_start <= timedelta(seconds=grace):
@@ -283,10 +305,10 @@ def fail_stale(study: optuna.Study) -> None:
     """Optuna's ``fail_stale_trials``, except for trials whose controller is alive on this machine
     (their heartbeat failed, they did not), plus other machines' trials that never sent a heartbeat
     (:func:`silent_elsewhere`); each failed trial goes to the storage's callback (RetryInterrupted)."""
-    storage = study._storage   # noqa: SLF001
+    storage = study._storage  # noqa: SLF001
     if not is_heartbeat_enabled(storage):
         return
-    stale = set(storage._get_stale_trial_ids(study._study_id))   # noqa: SLF001
+    stale = set(storage._get_stale_trial_ids(study._study_id))  # noqa: SLF001
     failed = []
     for trial in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
         if owner_alive_here(trial) or (trial._trial_id not in stale and not silent_elsewhere(study, trial)):
@@ -295,7 +317,7 @@ def fail_stale(study: optuna.Study) -> None:
             if storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):
                 failed.append(trial._trial_id)
         except optuna.exceptions.UpdateFinishedTrialError:
-            pass                          # another controller failed it first
+            pass  # another controller failed it first
     callback = storage.get_heartbeat_stale_trial_callback()
     for trial_id in failed:
         if callback is not None:

@@ -17,9 +17,10 @@ import logging
 import os
 import re
 import sqlite3
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import click
 import optuna
@@ -32,16 +33,20 @@ from autotune.study.recovery import RetryInterrupted
 log = logging.getLogger(__name__)
 
 # what sqlite3 says when the file's pages are not a database (any more)
-DAMAGED = ("database disk image is malformed", "file is not a database", "file is encrypted or is not a database",
-           "malformed database schema")
+DAMAGED = (
+    "database disk image is malformed",
+    "file is not a database",
+    "file is encrypted or is not a database",
+    "malformed database schema",
+)
 
 
 def sqlite_file(url: str) -> Path | None:
     """The file behind a ``sqlite:///`` URL, or None for other databases and in-memory SQLite."""
     prefix = "sqlite:///"
-    if not url.startswith(prefix) or url[len(prefix):] in ("", ":memory:"):
+    if not url.startswith(prefix) or url[len(prefix) :] in ("", ":memory:"):
         return None
-    return Path(url[len(prefix):].split("?", 1)[0])
+    return Path(url[len(prefix) :].split("?", 1)[0])
 
 
 def held_trials(paths: StudyPaths) -> int:
@@ -71,11 +76,15 @@ def check_database(paths: StudyPaths, recipe: Recipe, *, must_exist: bool = Fals
     best = paths.best.is_dir() and any(paths.best.iterdir())
     if held or best:
         what = f"{paths.root / 'trials'} holds {held} trials" if held else f"{paths.best} holds an export"
-        raise UsageError(f"the study database {db} is {state} while {what}: restore {db.name} from a backup, "
-                         f"or start a new study with another --name (nothing was changed)")
+        raise UsageError(
+            f"the study database {db} is {state} while {what}: restore {db.name} from a backup, "
+            f"or start a new study with another --name (nothing was changed)"
+        )
     if must_exist:
-        raise UsageError(f"study '{paths.name}' has no trials yet: its database {db} is {state} "
-                         f"(run autotune resume {paths.name} to start it)")
+        raise UsageError(
+            f"study '{paths.name}' has no trials yet: its database {db} is {state} "
+            f"(run autotune resume {paths.name} to start it)"
+        )
 
 
 def check_integrity(db: Path, url: str) -> None:
@@ -105,12 +114,16 @@ def check_integrity(db: Path, url: str) -> None:
 
 def _damaged_line(db: Path | None, url: str, what: str) -> UsageError:
     if db is None:
-        return UsageError(f"the study storage {url} is damaged (sqlite: {what}): copy it aside and repair it, "
-                          f"or start a new study with another --name")
+        return UsageError(
+            f"the study storage {url} is damaged (sqlite: {what}): copy it aside and repair it, "
+            f"or start a new study with another --name"
+        )
     n = db.name
-    return UsageError(f"the study database {db} is damaged (sqlite: {what}): copy it aside and salvage the copy "
-                      f"(in {db.parent}: cp {n} {n}.bak; sqlite3 {n}.bak .recover | sqlite3 {n}.new; "
-                      f"mv {n}.new {n}), or start a new study with another --name; nothing was deleted")
+    return UsageError(
+        f"the study database {db} is damaged (sqlite: {what}): copy it aside and salvage the copy "
+        f"(in {db.parent}: cp {n} {n}.bak; sqlite3 {n}.bak .recover | sqlite3 {n}.new; "
+        f"mv {n}.new {n}), or start a new study with another --name; nothing was deleted"
+    )
 
 
 def damaged_error(exc: BaseException, url: str) -> UsageError | None:
@@ -140,7 +153,9 @@ def _storage_error(url: str, exc: Exception, hint: str = "") -> UsageError:
 
 
 @contextmanager
-def plain_failures(paths: StudyPaths, recipe: Recipe | None, fix: str, where: object | None = None) -> Iterator[None]:
+def plain_failures(
+    paths: StudyPaths, recipe: Recipe | None, fix: str, where: object | None = None
+) -> Iterator[None]:
     """Turn a damaged database or a full disk met anywhere inside into one line, not a traceback.
 
     SQLite reports a bad page only when it reads that page, and a disk fills up at any write, so
@@ -171,11 +186,11 @@ def plain_failures(paths: StudyPaths, recipe: Recipe | None, fix: str, where: ob
         raise
 
 
-HEARTBEAT_S = 15            # how often a running trial says its controller is alive
-GRACE_FACTOR = 4            # missed heartbeats before another controller takes the trial over
+HEARTBEAT_S = 15  # how often a running trial says its controller is alive
+GRACE_FACTOR = 4  # missed heartbeats before another controller takes the trial over
 POSTGRES_EXTRA = "pip install 'autotune[postgres]'"
-IDENTITY_ATTR = "recipe_identity"   # study user attribute: what every controller must agree on
-RECIPE_ATTR = "recipe"               # the whole recipe and the space's text: another node can adopt the study
+IDENTITY_ATTR = "recipe_identity"  # study user attribute: what every controller must agree on
+RECIPE_ATTR = "recipe"  # the whole recipe and the space's text: another node can adopt the study
 SPACE_ATTR = "space_yaml"
 
 
@@ -203,14 +218,18 @@ def driver_url(url: str) -> str:
     driver = scheme.partition("+")[2]
     if driver:
         if driver in has and not has[driver]:
-            raise UsageError(f"--storage {redact(url)} needs the {driver} driver, which is not installed: "
-                             f"{POSTGRES_EXTRA} (and use postgresql+psycopg://)")
+            raise UsageError(
+                f"--storage {redact(url)} needs the {driver} driver, which is not installed: "
+                f"{POSTGRES_EXTRA} (and use postgresql+psycopg://)"
+            )
         return url
     if has["psycopg"]:
         return f"postgresql+psycopg://{rest}"
     if has["psycopg2"]:
         return f"postgresql://{rest}"
-    raise UsageError(f"--storage {redact(url)} needs a PostgreSQL driver, and none is installed: {POSTGRES_EXTRA}")
+    raise UsageError(
+        f"--storage {redact(url)} needs a PostgreSQL driver, and none is installed: {POSTGRES_EXTRA}"
+    )
 
 
 def importable(module: str) -> bool:
@@ -226,16 +245,20 @@ def make_storage(url: str, *, heartbeat: bool, paths: StudyPaths | None = None) 
     controller that looks (:class:`RetryInterrupted`, Optuna's RetryFailedTrialCallback for us)."""
     engine: dict[str, Any] = {}
     if url.startswith("sqlite"):
-        engine["connect_args"] = {"timeout": 60}   # several controllers and threads write one file
+        engine["connect_args"] = {"timeout": 60}  # several controllers and threads write one file
     elif url.startswith("postgres"):
         engine["connect_args"] = {"connect_timeout": 10}
         engine["pool_pre_ping"] = True
     if not heartbeat:
         return optuna.storages.RDBStorage(url, engine_kwargs=engine)
     interval = heartbeat_s()
-    return optuna.storages.RDBStorage(url, engine_kwargs=engine, heartbeat_interval=interval,
-                                      grace_period=GRACE_FACTOR * interval,
-                                      heartbeat_stale_trial_callback=RetryInterrupted(paths))
+    return optuna.storages.RDBStorage(
+        url,
+        engine_kwargs=engine,
+        heartbeat_interval=interval,
+        grace_period=GRACE_FACTOR * interval,
+        heartbeat_stale_trial_callback=RetryInterrupted(paths),
+    )
 
 
 def _open_storage(paths: StudyPaths, recipe: Recipe, *, heartbeat: bool) -> optuna.storages.RDBStorage:
@@ -245,13 +268,15 @@ def _open_storage(paths: StudyPaths, recipe: Recipe, *, heartbeat: bool) -> optu
         with warnings_quiet():
             return make_storage(real, heartbeat=heartbeat, paths=paths)
     except optuna.exceptions.StorageInternalError as exc:
-        raise _storage_error(url, exc)
+        raise _storage_error(url, exc) from None
     except Exception as exc:  # sqlalchemy errors: bad URL, server down, permissions
         if sqlite_file(url) is None and "connect" in str(exc).lower():
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
-            raise UsageError(f"cannot reach the study storage {redact(url)} ({first[:200]}): check the host, "
-                             f"port, user and database, and that the server runs")
-        raise _storage_error(redact(url), exc, " (check --storage)")
+            raise UsageError(
+                f"cannot reach the study storage {redact(url)} ({first[:200]}): check the host, "
+                f"port, user and database, and that the server runs"
+            ) from None
+        raise _storage_error(redact(url), exc, " (check --storage)") from None
 
 
 @contextmanager
@@ -293,9 +318,11 @@ def check_identity(study: optuna.Study, recipe: Recipe, url: str) -> None:
         return
     differ = identity_differences(mine, theirs)
     if differ:
-        raise UsageError(f"study '{study.study_name}' in {redact(url)} was started with a different recipe "
-                         f"({', '.join(differ)} differ): use the same flags as the other controllers, "
-                         "or choose a new --name")
+        raise UsageError(
+            f"study '{study.study_name}' in {redact(url)} was started with a different recipe "
+            f"({', '.join(differ)} differ): use the same flags as the other controllers, "
+            "or choose a new --name"
+        )
 
 
 def check_storage(paths: StudyPaths, recipe: Recipe) -> None:
@@ -309,17 +336,25 @@ def check_storage(paths: StudyPaths, recipe: Recipe) -> None:
     except KeyError:
         return
     except Exception as exc:
-        raise _storage_error(redact(recipe.storage), exc, " (check --storage)")
+        raise _storage_error(redact(recipe.storage), exc, " (check --storage)") from None
     theirs = storage.get_study_user_attrs(study_id).get(IDENTITY_ATTR)
     differ = identity_differences(identity_of(recipe), theirs or {})
     if differ:
-        raise UsageError(f"study '{paths.name}' in {redact(recipe.storage)} was started with a different recipe "
-                         f"({', '.join(differ)} differ): use the same flags as the other controllers, "
-                         "or choose a new --name")
+        raise UsageError(
+            f"study '{paths.name}' in {redact(recipe.storage)} was started with a different recipe "
+            f"({', '.join(differ)} differ): use the same flags as the other controllers, "
+            "or choose a new --name"
+        )
 
 
-def open_study(paths: StudyPaths, recipe: Recipe, *, sampler: optuna.samplers.BaseSampler | None = None,
-               pruner: optuna.pruners.BasePruner | None = None, storage: Any = None) -> optuna.Study:
+def open_study(
+    paths: StudyPaths,
+    recipe: Recipe,
+    *,
+    sampler: optuna.samplers.BaseSampler | None = None,
+    pruner: optuna.pruners.BasePruner | None = None,
+    storage: Any = None,
+) -> optuna.Study:
     """Create or load the study. ``storage`` may be a storage object (the benchmark passes an
     in-memory one); otherwise the recipe's URL or the study folder's SQLite file, opened with
     heartbeats so that several controllers can share it (docs/cluster.md)."""
@@ -329,12 +364,18 @@ def open_study(paths: StudyPaths, recipe: Recipe, *, sampler: optuna.samplers.Ba
         check_database(paths, recipe)
         storage = _open_storage(paths, recipe, heartbeat=True)
     try:
-        study = optuna.create_study(study_name=paths.name, storage=storage, direction="maximize",
-                                    sampler=sampler, pruner=pruner, load_if_exists=True)
+        study = optuna.create_study(
+            study_name=paths.name,
+            storage=storage,
+            direction="maximize",
+            sampler=sampler,
+            pruner=pruner,
+            load_if_exists=True,
+        )
     except optuna.exceptions.StorageInternalError as exc:
-        raise _storage_error(url, exc)
+        raise _storage_error(url, exc) from None
     except Exception as exc:  # sqlalchemy errors: bad URL, server down, permissions
-        raise _storage_error(redact(url), exc, " (check --storage)")
+        raise _storage_error(redact(url), exc, " (check --storage)") from None
     check_identity(study, recipe, url)
     return study
 
@@ -350,18 +391,23 @@ def adopt_shared_study(paths: StudyPaths, url: str) -> None:
     try:
         attrs = storage.get_study_user_attrs(storage.get_study_id_from_name(paths.name))
     except KeyError:
-        raise UsageError(f"no study '{paths.name}' in {redact(url)}: check --storage and the study name")
+        raise UsageError(
+            f"no study '{paths.name}' in {redact(url)}: check --storage and the study name"
+        ) from None
     except Exception as exc:
-        raise _storage_error(redact(url), exc, " (check --storage)")
+        raise _storage_error(redact(url), exc, " (check --storage)") from None
     data = attrs.get(RECIPE_ATTR)
     if not isinstance(data, dict):
-        raise UsageError(f"study '{paths.name}' in {redact(url)} does not hold its recipe (an older autotune "
-                         f"started it): copy {paths.recipe} from a node that ran the search")
+        raise UsageError(
+            f"study '{paths.name}' in {redact(url)} does not hold its recipe (an older autotune "
+            f"started it): copy {paths.recipe} from a node that ran the search"
+        )
     recipe = Recipe.from_dict(data)
     recipe.storage = url
     text = attrs.get(SPACE_ATTR)
-    if text is not None and not (recipe.space and Path(recipe.space).is_file()
-                                 and Path(recipe.space).read_text() == text):
+    if text is not None and not (
+        recipe.space and Path(recipe.space).is_file() and Path(recipe.space).read_text() == text
+    ):
         paths.root.mkdir(parents=True, exist_ok=True)
         local = paths.root / "space.yaml"
         local.write_text(text)
@@ -379,6 +425,6 @@ def load_existing(paths: StudyPaths, recipe: Recipe) -> optuna.Study:
     try:
         return optuna.load_study(study_name=paths.name, storage=storage)
     except KeyError:
-        raise UsageError(f"study '{paths.name}' has no trials in {redact(url)} yet")
+        raise UsageError(f"study '{paths.name}' has no trials in {redact(url)} yet") from None
     except Exception as exc:  # sqlalchemy errors: server down, permissions, a damaged file
-        raise _storage_error(redact(url), exc)
+        raise _storage_error(redact(url), exc) from None

@@ -42,9 +42,9 @@ longer than any tail kept in memory.
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from autotune.trial.logparse import log_digest
 from autotune.trial.outcome import describe
@@ -62,12 +62,18 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 # Prefixes that launchers put in front of a process's own output.
 _PREFIXES = re.compile(
     r"""^(?:
-        \[(?:rank|Rank)\s*\d+\]:?\s?                                   # torchrun / accelerate: [rank0]:
-      | \((?:[\w\-.]+)\s+pid=\d+(?:,\s*ip=[\w.:\-]+)?\)\s?          # vLLM / Ray: (EngineCore_DP0 pid=245)
-      | (?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s\d\d-\d\d\s[\d:.]+\s\[[^\]]+\]\s?  # vLLM: ERROR 07-11 06:23:05 [core.py:700]
-      | \[?[DIWEF]\d{3,4}\s[\d:.]+\s(?:\d+\s)?[\w./\-]+:\d+\]\s?       # glog (c10d, torchrun): E0312 14:13:05.6 90211 api.py:869]
-      | \[\d{4}-\d\d-\d\d\s[\d:,.]+\]\s\[\w+\]\s\[[^\]]+\]\s?       # DeepSpeed: [2025-06-02 11:20:41,118] [INFO] [x.py:1:f]
-      | \d{4}-\d\d-\d\d\s[\d:.]+\s\|\s                              # docker compose: 2026-04-19 12:05:27.169 |
+        # torchrun / accelerate: [rank0]:
+        \[(?:rank|Rank)\s*\d+\]:?\s?
+        # vLLM / Ray: (EngineCore_DP0 pid=245)
+      | \((?:[\w\-.]+)\s+pid=\d+(?:,\s*ip=[\w.:\-]+)?\)\s?
+        # vLLM: ERROR 07-11 06:23:05 [core.py:700]
+      | (?:DEBUG|INFO|WARNING|ERROR|CRITICAL)\s\d\d-\d\d\s[\d:.]+\s\[[^\]]+\]\s?
+        # glog (c10d, torchrun): E0312 14:13:05.6 90211 api.py:869]
+      | \[?[DIWEF]\d{3,4}\s[\d:.]+\s(?:\d+\s)?[\w./\-]+:\d+\]\s?
+        # DeepSpeed: [2025-06-02 11:20:41,118] [INFO] [x.py:1:f]
+      | \[\d{4}-\d\d-\d\d\s[\d:,.]+\]\s\[\w+\]\s\[[^\]]+\]\s?
+        # docker compose: 2026-04-19 12:05:27.169 |
+      | \d{4}-\d\d-\d\d\s[\d:.]+\s\|\s
     )""",
     re.VERBOSE,
 )
@@ -133,10 +139,25 @@ def _r(pattern: str, flags: int = 0) -> re.Pattern[str]:
 
 _RULES: tuple[_Rule, ...] = (
     # --- vLLM: its own words are more specific than any CUDA message, so they come first
-    _Rule("oom", "vllm_startup", _r(r"Free memory on device.*on startup is less than desired GPU memory utilization"), rank=0),
+    _Rule(
+        "oom",
+        "vllm_startup",
+        _r(r"Free memory on device.*on startup is less than desired GPU memory utilization"),
+        rank=0,
+    ),
     _Rule("oom", "vllm_kv", _r(r"No available memory for the cache blocks"), rank=0),
-    _Rule("oom", "vllm_kv", _r(r"KV cache is needed, which is larger than the available KV cache memory"), rank=0),
-    _Rule("oom", "vllm_kv", _r(r"is larger than the maximum number of tokens that can be stored in KV cache"), rank=0),
+    _Rule(
+        "oom",
+        "vllm_kv",
+        _r(r"KV cache is needed, which is larger than the available KV cache memory"),
+        rank=0,
+    ),
+    _Rule(
+        "oom",
+        "vllm_kv",
+        _r(r"is larger than the maximum number of tokens that can be stored in KV cache"),
+        rank=0,
+    ),
     # --- host RAM
     _Rule("oom", "host", _r(r"ray\.exceptions\.OutOfMemoryError"), rank=1),
     _Rule("oom", "host", _r(r"DefaultCPUAllocator: can't allocate memory"), rank=0),
@@ -147,20 +168,45 @@ _RULES: tuple[_Rule, ...] = (
     # --- accelerator memory
     _Rule("oom", "cuda", _r(r"CUDA out of memory\.\s*Tried to allocate"), rank=0),
     _Rule("oom", "cuda", _r(r"(?<![\w.])(?:torch\.)?(?:cuda\.)?OutOfMemoryError\b"), rank=1),
-    _Rule("oom", "cuda", _r(r"CUDA out of memory"),
-          exception_only=("RuntimeError", "OutOfMemoryError", "torch.OutOfMemoryError",
-                          "torch.cuda.OutOfMemoryError", "torch.AcceleratorError"), rank=1),
+    _Rule(
+        "oom",
+        "cuda",
+        _r(r"CUDA out of memory"),
+        exception_only=(
+            "RuntimeError",
+            "OutOfMemoryError",
+            "torch.OutOfMemoryError",
+            "torch.cuda.OutOfMemoryError",
+            "torch.AcceleratorError",
+        ),
+        rank=1,
+    ),
     _Rule("oom", "cuda", _r(r"CUDA error:\s*out of memory", re.IGNORECASE), rank=1),
     _Rule("oom", "cuda", _r(r"\b(?:CUBLAS|CUDNN|CUSOLVER|CUSPARSE)_STATUS_ALLOC_FAILED\b"), rank=1),
     _Rule("oom", "cuda", _r(r"Cuda failure\s+(?:\d+\s+)?'out of memory'", re.IGNORECASE), rank=2),
-    _Rule("oom", "cuda", _r(r"\b(?:cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|hipErrorOutOfMemory)\b"), rank=2),
+    _Rule(
+        "oom",
+        "cuda",
+        _r(r"\b(?:cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|hipErrorOutOfMemory)\b"),
+        rank=2,
+    ),
     _Rule("oom", "cuda", _r(r"\b(?:HIP|XPU|NPU|GCU|MPS backend) out of memory\b"), rank=1),
     # --- configurations the trainer refuses (TRL GRPOConfig / vLLM colocate, ms-swift's copies)
-    _Rule("invalid", None, _r(r"generation_batch_size \(\d+\) must (?:be (?:evenly )?divisible by|equal)"), rank=0),
+    _Rule(
+        "invalid",
+        None,
+        _r(r"generation_batch_size \(\d+\) must (?:be (?:evenly )?divisible by|equal)"),
+        rank=0,
+    ),
     _Rule("invalid", None, _r(r"GRPO requires at least 2 generations per prompt"), rank=0),
     _Rule("invalid", None, _r(r"tensor_parallel_size \(\d+\) must divide world size"), rank=0),
     _Rule("invalid", None, _r(r"global eval batch size .* must be (?:evenly )?divisible by"), rank=0),
-    _Rule("invalid", None, _r(r"'generation_batch_size' and 'steps_per_generation' can not be both configured"), rank=0),
+    _Rule(
+        "invalid",
+        None,
+        _r(r"'generation_batch_size' and 'steps_per_generation' can not be both configured"),
+        rank=0,
+    ),
     _Rule("invalid", None, _r(r"auto_find_batch_size is not supported by GRPO"), rank=0),
     _Rule("invalid", None, _r(r"steps_per_generation must be > 0"), rank=0),
 )
@@ -177,9 +223,17 @@ _SIGKILL = re.compile(
 
 # Errors that are consequences of another process's failure, never a root cause.
 _SECONDARY_NAMES = {
-    "ChildFailedError", "CalledProcessError", "SignalException", "ProcessExitedException",
-    "DistNetworkError", "DistStoreError", "EngineDeadError", "EngineGenerateError",
-    "BrokenPipeError", "ConnectionResetError", "ConnectionAbortedError",
+    "ChildFailedError",
+    "CalledProcessError",
+    "SignalException",
+    "ProcessExitedException",
+    "DistNetworkError",
+    "DistStoreError",
+    "EngineDeadError",
+    "EngineGenerateError",
+    "BrokenPipeError",
+    "ConnectionResetError",
+    "ConnectionAbortedError",
 }
 _SECONDARY_TEXT = re.compile(
     r"Connection closed by peer|Connection reset by peer|remote worker crashing"
@@ -202,11 +256,15 @@ _PIN_MEMORY = re.compile(r"pin_memory|cudaHostAlloc|pinned", re.IGNORECASE)
 
 # Words without which no rule above can match a line (a cheap filter before the rules, so that a
 # 64 MiB log is read in about a second), and those of the memory and configuration rules alone.
-_ROOT_CAUSE_WORDS = re.compile(r"emory|alloc|ALLOC|MEMORY|KV cache|Killed|generation|tensor_parallel_size"
-                               r"|divisible|auto_find_batch_size")
-_WORTH_READING = re.compile(_ROOT_CAUSE_WORDS.pattern + r"|Error|Exception|Exit|Interrupt|Failure|Exceeded"
-                            r"|fault|Fatal|terminate called|Abort|Bus error|Illegal|dumped|SIGKILL|exitcode"
-                            r"|return code|NCCL WARN")
+_ROOT_CAUSE_WORDS = re.compile(
+    r"emory|alloc|ALLOC|MEMORY|KV cache|Killed|generation|tensor_parallel_size"
+    r"|divisible|auto_find_batch_size"
+)
+_WORTH_READING = re.compile(
+    _ROOT_CAUSE_WORDS.pattern + r"|Error|Exception|Exit|Interrupt|Failure|Exceeded"
+    r"|fault|Fatal|terminate called|Abort|Bus error|Illegal|dumped|SIGKILL|exitcode"
+    r"|return code|NCCL WARN"
+)
 
 
 def _is_secondary(name: str | None, text: str) -> bool:
@@ -250,8 +308,12 @@ def _scan(lines: list[str]) -> list[_Hit]:
                 if exc is None or exc[0] not in rule.exception_only:
                     continue
             kind = rule.kind
-            if kind == "cuda" and "out of memory" in line.lower() and "CUDA error" in line \
-                    and _traceback_mentions(lines, i, _PIN_MEMORY):
+            if (
+                kind == "cuda"
+                and "out of memory" in line.lower()
+                and "CUDA error" in line
+                and _traceback_mentions(lines, i, _PIN_MEMORY)
+            ):
                 kind = "host"  # cudaHostAlloc failed: page-locked *host* memory ran out
             hits.append(_Hit(i, rule, kind))
             break
@@ -275,12 +337,12 @@ def _error_text(lines: list[str], index: int) -> str:
     line when the exception was printed with its message on the following line."""
     line = lines[index]
     if "NCCL WARN" in line:  # host:pid:tid [dev] file.cc:N NCCL WARN <what>
-        return _trim(line[line.index("NCCL WARN"):])
+        return _trim(line[line.index("NCCL WARN") :])
     exc = _exception(line)
     if exc is not None:
         name, msg = exc
         if not msg:
-            following = next((l for l in lines[index + 1 : index + 4] if l.strip()), "")
+            following = next((text for text in lines[index + 1 : index + 4] if text.strip()), "")
             if re.search(r"\w", following) and not following.lstrip().startswith(("Traceback", "File ")):
                 msg = following.strip()
         return _trim(f"{name}: {msg}" if msg else name)
@@ -366,15 +428,23 @@ def _judge(returncode: int | None, parts: list[list[str]], stopped_by_us: bool) 
         if hits:
             kind, index = _root(hits)
             status = min(hits, key=lambda h: h.index).rule.category
-            return Diagnosis(status=status, oom_kind=kind if status == "oom" else None,
-                             error_line=_error_text(lines, index), detail=describe(status, kind))
+            return Diagnosis(
+                status=status,
+                oom_kind=kind if status == "oom" else None,
+                error_line=_error_text(lines, index),
+                detail=describe(status, kind),
+            )
     # stdout first, stderr last: the last error of stderr (where tracebacks go) names a crash
     lines = [line for part in reversed(parts) for line in part]
     killed_line = next((line for line in reversed(lines) if _SIGKILL.search(line)), None)
     killed = killed_line is not None or (returncode in (-9, 137) and not stopped_by_us)
     if killed and not _has_primary_error(lines):
-        error_line = _trim(killed_line.strip()) if killed_line else f"killed by SIGKILL (exit code {returncode})"
-        return Diagnosis("oom", "host", error_line, describe("oom", "host") + " (SIGKILL with no error of its own)")
+        error_line = (
+            _trim(killed_line.strip()) if killed_line else f"killed by SIGKILL (exit code {returncode})"
+        )
+        return Diagnosis(
+            "oom", "host", error_line, describe("oom", "host") + " (SIGKILL with no error of its own)"
+        )
     return Diagnosis("crash", None, _last_error(lines), describe("crash"))
 
 
@@ -401,8 +471,9 @@ def classify_failure(
     return d.status, d.oom_kind, d.error_line
 
 
-def diagnose_files(returncode: int | None, paths: Sequence[Path], *, fallback: str = "",
-                   stopped_by_us: bool = False) -> Diagnosis:
+def diagnose_files(
+    returncode: int | None, paths: Sequence[Path], *, fallback: str = "", stopped_by_us: bool = False
+) -> Diagnosis:
     """:func:`diagnose` over whole log files (give stderr.log first, then stdout.log).
 
     The in-memory tail of a trial's output ends in whatever the other ranks printed while the job

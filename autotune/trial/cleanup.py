@@ -15,8 +15,9 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import psutil
 
@@ -43,13 +44,16 @@ def read_baseline(gpu_indices: Sequence[int] | None, nvml: Any | None = None) ->
         close_nvml(nv)
 
 
-def _above(used: Mapping[int, float], baseline: Mapping[int, float], tolerance_mib: float) -> dict[int, float]:
+def _above(
+    used: Mapping[int, float], baseline: Mapping[int, float], tolerance_mib: float
+) -> dict[int, float]:
     """MiB above baseline + tolerance, per GPU that is."""
     return {i: used[i] - baseline[i] for i in used if i in baseline and used[i] > baseline[i] + tolerance_mib}
 
 
-def _kill_leftovers(nvml: Any, gpu_handles: Mapping[int, Any], pgid: int | None, trial_dir: Path | None,
-                    grace_s: float) -> list[int]:
+def _kill_leftovers(
+    nvml: Any, gpu_handles: Mapping[int, Any], pgid: int | None, trial_dir: Path | None, grace_s: float
+) -> list[int]:
     """SIGTERM, then SIGKILL after ``grace_s``, what the trial left: its process group, and compute
     processes on our GPUs whose environment names a trial. Returns the pids signalled."""
     protected = protected_pids()
@@ -57,9 +61,9 @@ def _kill_leftovers(nvml: Any, gpu_handles: Mapping[int, Any], pgid: int | None,
     members = [] if pgid is None or pgid <= 1 or pgid == os.getpgrp() else group_members(pgid)
     if pgid is not None and (pgid <= 1 or pgid == os.getpgrp() or any(p.pid in protected for p in members)):
         log.warning("refusing to signal process group %s: it holds this process or its parents", pgid)
-        pgid = None   # its other members are still signalled one by one
+        pgid = None  # its other members are still signalled one by one
     elif not members:
-        pgid = None   # nothing left in it
+        pgid = None  # nothing left in it
     victims.update({p.pid: p for p in members if p.pid not in protected})
     for index, handle in gpu_handles.items():
         try:
@@ -76,10 +80,13 @@ def _kill_leftovers(nvml: Any, gpu_handles: Mapping[int, Any], pgid: int | None,
                 victims[pid] = proc
             else:
                 log.info("GPU %s: process %s holds memory but is not a trial's; left alone", index, pid)
-    if not victims:   # an empty group needs no signal; NVML listed nothing of ours
+    if not victims:  # an empty group needs no signal; NVML listed nothing of ours
         return []
-    log.warning("killing what the last trial left on the GPUs: pids %s%s", sorted(victims),
-                f" (process group {pgid})" if pgid is not None else "")
+    log.warning(
+        "killing what the last trial left on the GPUs: pids %s%s",
+        sorted(victims),
+        f" (process group {pgid})" if pgid is not None else "",
+    )
     killed = kill_group(pgid, list(victims.values()), grace_s)
     if killed:
         wait_gone([p for p in killed if isinstance(p, psutil.Process)], grace_s)
@@ -95,30 +102,42 @@ def _trial_processes(nvml: Any, gpu_handles: Mapping[int, Any], trial_dir: Path 
             running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
         except Exception:
             continue
-        pids += [int(info.pid) for info in running
-                 if int(info.pid) not in protected and owned_by_trial(int(info.pid), trial_dir) is not None]
+        pids += [
+            int(info.pid)
+            for info in running
+            if int(info.pid) not in protected and owned_by_trial(int(info.pid), trial_dir) is not None
+        ]
     return pids
 
 
-def wait_for_baseline(gpu_indices: Sequence[int] | None, baseline_mib: Mapping[int, float] | None,
-                      timeout_s: float = 60, tolerance_gib: float = 1.0, pgid: int | None = None,
-                      nvml: Any | None = None, *, trial_dir: Path | None = None, poll_s: float = 0.5,
-                      grace_s: float = 5.0, settle_s: float = 15.0) -> bool:
+def wait_for_baseline(
+    gpu_indices: Sequence[int] | None,
+    baseline_mib: Mapping[int, float] | None,
+    timeout_s: float = 60,
+    tolerance_gib: float = 1.0,
+    pgid: int | None = None,
+    nvml: Any | None = None,
+    *,
+    trial_dir: Path | None = None,
+    poll_s: float = 0.5,
+    grace_s: float = 5.0,
+    settle_s: float = 15.0,
+) -> bool:
     """Wait until every GPU's memory use is back within ``tolerance_gib`` of its baseline.
 
     The driver frees a dead process's memory with some delay, so first just wait up to ``timeout_s``.
     If that is not enough, something of the trial lives on: kill its process group ``pgid`` and any
     compute process NVML lists on these GPUs whose environment carries ``AUTOTUNE_TRIAL_DIR`` (equal
     to ``trial_dir`` or inside it, when given); processes without it are never touched, nor the
-    caller and its ancestors. Then wait up to ``settle_s`` more. Returns whether the baseline was reached; False
-    means the next trial would start with less memory (another job may have grown), which the
-    caller should log. With ``baseline_mib`` None the test is "no trial process left on the GPUs".
+    caller and its ancestors. Then wait up to ``settle_s`` more. Returns whether the baseline was
+    reached; False means the next trial would start with less memory (another job may have grown),
+    which the caller should log. With ``baseline_mib`` None the test is "no trial process left on the GPUs".
     Without NVML there is nothing to measure and it returns True at once.
     """
     nv = open_nvml(nvml)
     if nv is None:
         return True
-    if baseline_mib is not None:   # keys may come back from JSON as strings
+    if baseline_mib is not None:  # keys may come back from JSON as strings
         baseline_mib = {int(k): float(v) for k, v in baseline_mib.items()}
     try:
         gpu_handles = handles(nv, gpu_indices)
@@ -142,8 +161,11 @@ def wait_for_baseline(gpu_indices: Sequence[int] | None, baseline_mib: Mapping[i
             return True
         if baseline_mib is not None:
             over = _above(memory_used_mib(nv, gpu_handles), baseline_mib, tolerance_mib)
-            log.warning("GPU memory still above baseline after %.1f s: %s", timeout_s,
-                        ", ".join(f"GPU {i} +{mib / 1024:.1f} GiB" for i, mib in sorted(over.items())))
+            log.warning(
+                "GPU memory still above baseline after %.1f s: %s",
+                timeout_s,
+                ", ".join(f"GPU {i} +{mib / 1024:.1f} GiB" for i, mib in sorted(over.items())),
+            )
         _kill_leftovers(nv, gpu_handles, pgid, trial_dir, grace_s)
         reached = wait(settle_s)
         if not reached:

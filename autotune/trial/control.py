@@ -9,13 +9,14 @@ interface, so the sampler sees it as a pruned trial). An OOM ends a trial by its
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from autotune.recipe import Recipe
 from autotune.trial.metrics import StepRecord, steady_throughput
 
-CONFIRM_FACTOR = 3   # a confirmation run measures this many times the usual steps
+CONFIRM_FACTOR = 3  # a confirmation run measures this many times the usual steps
 
 
 @dataclass
@@ -23,23 +24,27 @@ class StopRule:
     """Decides from the step records so far: None (go on), 'measured' or 'pruned'."""
 
     warmup: int = 2
-    measure: int = 3                 # measured steps in the usual case
-    adaptive: bool = True            # stop at min_measured when the spread is already small
+    measure: int = 3  # measured steps in the usual case
+    adaptive: bool = True  # stop at min_measured when the spread is already small
     min_measured: int = 2
-    spread: float = 0.05             # (max - min) / mean of measured step times counts as stable
-    extra: int = 3                   # an unstable trial may measure this many more steps
+    spread: float = 0.05  # (max - min) / mean of measured step times counts as stable
+    extra: int = 3  # an unstable trial may measure this many more steps
     prune: bool = True
 
     @classmethod
-    def searching(cls, recipe: Recipe) -> "StopRule":
+    def searching(cls, recipe: Recipe) -> StopRule:
         """A search trial: adaptive (stops once stable) and prunable."""
         return cls(warmup=recipe.warmup_steps, measure=recipe.measure_steps)
 
     @classmethod
-    def confirming(cls, recipe: Recipe) -> "StopRule":
+    def confirming(cls, recipe: Recipe) -> StopRule:
         """A confirmation run: :data:`CONFIRM_FACTOR` times the measured steps, all of them."""
-        return cls(warmup=recipe.warmup_steps, measure=recipe.measure_steps * CONFIRM_FACTOR,
-                   adaptive=False, prune=False)
+        return cls(
+            warmup=recipe.warmup_steps,
+            measure=recipe.measure_steps * CONFIRM_FACTOR,
+            adaptive=False,
+            prune=False,
+        )
 
     def measured(self, records: list[StepRecord]) -> list[float]:
         return [r.step_time for r in records if r.step > self.warmup and r.step_time]
@@ -55,9 +60,9 @@ class StopRule:
         if after <= 0:
             return None
         times = self.measured(records)
-        if self.adaptive and after >= self.min_measured and self.stable(times[-self.min_measured:]):
+        if self.adaptive and after >= self.min_measured and self.stable(times[-self.min_measured :]):
             return "measured"
-        if after >= self.measure and (not self.adaptive or self.stable(times[-self.measure:])):
+        if after >= self.measure and (not self.adaptive or self.stable(times[-self.measure :])):
             return "measured"
         if after >= self.measure + (self.extra if self.adaptive else 0):
             return "measured"
@@ -73,10 +78,10 @@ class TrialControl:
     """
 
     rule: StopRule
-    trial: Any | None = None                # optuna.Trial: report() / should_prune()
+    trial: Any | None = None  # optuna.Trial: report() / should_prune()
     samples_per_step: int | None = None
     on_step: Callable[[StepRecord], None] = lambda record: None
-    purpose: str = "search"                 # search | confirm | verify
+    purpose: str = "search"  # search | confirm | verify
 
     def decide(self, records: list[StepRecord], steps_done: int) -> str | None:
         verdict = self.rule.decide(records, steps_done)

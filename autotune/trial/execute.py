@@ -14,8 +14,9 @@ import contextlib
 import logging
 import shlex
 import threading
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, ContextManager, Iterator
+from typing import Any
 
 from autotune.recipe import Recipe
 from autotune.trial.classify import classify_failure, diagnose, diagnose_files
@@ -45,7 +46,8 @@ def write_command(spec: LaunchSpec) -> None:
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))
     limit = f"# RLIMIT_AS {spec.memory_limit_gib} GiB\n" if spec.memory_limit_gib else ""
     (spec.trial_dir / "command.txt").write_text(
-        f"{limit}cd {shlex.quote(str(spec.cwd or spec.trial_dir))}\n{env} \\\n  {shlex.join(spec.argv)}\n")
+        f"{limit}cd {shlex.quote(str(spec.cwd or spec.trial_dir))}\n{env} \\\n  {shlex.join(spec.argv)}\n"
+    )
 
 
 # Set when the search stops abruptly (Ctrl-C, an error): trials running in other threads stop at
@@ -75,7 +77,7 @@ def abort_on_error(pool: Any) -> Iterator[None]:
 _BASELINES: dict[tuple[int, ...], dict[int, float] | None] = {}
 # GPUs whose last wait_for_baseline gave up: the next trial may start beside a predecessor's memory
 _CLEANUP_FAILED: dict[tuple[int, ...], bool] = {}
-LEFTOVER_TOLERANCE_GIB = 1.0   # what wait_for_baseline is given: above it, memory is a leftover
+LEFTOVER_TOLERANCE_GIB = 1.0  # what wait_for_baseline is given: above it, memory is a leftover
 
 
 def baseline_for(gpus: list[int]) -> dict[int, float] | None:
@@ -86,8 +88,14 @@ def baseline_for(gpus: list[int]) -> dict[int, float] | None:
     return _BASELINES[key]
 
 
-def leftover_gib(gpus: list[int], baseline: dict[int, float] | None, *, nvml: Any | None = None,
-                 previous_failed: bool = False, tolerance_gib: float = LEFTOVER_TOLERANCE_GIB) -> float | None:
+def leftover_gib(
+    gpus: list[int],
+    baseline: dict[int, float] | None,
+    *,
+    nvml: Any | None = None,
+    previous_failed: bool = False,
+    tolerance_gib: float = LEFTOVER_TOLERANCE_GIB,
+) -> float | None:
     """GiB the GPUs hold above their baseline as a trial starts (the most of any GPU), or None.
 
     An OOM of a trial that started beside a predecessor's leftover memory says nothing about its
@@ -112,8 +120,15 @@ def trial_gpus(spec: LaunchSpec) -> list[int]:
     return [int(d) for d in visible.split(",") if d.strip().isdigit()]
 
 
-def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: TrialControl, *,
-            monitors_gpus: bool, services: ContextManager[Any]) -> Outcome:
+def execute(
+    spec: LaunchSpec,
+    params: dict[str, Any],
+    recipe: Recipe,
+    control: TrialControl,
+    *,
+    monitors_gpus: bool,
+    services: contextlib.AbstractContextManager[Any],
+) -> Outcome:
     """Launch ``spec`` and stop it once its throughput is measured (or it is pruned).
 
     ``services`` is entered just before the launch and left after it (a vLLM server the trial
@@ -129,8 +144,12 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
     previous_failed = _CLEANUP_FAILED.get(tuple(gpus), False)
     leftover = leftover_gib(gpus, baseline, previous_failed=previous_failed) if baseline is not None else None
     if leftover is not None:
-        log.warning("%s starts with %.1f GiB of GPU memory above the baseline%s", trial_dir.name, leftover,
-                    " (the last cleanup gave up)" if previous_failed else "")
+        log.warning(
+            "%s starts with %.1f GiB of GPU memory above the baseline%s",
+            trial_dir.name,
+            leftover,
+            " (the last cleanup gave up)" if previous_failed else "",
+        )
     seen = 0
 
     def should_stop() -> str | None:
@@ -149,7 +168,7 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
         verdict = control.decide(records, monitor.steps)
         if verdict and sampler is not None:
             sampler.mark("end")
-            sampler.tick()    # the last look at the tree's memory before it is stopped
+            sampler.tick()  # the last look at the tree's memory before it is stopped
         return verdict
 
     with contextlib.ExitStack() as around:
@@ -157,24 +176,42 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
             around.enter_context(services)
         except ServiceFailed as exc:
             status, oom_kind, error_line = classify_failure(exc.returncode, exc.log_text)
-            failed = Outcome(status=status if status in ("oom", "invalid") else "crash", oom_kind=oom_kind,
-                             error_line=error_line or str(exc), detail=f"the vLLM server did not start: {exc}")
+            failed = Outcome(
+                status=status if status in ("oom", "invalid") else "crash",
+                oom_kind=oom_kind,
+                error_line=error_line or str(exc),
+                detail=f"the vLLM server did not start: {exc}",
+            )
             note_leftover(failed, leftover, previous_failed)
             return failed
         if sampler is not None:
             sampler.start()
         try:
-            result = launch(spec, on_line=monitor.feed, should_stop=should_stop,
-                            trial_timeout_s=recipe.trial_timeout_s, hang_timeout_s=recipe.hang_timeout_s,
-                            activity=monitor.last_activity)
+            result = launch(
+                spec,
+                on_line=monitor.feed,
+                should_stop=should_stop,
+                trial_timeout_s=recipe.trial_timeout_s,
+                hang_timeout_s=recipe.hang_timeout_s,
+                activity=monitor.last_activity,
+            )
         finally:
-            summary = sampler.stop(step_times=phase_times(trial_dir / "metrics.jsonl",
-                                                          after_step=control.rule.warmup)) if sampler else None
+            summary = (
+                sampler.stop(
+                    step_times=phase_times(trial_dir / "metrics.jsonl", after_step=control.rule.warmup)
+                )
+                if sampler
+                else None
+            )
     monitor.poll()
     if summary is None and not monitors_gpus:
         # a trial that writes its own gpu.csv (the simulator, following its physics)
-        summary = summarize_file(trial_dir / "gpu.csv", params=params, min_util=recipe.min_util,
-                                 step_times=phase_times(trial_dir / "metrics.jsonl", after_step=control.rule.warmup))
+        summary = summarize_file(
+            trial_dir / "gpu.csv",
+            params=params,
+            min_util=recipe.min_util,
+            step_times=phase_times(trial_dir / "metrics.jsonl", after_step=control.rule.warmup),
+        )
     outcome = judge(result, monitor, recipe, control.rule.warmup, trial_dir=trial_dir)
     note_leftover(outcome, leftover, previous_failed)
     if summary is not None:
@@ -185,8 +222,9 @@ def execute(spec: LaunchSpec, params: dict[str, Any], recipe: Recipe, control: T
     outcome.extra["launched"] = True
     outcome.write(trial_dir / "outcome.json")
     if gpus and sampler is not None:
-        reached = wait_for_baseline(gpus, baseline, tolerance_gib=LEFTOVER_TOLERANCE_GIB, pgid=None,
-                                    trial_dir=trial_dir.parent)
+        reached = wait_for_baseline(
+            gpus, baseline, tolerance_gib=LEFTOVER_TOLERANCE_GIB, pgid=None, trial_dir=trial_dir.parent
+        )
         _CLEANUP_FAILED[tuple(gpus)] = not reached
     return outcome
 
@@ -229,12 +267,13 @@ def add_monitor_summary(outcome: Outcome, summary: MonitorSummary, device: str) 
     outcome.extra["monitor"] = data
 
 
-def judge(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: int, *,
-          trial_dir: Path | None = None) -> Outcome:
+def judge(
+    result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: int, *, trial_dir: Path | None = None
+) -> Outcome:
     """Turn how the process ended plus what it reported into an Outcome, with the reasons for any
     reported value that was not believed (``extra["rejected_metrics"]``)."""
     outcome = _verdict(result, monitor, recipe, warmup, trial_dir)
-    notes = getattr(result, "notes", None)    # a log file that was capped or could not be written
+    notes = getattr(result, "notes", None)  # a log file that was capped or could not be written
     if notes:
         outcome.extra["log_notes"] = list(notes)
     reasons, count = monitor.rejected()
@@ -244,18 +283,25 @@ def judge(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: i
     return outcome
 
 
-def _verdict(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: int,
-             trial_dir: Path | None) -> Outcome:
+def _verdict(
+    result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup: int, trial_dir: Path | None
+) -> Outcome:
     """The status. A run that measured its steps and ended well (exit 0, or stopped by us once
     measured) is ok whatever its log mentions: trainers and libraries print recovered OOMs, and
     "MemoryError" or "CUDA error: out of memory" in a warning is not a failure. A mention is
     noted in ``extra["memory_mention"]``. Anything else is judged from the whole log files."""
     records = monitor.records
     throughput = steady_throughput(records, warmup, monitor.samples_per_step)
-    common = dict(peak_memory_gib=monitor.peak_memory_gib(), steps=monitor.steps,
-                  step_times=[r.step_time for r in records if r.step_time is not None],
-                  wall_time_s=round(result.wall_time_s, 3), returncode=result.returncode)
-    if throughput and (result.stopped in ("measured", "pruned") or (result.stopped is None and result.returncode == 0)):
+    common = dict(
+        peak_memory_gib=monitor.peak_memory_gib(),
+        steps=monitor.steps,
+        step_times=[r.step_time for r in records if r.step_time is not None],
+        wall_time_s=round(result.wall_time_s, 3),
+        returncode=result.returncode,
+    )
+    if throughput and (
+        result.stopped in ("measured", "pruned") or (result.stopped is None and result.returncode == 0)
+    ):
         extra: dict[str, Any] = {"pruned": True} if result.stopped == "pruned" else {}
         mention = diagnose(result.returncode, result.log_tail, stopped_by_us=True)
         if mention.status == "oom":
@@ -265,8 +311,12 @@ def _verdict(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup
     # a trial we killed ourselves (-9 after SIGTERM was ignored) is not the kernel's OOM killer
     stopped_by_us = result.stopped is not None
     if trial_dir is not None:
-        found = diagnose_files(result.returncode, [trial_dir / "stderr.log", trial_dir / "stdout.log"],
-                               fallback=result.log_tail, stopped_by_us=stopped_by_us)
+        found = diagnose_files(
+            result.returncode,
+            [trial_dir / "stderr.log", trial_dir / "stdout.log"],
+            fallback=result.log_tail,
+            stopped_by_us=stopped_by_us,
+        )
     else:
         found = diagnose(result.returncode, result.log_tail, stopped_by_us=stopped_by_us)
     status, oom_kind, error_line = found.status, found.oom_kind, found.error_line
@@ -274,17 +324,31 @@ def _verdict(result: LaunchResult, monitor: TrialMonitor, recipe: Recipe, warmup
         return Outcome(status="oom", oom_kind=oom_kind, error_line=error_line, **common)
     if result.stopped in ("timeout", "hang"):
         limit = recipe.trial_timeout_s if result.stopped == "timeout" else recipe.hang_timeout_s
-        detail = (f"no result within --trial-timeout {limit:g}s" if result.stopped == "timeout"
-                  else f"no output for --hang-timeout {limit:g}s")
+        detail = (
+            f"no result within --trial-timeout {limit:g}s"
+            if result.stopped == "timeout"
+            else f"no output for --hang-timeout {limit:g}s"
+        )
         return Outcome(status=result.stopped, detail=detail, error_line=error_line, **common)
     timed = [r for r in records if r.step_time is not None]
     if len(timed) > warmup and not any(r.samples for r in timed) and not monitor.samples_per_step:
-        return Outcome(status="crash", error_line=(
-            "the trainer logged step times but not how many completions a step trained: write "
-            "\"samples\" in its AUTOTUNE_METRICS_FILE lines, or declare global_batch: in the space"), **common)
+        return Outcome(
+            status="crash",
+            error_line=(
+                "the trainer logged step times but not how many completions a step trained: write "
+                '"samples" in its AUTOTUNE_METRICS_FILE lines, or declare global_batch: in the space'
+            ),
+            **common,
+        )
     if result.returncode == 0:
-        return Outcome(status="crash", error_line=error_line or (
-            f"the trainer exited after {monitor.steps} step(s) without enough step times; "
-            f"it must run at least {warmup + 1} steps and log step_time or write "
-            "AUTOTUNE_METRICS_FILE lines"), **common)
+        return Outcome(
+            status="crash",
+            error_line=error_line
+            or (
+                f"the trainer exited after {monitor.steps} step(s) without enough step times; "
+                f"it must run at least {warmup + 1} steps and log step_time or write "
+                "AUTOTUNE_METRICS_FILE lines"
+            ),
+            **common,
+        )
     return Outcome(status=status, oom_kind=oom_kind, error_line=error_line, **common)

@@ -26,9 +26,10 @@ import subprocess
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Callable
+from typing import IO
 
 import psutil
 
@@ -39,15 +40,15 @@ log = logging.getLogger(__name__)
 
 __all__ = ["LaunchSpec", "LaunchResult", "ServiceFailed", "CappedLog", "launch"]
 
-CHUNK = 64 * 1024            # bytes read from a pipe at a time
-LINE_MAX = 8 * 1024          # bytes of one line handed on; the rest of a longer line is dropped
-TAIL_BYTES = 256 * 1024      # the last output kept in memory for the classifier, per tail
-LOG_CAP = 64 * 2**20         # bytes of a stream written to its log file before it is capped
-LOG_END = 2**20              # the last bytes of a capped stream, written after the note
-QUEUE_LINES = 1024           # lines waiting for the main loop; a reader waits when it is full
-DRAIN_SLICE_S = 0.2          # the longest the main loop hands lines on before it checks the clock
-READERS_WAIT_S = 5.0         # after the trial ended: how long its pipes may stay open
-FINAL_FEED_S = 2.0           # after the trial ended: how long left-over lines still go to on_line
+CHUNK = 64 * 1024  # bytes read from a pipe at a time
+LINE_MAX = 8 * 1024  # bytes of one line handed on; the rest of a longer line is dropped
+TAIL_BYTES = 256 * 1024  # the last output kept in memory for the classifier, per tail
+LOG_CAP = 64 * 2**20  # bytes of a stream written to its log file before it is capped
+LOG_END = 2**20  # the last bytes of a capped stream, written after the note
+QUEUE_LINES = 1024  # lines waiting for the main loop; a reader waits when it is full
+DRAIN_SLICE_S = 0.2  # the longest the main loop hands lines on before it checks the clock
+READERS_WAIT_S = 5.0  # after the trial ended: how long its pipes may stay open
+FINAL_FEED_S = 2.0  # after the trial ended: how long left-over lines still go to on_line
 
 
 class ServiceFailed(Exception):
@@ -67,19 +68,19 @@ class LaunchSpec:
     env: dict[str, str]
     trial_dir: Path
     cwd: Path | None = None
-    memory_limit_gib: float | None = None   # RLIMIT_AS for the trial process (CPU OOM tests)
-    sidecars: list["LaunchSpec"] = field(default_factory=list)
-    port: int | None = None                 # a sidecar's TCP port (a vLLM server), picked per trial
+    memory_limit_gib: float | None = None  # RLIMIT_AS for the trial process (CPU OOM tests)
+    sidecars: list[LaunchSpec] = field(default_factory=list)
+    port: int | None = None  # a sidecar's TCP port (a vLLM server), picked per trial
 
 
 @dataclass
 class LaunchResult:
     returncode: int | None
-    stopped: str | None          # why we stopped it: 'measured' | 'pruned' | 'timeout' | 'hang' | None
+    stopped: str | None  # why we stopped it: 'measured' | 'pruned' | 'timeout' | 'hang' | None
     wall_time_s: float
-    log_tail: str                # last lines of stdout and stderr, in arrival order (bounded bytes)
+    log_tail: str  # last lines of stdout and stderr, in arrival order (bounded bytes)
     stderr_tail: str
-    notes: list[str] = field(default_factory=list)   # a log that could not be written or was capped
+    notes: list[str] = field(default_factory=list)  # a log that could not be written or was capped
 
 
 def _preexec(memory_limit_gib: float | None) -> Callable[[], None]:
@@ -118,7 +119,9 @@ class CappedLog:
             self._failed(exc)
 
     def _failed(self, exc: OSError) -> None:
-        self.error = f"{self.path.name} could not be written ({exc.strerror or exc}); its output was still read"
+        self.error = (
+            f"{self.path.name} could not be written ({exc.strerror or exc}); its output was still read"
+        )
         log.warning("%s", self.error)
         if self.file is not None:
             try:
@@ -141,7 +144,7 @@ class CappedLog:
             self._write(data[:room])
             self.written += min(room, len(data))
             data = data[room:]
-        if data:   # past the cap: keep the last ``end_keep`` bytes, in whole chunks (no copying)
+        if data:  # past the cap: keep the last ``end_keep`` bytes, in whole chunks (no copying)
             self.end.append(data)
             self.end_size += len(data)
             while self.end_size - len(self.end[0]) >= self.end_keep:
@@ -152,8 +155,10 @@ class CappedLog:
     @property
     def note(self) -> str | None:
         if self.dropped:
-            return (f"{self.path.name} capped at {self.cap} bytes: {self.dropped} bytes dropped, "
-                    f"the last {self.end_size} bytes kept")
+            return (
+                f"{self.path.name} capped at {self.cap} bytes: {self.dropped} bytes dropped, "
+                f"the last {self.end_size} bytes kept"
+            )
         return None
 
     def close(self) -> None:
@@ -161,9 +166,9 @@ class CappedLog:
         end = b"".join(self.end)
         self.end.clear()
         if self.dropped:
-            end = end[max(len(end) - self.end_keep, 0):]
-            cut = end.find(b"\n")          # the kept end starts at a line
-            end = end[cut + 1:] if 0 <= cut < len(end) - 1 else end
+            end = end[max(len(end) - self.end_keep, 0) :]
+            cut = end.find(b"\n")  # the kept end starts at a line
+            end = end[cut + 1 :] if 0 <= cut < len(end) - 1 else end
             self.dropped += self.end_size - len(end)
             self.end_size = len(end)
             self._write(f"\n[autotune] {self.note}\n".encode())
@@ -193,7 +198,7 @@ class _Lines:
             stop = len(data) if newline < 0 else newline
             if not self.cutting:
                 room = self.limit - len(self.partial)
-                self.partial += data[start:min(stop, start + room)]
+                self.partial += data[start : min(stop, start + room)]
                 if stop - start > room:
                     out.append(bytes(self.partial))
                     self.partial.clear()
@@ -213,8 +218,14 @@ class _Lines:
         return rest
 
 
-def _reader(stream: IO[bytes], sink: CappedLog, name: str, lines: "queue.Queue[tuple[str, str]]",
-            seen: list[float], stop: threading.Event) -> None:
+def _reader(
+    stream: IO[bytes],
+    sink: CappedLog,
+    name: str,
+    lines: queue.Queue[tuple[str, str]],
+    seen: list[float],
+    stop: threading.Event,
+) -> None:
     """Tee one output stream to ``sink`` and hand its lines to the launch loop, in bounded pieces.
 
     ``seen[0]`` is the time bytes last arrived (an over-long line is output too, not a hang). When
@@ -275,10 +286,18 @@ class _Tail:
         return "\n".join(self.lines)
 
 
-def launch(spec: LaunchSpec, *, on_line: Callable[[str, str], None],
-           should_stop: Callable[[], str | None], trial_timeout_s: float, hang_timeout_s: float,
-           activity: Callable[[], float] | None = None, grace_s: float = 10.0,
-           tail_bytes: int = TAIL_BYTES, log_cap_bytes: int = LOG_CAP) -> LaunchResult:
+def launch(
+    spec: LaunchSpec,
+    *,
+    on_line: Callable[[str, str], None],
+    should_stop: Callable[[], str | None],
+    trial_timeout_s: float,
+    hang_timeout_s: float,
+    activity: Callable[[], float] | None = None,
+    grace_s: float = 10.0,
+    tail_bytes: int = TAIL_BYTES,
+    log_cap_bytes: int = LOG_CAP,
+) -> LaunchResult:
     """Run ``spec`` to the end, or until ``should_stop`` names a reason, a timeout or a hang.
 
     ``on_line(stream, text)`` sees every output line as it arrives (at most :data:`LINE_MAX`
@@ -288,24 +307,31 @@ def launch(spec: LaunchSpec, *, on_line: Callable[[str, str], None],
     """
     spec.trial_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **spec.env}
-    env.setdefault(TRIAL_ENV, str(spec.trial_dir))      # every process it starts carries the marker
+    env.setdefault(TRIAL_ENV, str(spec.trial_dir))  # every process it starts carries the marker
     marker = Path(env[TRIAL_ENV])
     start = time.monotonic()
     proc = subprocess.Popen(
-        spec.argv, env=env, cwd=spec.cwd or spec.trial_dir, stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+        spec.argv,
+        env=env,
+        cwd=spec.cwd or spec.trial_dir,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
         preexec_fn=_preexec(spec.memory_limit_gib),
     )
     try:
         (spec.trial_dir / PID_FILE).write_text(f"{proc.pid}\n")
-    except OSError as exc:   # a full disk: the marker still finds the trial's processes on resume
+    except OSError as exc:  # a full disk: the marker still finds the trial's processes on resume
         log.warning("cannot write %s: %s", spec.trial_dir / PID_FILE, exc)
     lines: queue.Queue[tuple[str, str]] = queue.Queue(maxsize=QUEUE_LINES)
     stop_readers = threading.Event()
     seen = [start]
     sinks = [CappedLog(spec.trial_dir / f"{name}.log", cap=log_cap_bytes) for name in ("stdout", "stderr")]
-    readers = [threading.Thread(target=_reader, args=(stream, sink, name, lines, seen, stop_readers), daemon=True)
-               for stream, sink, name in ((proc.stdout, sinks[0], "stdout"), (proc.stderr, sinks[1], "stderr"))]
+    readers = [
+        threading.Thread(target=_reader, args=(stream, sink, name, lines, seen, stop_readers), daemon=True)
+        for stream, sink, name in ((proc.stdout, sinks[0], "stdout"), (proc.stderr, sinks[1], "stderr"))
+    ]
     for t in readers:
         t.start()
     tail, err_tail = _Tail(tail_bytes), _Tail(tail_bytes)
@@ -378,11 +404,16 @@ def launch(spec: LaunchSpec, *, on_line: Callable[[str, str], None],
     for t in readers:
         t.join(timeout=0.5)
     if any(t.is_alive() for t in readers):
-        log.warning("trial %s: an output pipe is still held open by a process that is not the trial's",
-                    spec.trial_dir)
+        log.warning(
+            "trial %s: an output pipe is still held open by a process that is not the trial's", spec.trial_dir
+        )
     (spec.trial_dir / PID_FILE).unlink(missing_ok=True)
     notes = [n for sink in sinks for n in (sink.error, sink.note) if n]
     return LaunchResult(
-        returncode=proc.returncode, stopped=stopped, wall_time_s=time.monotonic() - start,
-        log_tail=tail.text(), stderr_tail=err_tail.text(), notes=notes,
+        returncode=proc.returncode,
+        stopped=stopped,
+        wall_time_s=time.monotonic() - start,
+        log_tail=tail.text(),
+        stderr_tail=err_tail.text(),
+        notes=notes,
     )

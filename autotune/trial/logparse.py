@@ -45,11 +45,21 @@ from __future__ import annotations
 import logging
 import re
 from collections import deque
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from autotune.trial.metrics import (MAX_LITERAL_CHARS, MIN_STEP_S, PLAUSIBLE_STEP_S, Rejections, StepRecord, parse_mapping,
-                                    record_from_dict, to_float, to_int)
+from autotune.trial.metrics import (
+    MAX_LITERAL_CHARS,
+    MIN_STEP_S,
+    PLAUSIBLE_STEP_S,
+    Rejections,
+    StepRecord,
+    parse_mapping,
+    record_from_dict,
+    to_float,
+    to_int,
+)
 from autotune.units import duration_seconds
 
 __all__ = ["LogParser", "log_digest", "parse_log_dicts"]
@@ -116,13 +126,13 @@ def parse_log_dicts(line: str) -> list[dict[str, Any]]:
         if "{" not in segment:
             continue
         budget = PARSE_BUDGET_CHARS
-        inside_until = -1          # end of the last dict found: what is inside it is not tried again
+        inside_until = -1  # end of the last dict found: what is inside it is not tried again
         for start, end in _brace_pairs(segment[:MAX_SEGMENT_CHARS]):
             if start < inside_until:
                 continue
             size = end + 1 - start
             if size > MAX_LITERAL_CHARS:
-                continue           # never parsed (see MAX_LITERAL_CHARS); a dict inside may be
+                continue  # never parsed (see MAX_LITERAL_CHARS); a dict inside may be
             if size > budget:
                 continue
             budget -= size
@@ -141,11 +151,11 @@ def parse_log_dicts(line: str) -> list[dict[str, Any]]:
 #: first :data:`READ_HEAD` and last :data:`READ_END` bytes.
 READ_HEAD = 72 * 2**20
 READ_END = 8 * 2**20
-LINE_KEEP = 16 * 1024           # characters of one line kept: its start and its end
-CONTEXT_LINES = 60              # lines kept before a line worth reading (the traceback above it)
-AFTER_LINES = 3                 # and after it (an exception's message printed on the next line)
-TAIL_LINES = 200                # the file's last lines, always kept
-DIGEST_CHARS = 8 * 2**20        # past this, only lines matching ``priority`` are still kept (4x)
+LINE_KEEP = 16 * 1024  # characters of one line kept: its start and its end
+CONTEXT_LINES = 60  # lines kept before a line worth reading (the traceback above it)
+AFTER_LINES = 3  # and after it (an exception's message printed on the next line)
+TAIL_LINES = 200  # the file's last lines, always kept
+DIGEST_CHARS = 8 * 2**20  # past this, only lines matching ``priority`` are still kept (4x)
 _READ_CHUNK = 2**20
 
 
@@ -167,10 +177,10 @@ def _file_lines(path: Path) -> Iterator[str]:
                 left -= len(chunk)
                 parts = (carry + chunk).split(b"\n")
                 carry = parts.pop()
-                if len(carry) > LINE_KEEP:       # a line longer than a chunk: keep its start and its end
+                if len(carry) > LINE_KEEP:  # a line longer than a chunk: keep its start and its end
                     carry = carry[:half] + carry[-half:]
                 for raw in parts:
-                    if skip_first:               # the end span starts mid-line
+                    if skip_first:  # the end span starts mid-line
                         skip_first = False
                         continue
                     if len(raw) > LINE_KEEP:
@@ -205,7 +215,9 @@ def log_digest(path: Path | str, worth: re.Pattern[str], priority: re.Pattern[st
     try:
         for index, text in enumerate(_file_lines(Path(path))):
             tail.append((index, text))
-            if worth.search(text) and (chars < DIGEST_CHARS or (chars < 4 * DIGEST_CHARS and priority.search(text))):
+            if worth.search(text) and (
+                chars < DIGEST_CHARS or (chars < 4 * DIGEST_CHARS and priority.search(text))
+            ):
                 for prior in before:
                     keep(*prior)
                 before.clear()
@@ -227,7 +239,14 @@ def log_digest(path: Path | str, worth: re.Pattern[str], priority: re.Pattern[st
 # What kind of dict
 # --------------------------------------------------------------------------------------------
 
-_TRAIN_KEYS = ("loss", "step_time", "grad_norm", "global_step/max_steps", "train_speed(iter/s)", "train_speed(s/it)")
+_TRAIN_KEYS = (
+    "loss",
+    "step_time",
+    "grad_norm",
+    "global_step/max_steps",
+    "train_speed(iter/s)",
+    "train_speed(s/it)",
+)
 _FINAL_KEYS = ("train_loss", "train_samples_per_second", "train_steps_per_second")
 _CONTRACT_KEYS = ("step_time", "samples", "tokens", "peak_memory_gib")
 
@@ -318,7 +337,7 @@ class LogParser:
         self._last_elapsed: float | None = None
         self._last_tokens: float | None = None
         self._peak: float | None = None
-        self.rejections = Rejections()     # implausible values dropped, and why
+        self.rejections = Rejections()  # implausible values dropped, and why
 
     @property
     def peak_memory_gib(self) -> float | None:
@@ -380,7 +399,11 @@ class LogParser:
         if total is None:
             total = to_float(d.get("num_input_tokens_seen"))
         if total is not None:
-            base = self._last_tokens if self._last_tokens is not None else (0.0 if self._last_step == 0 else None)
+            base = (
+                self._last_tokens
+                if self._last_tokens is not None
+                else (0.0 if self._last_step == 0 else None)
+            )
             if base is not None and total >= base:
                 tokens = int(round((total - base) / span))
             self._last_tokens = total

@@ -27,18 +27,19 @@ import math
 import os
 import re
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 log = logging.getLogger(__name__)
 
 # Bounds of a real GRPO optimizer step; a value outside them is a trainer's bug, not a measurement.
-MIN_STEP_S = 1e-3               # no optimizer step of a language model takes under a millisecond
-PLAUSIBLE_STEP_S = 1e6          # nor over eleven days
-PLAUSIBLE_SAMPLES = 10**7       # completions in one step
+MIN_STEP_S = 1e-3  # no optimizer step of a language model takes under a millisecond
+PLAUSIBLE_STEP_S = 1e6  # nor over eleven days
+PLAUSIBLE_SAMPLES = 10**7  # completions in one step
 PLAUSIBLE_STEPS = 10**9
-PLAUSIBLE_GIB = 1e5             # memory of one device or host, GiB
+PLAUSIBLE_GIB = 1e5  # memory of one device or host, GiB
 
 __all__ = [
     "Rejections",
@@ -98,7 +99,7 @@ def to_float(value: Any) -> float | None:
             result = float(value.strip().rstrip("%").strip())
         else:
             return None
-    except (ValueError, OverflowError):   # '1e5x', or an integer of 400 digits
+    except (ValueError, OverflowError):  # '1e5x', or an integer of 400 digits
         return None
     return result if math.isfinite(result) else None
 
@@ -122,8 +123,16 @@ MAX_LITERAL_CHARS = 64 * 1024
 
 # Bare names that stand for values in printed dicts (Python's and JSON's spellings).
 _NAMES: dict[str, Any] = {
-    "None": None, "null": None, "True": True, "true": True, "False": False, "false": False,
-    "nan": math.nan, "NaN": math.nan, "inf": math.inf, "Infinity": math.inf,
+    "None": None,
+    "null": None,
+    "True": True,
+    "true": True,
+    "False": False,
+    "false": False,
+    "nan": math.nan,
+    "NaN": math.nan,
+    "inf": math.inf,
+    "Infinity": math.inf,
 }
 
 
@@ -228,8 +237,16 @@ def _shown(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _plausible(d: dict[str, Any], key: str, value: float | int | None, low: float, high: float,
-               rejections: Rejections | None, where: str, unit: str = "") -> float | int | None:
+def _plausible(
+    d: dict[str, Any],
+    key: str,
+    value: float | int | None,
+    low: float,
+    high: float,
+    rejections: Rejections | None,
+    where: str,
+    unit: str = "",
+) -> float | int | None:
     """``value`` when within [low, high]; else None, with the reason noted when the key was given."""
     if value is not None and low <= value <= high:
         return value
@@ -256,12 +273,30 @@ def record_from_dict(d: dict[str, Any], rejections: Rejections | None = None) ->
     where = f"step {step}: "
     return StepRecord(
         step=int(step),
-        step_time=_plausible(d, "step_time", to_float(d.get("step_time")), MIN_STEP_S, PLAUSIBLE_STEP_S,
-                             rejections, where, " s"),
+        step_time=_plausible(
+            d,
+            "step_time",
+            to_float(d.get("step_time")),
+            MIN_STEP_S,
+            PLAUSIBLE_STEP_S,
+            rejections,
+            where,
+            " s",
+        ),
         samples=_plausible(d, "samples", to_int(d.get("samples")), 0, PLAUSIBLE_SAMPLES, rejections, where),
-        tokens=_plausible(d, "tokens", to_int(d.get("tokens")), 0, PLAUSIBLE_SAMPLES * 10**6, rejections, where),
-        peak_memory_gib=_plausible(d, "peak_memory_gib", to_float(d.get("peak_memory_gib")), 0.0, PLAUSIBLE_GIB,
-                                   rejections, where, " GiB"),
+        tokens=_plausible(
+            d, "tokens", to_int(d.get("tokens")), 0, PLAUSIBLE_SAMPLES * 10**6, rejections, where
+        ),
+        peak_memory_gib=_plausible(
+            d,
+            "peak_memory_gib",
+            to_float(d.get("peak_memory_gib")),
+            0.0,
+            PLAUSIBLE_GIB,
+            rejections,
+            where,
+            " GiB",
+        ),
     )
 
 

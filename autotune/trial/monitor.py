@@ -56,6 +56,9 @@ class TrialMonitor:
         return reasons[: self.metrics.rejections.KEEP], sum(source.count for source in sources)
 
     def peak_memory_gib(self) -> float | None:
-        peaks = [r.peak_memory_gib for r in self.metrics.records + self.parser.records
-                 if r.peak_memory_gib is not None]
+        peaks = [
+            r.peak_memory_gib
+            for r in self.metrics.records + self.parser.records
+            if r.peak_memory_gib is not None
+        ]
         return max(peaks) if peaks else None

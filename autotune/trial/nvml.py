@@ -13,7 +13,8 @@ usual training box; NVML ignores ``CUDA_VISIBLE_DEVICES``.
 from __future__ import annotations
 
 import logging
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from autotune.units import MIB
 
@@ -39,8 +40,11 @@ def open_nvml(nvml: Any | None) -> Any | None:
     try:
         nvml.nvmlInit()
     except Exception as exc:  # NVMLError subclasses, OSError from ctypes, AttributeError from old bindings
-        log.info("NVML could not be initialised (%s: %s): GPU sampling off, host sampling only",
-                 type(exc).__name__, exc)
+        log.info(
+            "NVML could not be initialised (%s: %s): GPU sampling off, host sampling only",
+            type(exc).__name__,
+            exc,
+        )
         return None
     return nvml
 

@@ -57,7 +57,7 @@ class Outcome:
         return out
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> "Outcome":
+    def from_json(cls, d: dict[str, Any]) -> Outcome:
         """Read what :meth:`to_json` (or an older/newer writer) produced; unknown keys go to ``extra``."""
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
@@ -76,15 +76,27 @@ class Outcome:
         write_json(path, self.to_json())
 
     @classmethod
-    def read(cls, path: Path | str) -> "Outcome":
+    def read(cls, path: Path | str) -> Outcome:
         return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
 
 
 _DETAILS = {
     ("oom", "cuda"): "GPU memory ran out: this configuration does not fit on the device",
-    ("oom", "host"): "host RAM ran out (offloaded state, pinned buffers, data loading) or the OOM killer ended the trial",
-    ("oom", "vllm_kv"): "vLLM's memory share leaves too little for the KV cache: raise vllm_gpu_memory_utilization or shorten the sequences",
-    ("oom", "vllm_startup"): "vLLM asked for more GPU memory than the trainer left free: lower vllm_gpu_memory_utilization",
+    (
+        "oom",
+        "host",
+    ): "host RAM ran out (offloaded state, pinned buffers, data loading) or the OOM killer ended the trial",
+    (
+        "oom",
+        "vllm_kv",
+    ): (
+        "vLLM's memory share leaves too little for the KV cache: raise vllm_gpu_memory_utilization "
+        "or shorten the sequences"
+    ),
+    (
+        "oom",
+        "vllm_startup",
+    ): "vLLM asked for more GPU memory than the trainer left free: lower vllm_gpu_memory_utilization",
     ("invalid", None): "the trainer rejected this combination of settings before training",
     ("crash", None): "the trial failed with an error that is not about memory",
     ("timeout", None): "the trial ran past its time limit",

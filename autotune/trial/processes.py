@@ -25,21 +25,31 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import psutil
 
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "TRIAL_ENV", "PID_FILE", "process_tree", "group_members", "kill_group", "kill_stale",
-    "owned_by_trial", "protected_pids", "inside", "signal_group", "wait_gone", "marked_processes",
+    "TRIAL_ENV",
+    "PID_FILE",
+    "process_tree",
+    "group_members",
+    "kill_group",
+    "kill_stale",
+    "owned_by_trial",
+    "protected_pids",
+    "inside",
+    "signal_group",
+    "wait_gone",
+    "marked_processes",
     "kill_marked",
 ]
 
-TRIAL_ENV = "AUTOTUNE_TRIAL_DIR"   # set in every trial's environment (DESIGN.md)
-PID_FILE = "pid"                   # the trial leader's pid, in the trial folder while it runs
+TRIAL_ENV = "AUTOTUNE_TRIAL_DIR"  # set in every trial's environment (DESIGN.md)
+PID_FILE = "pid"  # the trial leader's pid, in the trial folder while it runs
 
 # How often a wait re-scans the process group: members may appear (a dying trainer forks a cleanup
 # helper), and psutil's wait counts a zombie as running until someone reaps it, which may be never
@@ -152,8 +162,12 @@ def _our_child(proc: psutil.Process | subprocess.Popen) -> bool:
         return False
 
 
-def wait_gone(procs: Sequence[psutil.Process], timeout_s: float, pgid: int | None = None,
-              leader: subprocess.Popen | None = None) -> list[psutil.Process | subprocess.Popen]:
+def wait_gone(
+    procs: Sequence[psutil.Process],
+    timeout_s: float,
+    pgid: int | None = None,
+    leader: subprocess.Popen | None = None,
+) -> list[psutil.Process | subprocess.Popen]:
     """Wait up to ``timeout_s`` until ``procs``, ``leader`` and the members of group ``pgid`` have
     exited; return those still running (empty when all are gone).
 
@@ -179,8 +193,13 @@ def wait_gone(procs: Sequence[psutil.Process], timeout_s: float, pgid: int | Non
             time.sleep(min(remaining, _RESCAN_S))
 
 
-def kill_group(pgid: int | None, extra: Sequence[psutil.Process] | None = None, grace_s: float = 10.0,
-               *, leader: subprocess.Popen | None = None) -> list[psutil.Process | subprocess.Popen]:
+def kill_group(
+    pgid: int | None,
+    extra: Sequence[psutil.Process] | None = None,
+    grace_s: float = 10.0,
+    *,
+    leader: subprocess.Popen | None = None,
+) -> list[psutil.Process | subprocess.Popen]:
     """SIGTERM the group and ``extra`` (processes that may have left it), SIGKILL after ``grace_s``.
 
     Waits up to ``grace_s`` for the group's members and ``extra`` to die, then SIGKILLs the group
@@ -223,8 +242,12 @@ def kill_marked(trial_dir: Path, grace_s: float = 2.0, rounds: int = 3) -> list[
         procs = marked_processes(trial_dir)
         if not procs:
             break
-        log.info("ending %d process(es) of trial %s left running: pids %s", len(procs), trial_dir,
-                 sorted(p.pid for p in procs))
+        log.info(
+            "ending %d process(es) of trial %s left running: pids %s",
+            len(procs),
+            trial_dir,
+            sorted(p.pid for p in procs),
+        )
         victims += procs
         kill_group(None, procs, grace_s)
         wait_gone(procs, grace_s)
@@ -248,8 +271,11 @@ def kill_stale(trial_dir: Path) -> bool:
         except (ValueError, OSError):
             pid_file.unlink(missing_ok=True)
             continue
-        members = [p for p in group_members(pid) if p.pid not in protected_pids()
-                   and (owner := _trial_of(p)) and inside(Path(owner), trial_dir)]
+        members = [
+            p
+            for p in group_members(pid)
+            if p.pid not in protected_pids() and (owner := _trial_of(p)) and inside(Path(owner), trial_dir)
+        ]
         if members:
             log.info("killing stale trial process group %s (%s)", pid, trial_dir)
             kill_group(pid, members, grace_s=5.0)

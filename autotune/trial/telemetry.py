@@ -22,8 +22,9 @@ import csv
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import psutil
 
@@ -37,8 +38,16 @@ log = logging.getLogger(__name__)
 __all__ = ["CSV_NAME", "CSV_COLUMNS", "MEASURE", "GpuReading", "Tick", "GpuSampler"]
 
 CSV_NAME = "gpu.csv"
-CSV_COLUMNS = ("time_s", "phase", "gpu", "util_pct", "mem_used_gib", "mem_total_gib",
-               "host_rss_gib", "host_cpu_pct")
+CSV_COLUMNS = (
+    "time_s",
+    "phase",
+    "gpu",
+    "util_pct",
+    "mem_used_gib",
+    "mem_total_gib",
+    "host_rss_gib",
+    "host_cpu_pct",
+)
 
 
 def _peak_rss_bytes(pid: int) -> int | None:
@@ -77,7 +86,7 @@ class _HostTree:
         alive: dict[int, psutil.Process] = {}
         for proc in members:
             known = self.procs.get(proc.pid)
-            if known is not None and known == proc:   # same pid and create time: not a recycled pid
+            if known is not None and known == proc:  # same pid and create time: not a recycled pid
                 proc = known
             try:
                 cpu += proc.cpu_percent(None)
@@ -105,9 +114,17 @@ class GpuSampler:
     ``params`` and ``min_util`` feed the low-utilization diagnosis of :meth:`stop`.
     """
 
-    def __init__(self, trial_dir: Path, gpu_indices: list[int] | None, root_pid: int | None = None,
-                 interval_s: float = 0.25, nvml: Any | None = None, *,
-                 params: Mapping[str, Any] | None = None, min_util: float = 0.5) -> None:
+    def __init__(
+        self,
+        trial_dir: Path,
+        gpu_indices: list[int] | None,
+        root_pid: int | None = None,
+        interval_s: float = 0.25,
+        nvml: Any | None = None,
+        *,
+        params: Mapping[str, Any] | None = None,
+        min_util: float = 0.5,
+    ) -> None:
         self.trial_dir = Path(trial_dir)
         self.gpu_indices = None if gpu_indices is None else list(gpu_indices)
         self.root_pid = root_pid
@@ -122,7 +139,7 @@ class GpuSampler:
         self._failed: set[tuple[int, str]] = set()
         self._host = _HostTree()
         self._lock = threading.Lock()
-        self._tick_lock = threading.Lock()   # the thread's ticks and a caller's (sample before a kill)
+        self._tick_lock = threading.Lock()  # the thread's ticks and a caller's (sample before a kill)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._csv: Any | None = None
@@ -144,7 +161,7 @@ class GpuSampler:
         self._csv.flush()
         self._t0 = time.monotonic()
 
-    def start(self) -> "GpuSampler":
+    def start(self) -> GpuSampler:
         """Open and start sampling every ``interval_s`` seconds in a daemon thread."""
         self.open()
         self._thread = threading.Thread(target=self._run, name=f"gpumon-{self.trial_dir.name}", daemon=True)
@@ -174,16 +191,22 @@ class GpuSampler:
             if self._thread.is_alive():
                 log.warning("GPU sampler thread of %s did not stop in time", self.trial_dir)
         if self._csv is not None:
-            if not self.ticks:   # a trial shorter than one interval still gets a sample
+            if not self.ticks:  # a trial shorter than one interval still gets a sample
                 self.tick()
             self._csv.close()
         close_nvml(self._nvml)
-        self._summary = summarize(self.ticks, params=self.params, min_util=self.min_util, step_times=step_times,
-                                  gpu_indices=list(self._handles), nvml=bool(self._handles),
-                                  peak_process_rss_gib=self._host.peak_process_gib)
+        self._summary = summarize(
+            self.ticks,
+            params=self.params,
+            min_util=self.min_util,
+            step_times=step_times,
+            gpu_indices=list(self._handles),
+            nvml=bool(self._handles),
+            peak_process_rss_gib=self._host.peak_process_gib,
+        )
         return self._summary
 
-    def __enter__(self) -> "GpuSampler":
+    def __enter__(self) -> GpuSampler:
         return self.start()
 
     def __exit__(self, *exc: Any) -> None:
@@ -195,7 +218,7 @@ class GpuSampler:
             started = time.monotonic()
             try:
                 self.tick()
-            except Exception:   # a sampling bug must not take the controller down with it
+            except Exception:  # a sampling bug must not take the controller down with it
                 log.exception("GPU sampling failed; sampling stops for %s", self.trial_dir)
                 return
             self._stop.wait(max(0.0, self.interval_s - (time.monotonic() - started)))
@@ -213,7 +236,7 @@ class GpuSampler:
         util = used = total = None
         try:
             util = float(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
-        except Exception as exc:   # NVMLError_NotSupported on MIG slices, GpuIsLost, ...
+        except Exception as exc:  # NVMLError_NotSupported on MIG slices, GpuIsLost, ...
             self._once(index, "util", exc)
         try:
             mem = nv.nvmlDeviceGetMemoryInfo(handle)
@@ -238,8 +261,11 @@ class GpuSampler:
     def _tick(self) -> Tick | None:
         with self._lock:
             phase = self.phase
-        tick = Tick(round(time.monotonic() - self._t0, 3), phase,
-                    [self._read_gpu(i, h) for i, h in self._handles.items()])
+        tick = Tick(
+            round(time.monotonic() - self._t0, 3),
+            phase,
+            [self._read_gpu(i, h) for i, h in self._handles.items()],
+        )
         tick.host_rss_gib, tick.host_cpu_pct = self._host.sample(self._pid())
         if not tick.gpus and tick.host_rss_gib is None:
             return None

@@ -19,23 +19,36 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from autotune.trial.metrics import PLAUSIBLE_STEP_S, to_float
 
 __all__ = [
-    "GpuReading", "Tick", "MEASURE", "MonitorSummary", "summarize", "diagnose_low_util", "phase_times",
-    "read_ticks", "summarize_file", "idle_share", "GENERATION_BOUND_SHARE", "SMALL_VLLM_FRACTION",
-    "CPU_BOUND_PCT_PER_GPU", "IDLE_SHARE_LIMIT", "SWIFT_KNOBS",
+    "GpuReading",
+    "Tick",
+    "MEASURE",
+    "MonitorSummary",
+    "summarize",
+    "diagnose_low_util",
+    "phase_times",
+    "read_ticks",
+    "summarize_file",
+    "idle_share",
+    "GENERATION_BOUND_SHARE",
+    "SMALL_VLLM_FRACTION",
+    "CPU_BOUND_PCT_PER_GPU",
+    "IDLE_SHARE_LIMIT",
+    "SWIFT_KNOBS",
 ]
 
-MEASURE = "measure"   # the phase label of the steps whose utilization counts (GpuSampler.mark)
+MEASURE = "measure"  # the phase label of the steps whose utilization counts (GpuSampler.mark)
 
 # Thresholds of the low-utilization diagnosis (see diagnose_low_util for why these values).
-GENERATION_BOUND_SHARE = 0.6   # generation time / (generation + training) above this: generation-bound
-SMALL_VLLM_FRACTION = 0.5      # colocated vLLM fraction below this leaves a small KV cache
+GENERATION_BOUND_SHARE = 0.6  # generation time / (generation + training) above this: generation-bound
+SMALL_VLLM_FRACTION = 0.5  # colocated vLLM fraction below this leaves a small KV cache
 CPU_BOUND_PCT_PER_GPU = 200.0  # host CPU of the tree, in % of one core per GPU, above this: CPU-bound
 # Share of measured samples below --min-util from which a trial is diagnosed whatever its mean: a busy
 # step dips only for the weight sync and optimizer step, offload swings idle about half the time.
@@ -62,7 +75,7 @@ class Tick:
     phase: str
     gpus: list[GpuReading] = field(default_factory=list)
     host_rss_gib: float | None = None
-    host_cpu_pct: float | None = None   # summed over the tree: 100 = one core busy, as in top
+    host_cpu_pct: float | None = None  # summed over the tree: 100 = one core busy, as in top
 
     def rows(self) -> list[list[str]]:
         """The gpu.csv rows of this tick: one per GPU (host values repeated), or one without GPUs."""
@@ -70,8 +83,10 @@ class Tick:
         head = [f"{self.time_s:.3f}", self.phase]
         if not self.gpus:
             return [head + ["", "", "", ""] + host]
-        return [head + [str(g.gpu), _fmt(g.util_pct, 0), _fmt(g.mem_used_gib, 3),
-                        _fmt(g.mem_total_gib, 3)] + host for g in self.gpus]
+        return [
+            head + [str(g.gpu), _fmt(g.util_pct, 0), _fmt(g.mem_used_gib, 3), _fmt(g.mem_total_gib, 3)] + host
+            for g in self.gpus
+        ]
 
 
 def _fmt(value: float | None, digits: int) -> str:
@@ -112,13 +127,13 @@ class MonitorSummary:
     low_util: bool
     diagnosis: str | None
     samples: int
-    gpus: list[int] = field(default_factory=list)   # NVML index of each peak_memory_gib_per_gpu entry
+    gpus: list[int] = field(default_factory=list)  # NVML index of each peak_memory_gib_per_gpu entry
     mean_gpu_util_per_gpu: list[float | None] = field(default_factory=list)
     mean_host_cpu_pct: float | None = None
     nvml: bool = False
-    peak_process_rss_gib: float | None = None   # the largest one process's peak RSS (kernel's VmHWM)
-    idle_share: float | None = None   # fraction of the measured GPU samples below min_util
-    min_util: float | None = None     # the threshold idle_share and low_util were judged against
+    peak_process_rss_gib: float | None = None  # the largest one process's peak RSS (kernel's VmHWM)
+    idle_share: float | None = None  # fraction of the measured GPU samples below min_util
+    min_util: float | None = None  # the threshold idle_share and low_util were judged against
 
     @property
     def peak_memory_gib(self) -> float | None:
@@ -143,9 +158,16 @@ class MonitorSummary:
         return out
 
 
-def summarize(ticks: Sequence[Tick], *, params: Mapping[str, Any] | None = None, min_util: float = 0.5,
-              step_times: Mapping[str, float] | None = None, gpu_indices: Sequence[int] | None = None,
-              nvml: bool | None = None, peak_process_rss_gib: float | None = None) -> MonitorSummary:
+def summarize(
+    ticks: Sequence[Tick],
+    *,
+    params: Mapping[str, Any] | None = None,
+    min_util: float = 0.5,
+    step_times: Mapping[str, float] | None = None,
+    gpu_indices: Sequence[int] | None = None,
+    nvml: bool | None = None,
+    peak_process_rss_gib: float | None = None,
+) -> MonitorSummary:
     """Reduce samples to a :class:`MonitorSummary` (the same code for live and recorded samples).
 
     ``gpu_indices`` fixes the order of the per-GPU lists (by default the order GPUs first appear).
@@ -177,8 +199,15 @@ def summarize(ticks: Sequence[Tick], *, params: Mapping[str, Any] | None = None,
     mean_cpu = sum(cpu) / len(cpu) if cpu else None
 
     watched = [i for i in order if i in peaks or i in utils]
-    diagnosis = diagnose_low_util(mean_util, params, min_util, step_times, host_cpu_pct=mean_cpu,
-                                  gpus=max(len(watched), 1), idle_share=below)
+    diagnosis = diagnose_low_util(
+        mean_util,
+        params,
+        min_util,
+        step_times,
+        host_cpu_pct=mean_cpu,
+        gpus=max(len(watched), 1),
+        idle_share=below,
+    )
     return MonitorSummary(
         peak_memory_gib_per_gpu=[peaks.get(i, 0.0) for i in watched],
         peak_host_rss_gib=max(rss) if rss else None,
@@ -215,23 +244,40 @@ def read_ticks(path: Path) -> list[Tick]:
         with open(path, newline="", encoding="utf-8", errors="replace") as fh:
             for row in csv.DictReader(fh):
                 t = _num(row.get("time_s"))
-                if t is None or None in row.values():   # a short row: DictReader fills it with None
+                if t is None or None in row.values():  # a short row: DictReader fills it with None
                     continue
                 phase = (row.get("phase") or "").strip()
                 if not ticks or ticks[-1].time_s != t or ticks[-1].phase != phase:
-                    ticks.append(Tick(t, phase, host_rss_gib=_num(row.get("host_rss_gib")),
-                                      host_cpu_pct=_num(row.get("host_cpu_pct"))))
+                    ticks.append(
+                        Tick(
+                            t,
+                            phase,
+                            host_rss_gib=_num(row.get("host_rss_gib")),
+                            host_cpu_pct=_num(row.get("host_cpu_pct")),
+                        )
+                    )
                 gpu = _num(row.get("gpu"))
                 if gpu is not None:
-                    ticks[-1].gpus.append(GpuReading(int(gpu), _num(row.get("util_pct")),
-                                                     _num(row.get("mem_used_gib")), _num(row.get("mem_total_gib"))))
+                    ticks[-1].gpus.append(
+                        GpuReading(
+                            int(gpu),
+                            _num(row.get("util_pct")),
+                            _num(row.get("mem_used_gib")),
+                            _num(row.get("mem_total_gib")),
+                        )
+                    )
     except OSError:
         return []
     return ticks
 
 
-def summarize_file(path: Path, *, params: Mapping[str, Any] | None = None, min_util: float = 0.5,
-                   step_times: Mapping[str, float] | None = None) -> MonitorSummary | None:
+def summarize_file(
+    path: Path,
+    *,
+    params: Mapping[str, Any] | None = None,
+    min_util: float = 0.5,
+    step_times: Mapping[str, float] | None = None,
+) -> MonitorSummary | None:
     """The :class:`MonitorSummary` of a gpu.csv the trial wrote itself, or None when it wrote none.
 
     For trials autotune does not sample (the simulator writes its own gpu.csv, following its
@@ -249,9 +295,16 @@ def _truthy(value: Any) -> bool:
     return bool(value)
 
 
-def diagnose_low_util(mean_util: float | None, params: Mapping[str, Any] | None, min_util: float = 0.5,
-                      step_times: Mapping[str, float] | None = None, *, host_cpu_pct: float | None = None,
-                      gpus: int = 1, idle_share: float | None = None) -> str | None:
+def diagnose_low_util(
+    mean_util: float | None,
+    params: Mapping[str, Any] | None,
+    min_util: float = 0.5,
+    step_times: Mapping[str, float] | None = None,
+    *,
+    host_cpu_pct: float | None = None,
+    gpus: int = 1,
+    idle_share: float | None = None,
+) -> str | None:
     """One line saying why the GPUs were idle, or None when utilization is fine (or unknown).
 
     ``mean_util``, ``min_util`` and ``idle_share`` (the share of measured samples below
@@ -310,12 +363,16 @@ def diagnose_low_util(mean_util: float | None, params: Mapping[str, Any] | None,
         uses_vllm = _truthy(p["use_vllm"]) if "use_vllm" in p else fraction is not None
         share = f"generation takes {gen_share:.0%} of each step"
         if uses_vllm and fraction is not None and fraction < SMALL_VLLM_FRACTION:
-            return (f"{head}: {share} and the vLLM cache is small (vllm_gpu_memory_utilization={fraction:g}): "
-                    "raise vllm_gpu_memory_utilization so more sequences decode at once")
+            return (
+                f"{head}: {share} and the vLLM cache is small (vllm_gpu_memory_utilization={fraction:g}): "
+                "raise vllm_gpu_memory_utilization so more sequences decode at once"
+            )
         if not uses_vllm:
             return f"{head}: {share} with transformers' generate: enable use_vllm"
-        return (f"{head}: {share}: decode more sequences together (larger per_device_train_batch_size) "
-                "or raise vllm_tensor_parallel_size")
+        return (
+            f"{head}: {share}: decode more sequences together (larger per_device_train_batch_size) "
+            "or raise vllm_tensor_parallel_size"
+        )
 
     cpu_note = f", host CPU {host_cpu_pct:.0f}% of a core" if host_cpu_pct is not None else ""
     swift = _swift_line(p, head, cpu_note)
@@ -324,30 +381,42 @@ def diagnose_low_util(mean_util: float | None, params: Mapping[str, Any] | None,
     offload = str(p.get("offload", "none") or "none")
     if offload != "none":
         if "params" in offload:
-            return (f"{head}: offload={offload} moves the weights over PCIe every forward and backward"
-                    f"{cpu_note}: try offload=optimizer, or zero_stage 3 without offload")
-        return (f"{head}: offload={offload} moves gradients and optimizer state over PCIe and runs Adam on "
-                f"the CPU{cpu_note}: try zero_stage 3 without offload, or a smaller offload")
+            return (
+                f"{head}: offload={offload} moves the weights over PCIe every forward and backward"
+                f"{cpu_note}: try offload=optimizer, or zero_stage 3 without offload"
+            )
+        return (
+            f"{head}: offload={offload} moves gradients and optimizer state over PCIe and runs Adam on "
+            f"the CPU{cpu_note}: try zero_stage 3 without offload, or a smaller offload"
+        )
     if _truthy(p.get("vllm_enable_sleep_mode", False)) and _truthy(p.get("use_vllm", True)):
-        return (f"{head}: vllm_enable_sleep_mode frees vLLM's memory for training and re-allocates it for "
-                "every generation, and the GPUs idle through each wake-up: try vllm_enable_sleep_mode=false "
-                "if memory allows")
+        return (
+            f"{head}: vllm_enable_sleep_mode frees vLLM's memory for training and re-allocates it for "
+            "every generation, and the GPUs idle through each wake-up: try vllm_enable_sleep_mode=false "
+            "if memory allows"
+        )
 
     if host_cpu_pct is not None and host_cpu_pct >= CPU_BOUND_PCT_PER_GPU * max(gpus, 1):
-        return (f"{head}: the host CPU is busy ({host_cpu_pct / max(gpus, 1):.0f}% of a core per GPU) while the "
-                "GPUs idle: data loading, tokenization or a CPU-side reward bounds the step "
-                "(raise dataloader_num_workers, make the reward cheaper)")
+        return (
+            f"{head}: the host CPU is busy ({host_cpu_pct / max(gpus, 1):.0f}% of a core per GPU) while the "
+            "GPUs idle: data loading, tokenization or a CPU-side reward bounds the step "
+            "(raise dataloader_num_workers, make the reward cheaper)"
+        )
 
     stage = _float(p.get("zero_stage"))
     if stage == 3 and gpus >= 2:
-        return (f"{head}: ZeRO-3 gathers the weights across {gpus} GPUs every forward and backward, so the GPUs "
-                "wait on communication: try zero_stage 2 if memory allows, or a larger "
-                "per_device_train_batch_size")
+        return (
+            f"{head}: ZeRO-3 gathers the weights across {gpus} GPUs every forward and backward, so the GPUs "
+            "wait on communication: try zero_stage 2 if memory allows, or a larger "
+            "per_device_train_batch_size"
+        )
 
     batch = p.get("per_device_train_batch_size")
-    return (f"{head}: no cause stands out in the parameters or step times"
-            + (f"; per_device_train_batch_size={batch} may be too small to fill the GPU" if batch else "")
-            + "; see gpu.csv and stdout.log")
+    return (
+        f"{head}: no cause stands out in the parameters or step times"
+        + (f"; per_device_train_batch_size={batch} may be too small to fill the GPU" if batch else "")
+        + "; see gpu.csv and stdout.log"
+    )
 
 
 def _swift_line(p: Mapping[str, Any], head: str, cpu_note: str) -> str | None:
@@ -365,18 +434,28 @@ def _swift_line(p: Mapping[str, Any], head: str, cpu_note: str) -> str | None:
     offload = str(p.get("offload", "none") or "none")
     if offload != "none":
         causes.append(f"DeepSpeed offload ({offload}) moves states over PCIe and runs Adam on the CPU")
-        fixes.append("--deepspeed zero3 instead of zero3_offload (offload=none)" if "params" in offload
-                     else "--deepspeed zero2 or zero3 without offload (offload=none)")
-    moved = {k: what for k, what in (("offload_model", "weights"), ("offload_optimizer", "optimizer state"))
-             if _truthy(p.get(k, False))}
+        fixes.append(
+            "--deepspeed zero3 instead of zero3_offload (offload=none)"
+            if "params" in offload
+            else "--deepspeed zero2 or zero3 without offload (offload=none)"
+        )
+    moved = {
+        k: what
+        for k, what in (("offload_model", "weights"), ("offload_optimizer", "optimizer state"))
+        if _truthy(p.get(k, False))
+    }
     if moved:
-        causes.append(f"{' and '.join(moved)} move{'s' if len(moved) == 1 else ''} the "
-                      f"{' and '.join(moved.values())} to the CPU for every generation and back")
+        causes.append(
+            f"{' and '.join(moved)} move{'s' if len(moved) == 1 else ''} the "
+            f"{' and '.join(moved.values())} to the CPU for every generation and back"
+        )
         fixes += [f"--{k} false" for k in moved]
     level = _float(p.get("sleep_level"))
     if level is not None and level > 0:
-        causes.append(f"sleep_level {level:g} frees vLLM's memory while training and wakes the engine for every "
-                      "generation")
+        causes.append(
+            f"sleep_level {level:g} frees vLLM's memory while training and wakes the engine for every "
+            "generation"
+        )
         fixes.append("--sleep_level 0")
     batches = _float(p.get("move_model_batches"))
     if batches is not None and batches > 1:
@@ -394,7 +473,7 @@ def phase_times(metrics_file: Path, after_step: int = 0) -> dict[str, float] | N
     trainers do not write them, and then there is nothing to return (None).
     """
     try:
-        text = metrics_file.read_text(encoding="utf-8", errors="replace")   # a trainer may write any byte
+        text = metrics_file.read_text(encoding="utf-8", errors="replace")  # a trainer may write any byte
     except OSError:
         return None
     sums: dict[str, float] = {}
@@ -404,11 +483,15 @@ def phase_times(metrics_file: Path, after_step: int = 0) -> dict[str, float] | N
             rec = json.loads(line)
         except ValueError:
             continue
-        if not isinstance(rec, dict) or not isinstance(rec.get("step"), (int, float)) or rec["step"] <= after_step:
+        if (
+            not isinstance(rec, dict)
+            or not isinstance(rec.get("step"), (int, float))
+            or rec["step"] <= after_step
+        ):
             continue
         seen = False
         for key in ("generation_time", "training_time", "step_time"):
-            value = to_float(rec.get(key))   # finite, or None (a 400-digit integer overflows float)
+            value = to_float(rec.get(key))  # finite, or None (a 400-digit integer overflows float)
             if value is not None and 0 <= value < PLAUSIBLE_STEP_S:
                 sums[key] = sums.get(key, 0.0) + value
                 seen = True

@@ -13,8 +13,9 @@ What a trial must do to be worth its GPU time:
 * **Meet the worst case.** Prompts are exactly ``max_prompt_length`` tokens
   (:mod:`autotune.worker.data`; a vision-language model's carry ``images_per_prompt`` synthetic
   images of exactly ``image_tokens`` tokens each on top, :mod:`autotune.worker.vision`) and EOS
-  is suppressed until ``max_completion_length`` (``min_new_tokens`` for transformers generation, ``min_tokens`` for vLLM's SamplingParams, both
-  through TRL's ``generation_kwargs``), so every sequence is as long as the real run's longest.
+  is suppressed until ``max_completion_length`` (``min_new_tokens`` for transformers generation,
+  ``min_tokens`` for vLLM's SamplingParams, both through TRL's ``generation_kwargs``), so every
+  sequence is as long as the real run's longest.
 * **Work without weights.** A model whose weights are not on disk is built from its config with
   random weights ("shape-only"): memory and speed depend on shapes, not values. TRL 1.16 loads the
   reference model (beta > 0) and the colocated vLLM engine *from the policy's path*, which has no

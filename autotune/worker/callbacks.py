@@ -94,8 +94,14 @@ class TrialMetricsCallback:  # a transformers.TrainerCallback, made so in make_m
     log came.
     """
 
-    def __init__(self, metrics_file: Path | None, samples_per_step: int, tokens_per_sample: int,
-                 device: str, timer: _GenerationTimer) -> None:
+    def __init__(
+        self,
+        metrics_file: Path | None,
+        samples_per_step: int,
+        tokens_per_sample: int,
+        device: str,
+        timer: _GenerationTimer,
+    ) -> None:
         self.metrics_file = metrics_file
         self.samples_per_step = samples_per_step
         self.tokens_per_sample = tokens_per_sample
@@ -132,8 +138,9 @@ class TrialMetricsCallback:  # a transformers.TrainerCallback, made so in make_m
         }
         self._pending = line
 
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
-               **kwargs: Any) -> None:
+    def on_log(
+        self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
         if not state.is_world_process_zero or self._pending is None or not logs:
             return
         line = self._pending
@@ -142,8 +149,10 @@ class TrialMetricsCallback:  # a transformers.TrainerCallback, made so in make_m
             if self._last_num_tokens is not None and num_tokens > self._last_num_tokens:
                 line["tokens"] = int(num_tokens - self._last_num_tokens)
             self._last_num_tokens = float(num_tokens)
-        for key, name in (("completions/mean_length", "completion_length"),
-                          ("completions/clipped_ratio", "clipped_ratio")):
+        for key, name in (
+            ("completions/mean_length", "completion_length"),
+            ("completions/clipped_ratio", "clipped_ratio"),
+        ):
             if isinstance(logs.get(key), (int, float)):
                 line[name] = logs[key]
         self._flush()
@@ -161,8 +170,11 @@ class TrialMetricsCallback:  # a transformers.TrainerCallback, made so in make_m
             free, total = torch.cuda.mem_get_info(device)
             self._max_device_used = max(self._max_device_used, (total - free) / GIB)
             reserved, used = _max_over_ranks([reserved, self._max_device_used], device)
-            return {"peak_memory_gib": round(max(reserved, used), 3),
-                    "torch_peak_reserved_gib": round(reserved, 3), "memory_kind": "cuda"}
+            return {
+                "peak_memory_gib": round(max(reserved, used), 3),
+                "torch_peak_reserved_gib": round(reserved, 3),
+                "memory_kind": "cuda",
+            }
         (rss,) = _max_over_ranks([_cpu_peak_rss_gib()], "cpu")
         return {"peak_memory_gib": round(rss, 3), "memory_kind": "host_rss"}
 

@@ -14,8 +14,17 @@ from typing import Any
 __all__ = ["TRIAL_ONLY_FIELDS", "build_grpo_config", "suppress_eos_kwargs"]
 
 #: GRPOConfig fields the worker sets for every trial (the rest come from the candidate).
-TRIAL_ONLY_FIELDS = ("output_dir", "max_steps", "logging_steps", "report_to", "save_strategy",
-                     "disable_tqdm", "seed", "dataloader_num_workers", "generation_kwargs")
+TRIAL_ONLY_FIELDS = (
+    "output_dir",
+    "max_steps",
+    "logging_steps",
+    "report_to",
+    "save_strategy",
+    "disable_tqdm",
+    "seed",
+    "dataloader_num_workers",
+    "generation_kwargs",
+)
 
 
 def suppress_eos_kwargs(max_completion_length: int, use_vllm: bool) -> dict[str, Any]:
@@ -49,9 +58,9 @@ def build_grpo_config(spec: dict[str, Any]) -> Any:
         logging_steps=1,
         report_to=[],
         save_strategy="no",
-        disable_tqdm=True,          # PrinterCallback: one plain dict line per step on stdout
+        disable_tqdm=True,  # PrinterCallback: one plain dict line per step on stdout
         seed=int(spec.get("seed", 0)),
-        dataloader_num_workers=0,   # prompts are tiny; workers would only add processes to kill
+        dataloader_num_workers=0,  # prompts are tiny; workers would only add processes to kill
         generation_kwargs=generation,
     )
     if spec["device"] == "cpu":

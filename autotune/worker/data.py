@@ -177,8 +177,9 @@ def _synthetic_fit(text: str, length: int) -> str:
     return " ".join((words * reps)[:length])
 
 
-def build_dataset(tokenizer: Any, length: int, rows: int, dataset: Path | str | None = None,
-                  seed: int = 0) -> Any:
+def build_dataset(
+    tokenizer: Any, length: int, rows: int, dataset: Path | str | None = None, seed: int = 0
+) -> Any:
     """A ``datasets.Dataset`` with a ``prompt`` column: ``rows`` prompts of exactly ``length`` tokens.
 
     A user dataset is cycled when it has fewer rows than needed, so a small sample file still

@@ -42,11 +42,22 @@ import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-__all__ = ["FORMAT", "build_lock", "cache_base", "cache_root", "content_key", "main", "materialise_model",
-           "model_dir_for", "run_with", "write_prompts"]
+__all__ = [
+    "FORMAT",
+    "build_lock",
+    "cache_base",
+    "cache_root",
+    "content_key",
+    "main",
+    "materialise_model",
+    "model_dir_for",
+    "run_with",
+    "write_prompts",
+]
 
 #: Bumped when the directory layout changes, so an old cache entry is not reused.
 FORMAT = 1
@@ -142,8 +153,11 @@ def _write_weights(config_dir: Path, dest: Path, dtype_name: str, seed: int = 0)
         used += nbytes
     std = float(getattr(config, "initializer_range", 0.02) or 0.02)
     torch.manual_seed(seed)
-    files = (["model.safetensors"] if len(shards) == 1 else
-             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    files = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map: dict[str, str] = {}
     total = 0
     for file, shard in zip(files, shards):
@@ -170,12 +184,22 @@ def _write_tokenizer(dest: Path, config: dict[str, Any]) -> None:
     core.decoder = decoders.ByteLevel()
     data = json.loads(core.to_str())
     data["added_tokens"] = [
-        {"id": len(alphabet) + i, "content": marker, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": True}
+        {
+            "id": len(alphabet) + i,
+            "content": marker,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": True,
+        }
         for i, marker in enumerate(QWEN_MARKERS)
     ]
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(data)),
-                                        eos_token="<|im_end|>", pad_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(data)),
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.model_max_length = int(config.get("max_position_embeddings") or 32768)
     tokenizer.save_pretrained(str(dest))
@@ -198,7 +222,7 @@ def materialise_model(config: dict[str, Any], dest: Path, dtype_name: str) -> Pa
         (tmp / DONE_FILE).write_text(json.dumps({"format": FORMAT, "dtype": dtype_name}) + "\n")
         try:
             os.rename(tmp, dest)
-        except OSError:              # another study published it first: theirs is identical
+        except OSError:  # another study published it first: theirs is identical
             if not (dest / DONE_FILE).is_file():
                 shutil.rmtree(dest, ignore_errors=True)
                 os.rename(tmp, dest)
@@ -215,7 +239,7 @@ def write_prompts_here(tokenizer_dir: Path, length: int, count: int, out: Path, 
     tokenizer = load_tokenizer({}, tokenizer_dir)
     prompts = worst_case_prompts(tokenizer, length, count, seed)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.{os.getpid()}")   # parallel trials may ask at once: publish whole
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")  # parallel trials may ask at once: publish whole
     with open(tmp, "w", encoding="utf-8") as handle:
         for text in prompts:
             handle.write(json.dumps({"messages": [{"role": "user", "content": text}]}) + "\n")
@@ -260,8 +284,13 @@ def run_with(python: str, args: list[str], *, timeout_s: float = 3600.0) -> str:
         (Path(shim) / "autotune").symlink_to(package, target_is_directory=True)
         env = {**os.environ, "PYTHONPATH": shim, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         env.pop("PYTHONHOME", None)
-        done = subprocess.run([python, "-m", "autotune.worker.materialise", *args], env=env,
-                              capture_output=True, text=True, timeout=timeout_s)
+        done = subprocess.run(
+            [python, "-m", "autotune.worker.materialise", *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+        )
     if done.returncode != 0:
         tail = " | ".join(done.stderr.strip().splitlines()[-3:])
         raise RuntimeError(f"{python} -m autotune.worker.materialise {args[0]} failed: {tail}")
@@ -274,22 +303,40 @@ def ensure_model(python: str, name: str, config: dict[str, Any], device: str) ->
     if (dest / DONE_FILE).is_file():
         return dest
     with build_lock(dest):
-        if (dest / DONE_FILE).is_file():      # another process built it while this one waited
+        if (dest / DONE_FILE).is_file():  # another process built it while this one waited
             return dest
         with tempfile.NamedTemporaryFile("w", suffix=".json", dir=dest.parent, delete=False) as handle:
             json.dump(config, handle)
             config_path = handle.name
         try:
-            run_with(python, ["model", "--config", config_path, "--dtype", _dtype_name(device), "--out", str(dest)])
+            run_with(
+                python, ["model", "--config", config_path, "--dtype", _dtype_name(device), "--out", str(dest)]
+            )
         finally:
             Path(config_path).unlink(missing_ok=True)
     return dest
 
 
-def write_prompts(python: str, tokenizer_dir: Path, length: int, count: int, out: Path, seed: int = 0) -> Path:
+def write_prompts(
+    python: str, tokenizer_dir: Path, length: int, count: int, out: Path, seed: int = 0
+) -> Path:
     """Worst-case prompts counted by the tokenizer in ``tokenizer_dir``, built by ``python``."""
-    run_with(python, ["prompts", "--tokenizer", str(tokenizer_dir), "--length", str(int(length)),
-                      "--count", str(int(count)), "--seed", str(int(seed)), "--out", str(out)])
+    run_with(
+        python,
+        [
+            "prompts",
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--length",
+            str(int(length)),
+            "--count",
+            str(int(count)),
+            "--seed",
+            str(int(seed)),
+            "--out",
+            str(out),
+        ],
+    )
     return out
 
 

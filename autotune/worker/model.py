@@ -27,8 +27,15 @@ from typing import Any
 
 from autotune.worker.console import say
 
-__all__ = ["SHAPE_DIR", "TOKENIZER_DIR", "build_model", "peft_config", "write_shape_dir", "write_tokenizer_dir",
-           "write_weights_dir"]
+__all__ = [
+    "SHAPE_DIR",
+    "TOKENIZER_DIR",
+    "build_model",
+    "peft_config",
+    "write_shape_dir",
+    "write_tokenizer_dir",
+    "write_weights_dir",
+]
 
 
 def _model_dtype(device: str) -> Any:
@@ -108,8 +115,13 @@ def write_shape_dir(model_info: dict[str, Any], trial_dir: Path, device: str) ->
 
     config = dict(model_info["config"])
     config["torch_dtype"] = "bfloat16" if device == "cuda" else "float32"
-    shape = ModelSpec(name=model_info["name"], config=config, source=model_info.get("source", "card"),
-                      path=None, has_weights=False)
+    shape = ModelSpec(
+        name=model_info["name"],
+        config=config,
+        source=model_info.get("source", "card"),
+        path=None,
+        has_weights=False,
+    )
     return _publish_dir(Path(trial_dir) / SHAPE_DIR, lambda tmp: write_config_dir(shape, tmp))
 
 
@@ -176,8 +188,10 @@ def build_model(spec: dict[str, Any], args: Any, tokenizer: Any) -> Any:
 
     use_vllm = bool(spec["grpo_config"].get("use_vllm"))
     tokenizer_dir = write_tokenizer_dir(tokenizer, Path(spec["trial_dir"])) if use_vllm else None
-    say(f"model {model_info['name']}: no weights on disk, using random weights (shape-only: memory and "
-        f"speed depend on shapes, not values), {str(dtype).replace('torch.', '')} on {device}")
+    say(
+        f"model {model_info['name']}: no weights on disk, using random weights (shape-only: memory and "
+        f"speed depend on shapes, not values), {str(dtype).replace('torch.', '')} on {device}"
+    )
     if quantization:
         model_dir = write_weights_dir(model_info, Path(spec["trial_dir"]), device, dtype)
         if use_vllm:
@@ -215,8 +229,11 @@ def weights_dir_for(model_info: dict[str, Any], device: str) -> Path:
     from autotune.worker.materialise import cache_base, content_key
 
     dtype = "bfloat16" if device == "cuda" else "float32"
-    return cache_base() / "quantized-bases" / content_key(model_info["name"], model_info["config"], dtype,
-                                                          WEIGHTS_FORMAT)
+    return (
+        cache_base()
+        / "quantized-bases"
+        / content_key(model_info["name"], model_info["config"], dtype, WEIGHTS_FORMAT)
+    )
 
 
 def write_weights_dir(model_info: dict[str, Any], trial_dir: Path, device: str, dtype: Any) -> Path:
@@ -251,4 +268,6 @@ def peft_config(spec: dict[str, Any]) -> Any:
         return None
     from peft import LoraConfig
 
-    return LoraConfig(r=int(rank), lora_alpha=2 * int(rank), target_modules="all-linear", task_type="CAUSAL_LM")
+    return LoraConfig(
+        r=int(rank), lora_alpha=2 * int(rank), target_modules="all-linear", task_type="CAUSAL_LM"
+    )

@@ -26,8 +26,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SYNTHETIC_PREFIX", "VISION_TOKENS", "has_tokenizer_files", "load_tokenizer", "synthetic_tokenizer",
-           "token_word"]
+__all__ = [
+    "SYNTHETIC_PREFIX",
+    "VISION_TOKENS",
+    "has_tokenizer_files",
+    "load_tokenizer",
+    "synthetic_tokenizer",
+    "token_word",
+]
 
 #: Synthetic token ``i`` is spelled ``f"{SYNTHETIC_PREFIX}{i}"``.
 SYNTHETIC_PREFIX = "t"
@@ -121,7 +127,11 @@ def synthetic_tokenizer(config: dict[str, Any]) -> Any:
     unk_id = next(i for i in range(vocab_size) if i not in {eos_id, pad_id, bos_id, *named})
     core = Tokenizer(WordLevel(vocab, unk_token=token_word(unk_id)))
     core.pre_tokenizer = WhitespaceSplit()
-    special = {"eos_token": token_word(eos_id), "pad_token": token_word(pad_id), "unk_token": token_word(unk_id)}
+    special = {
+        "eos_token": token_word(eos_id),
+        "pad_token": token_word(pad_id),
+        "unk_token": token_word(unk_id),
+    }
     if bos_id is not None:
         special["bos_token"] = token_word(bos_id)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, **special)

@@ -42,7 +42,9 @@ def run_trial(spec: dict[str, Any]) -> None:
     if image_tokens and images and is_vision(model_info["config"]):
         # a VL trial: the processor tokenises the prompts and turns the images into patches
         processing_class = build_processor(tokenizer, model_info["config"], image_tokens, own_path)
-        dataset = vision_dataset(processing_class, model_info["config"], length, image_tokens, images, rows, seed)
+        dataset = vision_dataset(
+            processing_class, model_info["config"], length, image_tokens, images, rows, seed
+        )
     else:
         image_tokens = images = 0
         dataset = build_dataset(tokenizer, length, rows, spec.get("dataset"), seed=seed)
@@ -53,8 +55,12 @@ def run_trial(spec: dict[str, Any]) -> None:
     timer = _GenerationTimer()
     metrics_file = os.environ.get("AUTOTUNE_METRICS_FILE")
     callback = make_metrics_callback(
-        Path(metrics_file) if metrics_file else None, per_step,
-        length + image_tokens * images + int(spec["max_completion_length"]), spec["device"], timer)
+        Path(metrics_file) if metrics_file else None,
+        per_step,
+        length + image_tokens * images + int(spec["max_completion_length"]),
+        spec["device"],
+        timer,
+    )
     trainer = GRPOTrainer(
         model=model,
         reward_funcs=length_noise_reward,
@@ -66,10 +72,12 @@ def run_trial(spec: dict[str, Any]) -> None:
     )
     timer.wrap(trainer)
     trainer.add_callback(_engine_report(trainer))
-    say(f"trial {spec.get('number', '?')}: trl {trl.__version__}, {world} process(es), "
+    say(
+        f"trial {spec.get('number', '?')}: trl {trl.__version__}, {world} process(es), "
         f"{per_step} completions/step, prompt {spec['max_prompt_length']}"
         f"{f' + {images} x {image_tokens} image' if image_tokens else ''} + completion "
-        f"{spec['max_completion_length']} tokens, {spec['max_steps']} steps")
+        f"{spec['max_completion_length']} tokens, {spec['max_steps']} steps"
+    )
     trainer.train()
     # tear the process group down before interpreter exit: gloo's threads otherwise race the
     # C++ destructors and a finished trial can die with SIGABRT ("terminate called without an
@@ -95,7 +103,9 @@ def _engine_report(trainer: Any) -> Any:
                 return
             self.said = True
             engine = getattr(trainer, "model_wrapped", None)
-            if not getattr(trainer, "is_deepspeed_enabled", False) or not hasattr(engine, "zero_optimization_stage"):
+            if not getattr(trainer, "is_deepspeed_enabled", False) or not hasattr(
+                engine, "zero_optimization_stage"
+            ):
                 say("engine: torch (no DeepSpeed)")
                 return
             import deepspeed
@@ -103,10 +113,13 @@ def _engine_report(trainer: Any) -> Any:
 
             optimizer = getattr(engine, "optimizer", None)
             inner = getattr(optimizer, "optimizer", optimizer)
-            say(f"engine: deepspeed {deepspeed.__version__}, ZeRO stage {engine.zero_optimization_stage()}, "
-                f"optimizer {type(inner).__name__}, offload optimizer={bool(engine.zero_offload_optimizer())} "
+            say(
+                f"engine: deepspeed {deepspeed.__version__}, ZeRO stage {engine.zero_optimization_stage()}, "
+                f"optimizer {type(inner).__name__}, "
+                f"offload optimizer={bool(engine.zero_offload_optimizer())} "
                 f"params={bool(engine.zero_offload_param())}, backend {dist.get_backend()}, "
-                f"world {dist.get_world_size()}")
+                f"world {dist.get_world_size()}"
+            )
 
     return EngineReport()
 
@@ -119,8 +132,10 @@ def load_spec(path: Path) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m autotune.worker",
-                                     description="Run one autotune GRPO trial (written by the trl runner).")
+    parser = argparse.ArgumentParser(
+        prog="python -m autotune.worker",
+        description="Run one autotune GRPO trial (written by the trl runner).",
+    )
     parser.add_argument("--trial-spec", required=True, type=Path, help="trial_spec.json in the trial folder")
     ns = parser.parse_args(argv)
     run_trial(load_spec(ns.trial_spec))

@@ -35,8 +35,15 @@ from autotune.errors import UsageError
 from autotune.worker.console import say
 from autotune.worker.tokenizer import token_word
 
-__all__ = ["CHAT_TEMPLATE", "build_processor", "image_grid", "image_pixels", "is_vision", "report_vision",
-           "vision_dataset"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "build_processor",
+    "image_grid",
+    "image_pixels",
+    "is_vision",
+    "report_vision",
+    "vision_dataset",
+]
 
 #: Qwen's aspect-ratio limit in ``smart_resize`` (it refuses a longer side over 200 x the shorter).
 MAX_ASPECT = 200
@@ -70,16 +77,21 @@ def image_grid(image_tokens: int) -> tuple[int, int]:
     rows = next(r for r in range(math.isqrt(k), 0, -1) if k % r == 0)
     cols = k // rows
     if cols / rows > MAX_ASPECT:
-        raise UsageError(f"--image-tokens {k}: no image is exactly {k} tokens (its only grid is {rows} x {cols}, "
-                         f"beyond Qwen-VL's 1:{MAX_ASPECT} aspect limit); pick a number with a factor pair, "
-                         f"e.g. {k - 1} or {k + 1}")
+        raise UsageError(
+            f"--image-tokens {k}: no image is exactly {k} tokens (its only grid is {rows} x {cols}, "
+            f"beyond Qwen-VL's 1:{MAX_ASPECT} aspect limit); pick a number with a factor pair, "
+            f"e.g. {k - 1} or {k + 1}"
+        )
     return rows, cols
 
 
 def _vision_sizes(config: dict[str, Any]) -> tuple[int, int, int]:
     vision = config["vision_config"]
-    return (int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
-            int(vision.get("spatial_merge_size", 2)), int(vision.get("temporal_patch_size", 2)))
+    return (
+        int(vision.get("patch_size", vision.get("spatial_patch_size", 14))),
+        int(vision.get("spatial_merge_size", 2)),
+        int(vision.get("temporal_patch_size", 2)),
+    )
 
 
 def image_pixels(config: dict[str, Any], image_tokens: int) -> tuple[int, int]:
@@ -102,8 +114,9 @@ def image_only_processor() -> Any:
     from transformers import Qwen2_5_VLProcessor
 
     class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
-        def __init__(self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None,
-                     **kwargs: Any) -> None:
+        def __init__(
+            self, image_processor: Any = None, tokenizer: Any = None, chat_template: Any = None, **kwargs: Any
+        ) -> None:
             # the parent passes video_processor=None positionally; ProcessorMixin pairs the
             # arguments with this signature's two sub-processors and ignores the third
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
@@ -123,15 +136,21 @@ def _image_processor(config: dict[str, Any], image_tokens: int) -> Any:
     patch, merge, temporal = _vision_sizes(config)
     height, width = image_pixels(config, image_tokens)
     area = height * width
-    return cls(patch_size=patch, merge_size=merge, temporal_patch_size=temporal,
-               size={"shortest_edge": area, "longest_edge": area})
+    return cls(
+        patch_size=patch,
+        merge_size=merge,
+        temporal_patch_size=temporal,
+        size={"shortest_edge": area, "longest_edge": area},
+    )
 
 
 def _has_processor_files(path: Path | str | None) -> bool:
     return path is not None and (Path(path) / "preprocessor_config.json").is_file()
 
 
-def build_processor(tokenizer: Any, config: dict[str, Any], image_tokens: int, path: Path | str | None = None) -> Any:
+def build_processor(
+    tokenizer: Any, config: dict[str, Any], image_tokens: int, path: Path | str | None = None
+) -> Any:
     """The trial's processor: the checkpoint's own when its folder has one (``AutoProcessor``,
     offline), else the offline image-only Qwen2.5-VL processor around ``tokenizer``."""
     if _has_processor_files(path):
@@ -141,8 +160,11 @@ def build_processor(tokenizer: Any, config: dict[str, Any], image_tokens: int, p
         height, width = image_pixels(config, image_tokens)
         processor.image_processor.size = {"shortest_edge": height * width, "longest_edge": height * width}
         return processor
-    return image_only_processor()(image_processor=_image_processor(config, image_tokens), tokenizer=tokenizer,
-                                  chat_template=CHAT_TEMPLATE)
+    return image_only_processor()(
+        image_processor=_image_processor(config, image_tokens),
+        tokenizer=tokenizer,
+        chat_template=CHAT_TEMPLATE,
+    )
 
 
 def _images(config: dict[str, Any], image_tokens: int, count: int, seed: int) -> list[Any]:
@@ -159,14 +181,23 @@ def _rendered_length(processor: Any, text: str, images: list[Any]) -> tuple[int,
     from trl.data_utils import prepare_multimodal_messages
 
     messages = prepare_multimodal_messages([{"role": "user", "content": text}], images=images)
-    out = processor.apply_chat_template([messages], add_generation_prompt=True, tokenize=True, return_dict=True)
+    out = processor.apply_chat_template(
+        [messages], add_generation_prompt=True, tokenize=True, return_dict=True
+    )
     ids = list(out["input_ids"][0])
     image_id = processor.tokenizer.convert_tokens_to_ids(getattr(processor, "image_token", "<|image_pad|>"))
     return len(ids), sum(1 for i in ids if i == image_id)
 
 
-def vision_dataset(processor: Any, config: dict[str, Any], length: int, image_tokens: int, images_per_prompt: int,
-                   rows: int, seed: int = 0) -> Any:
+def vision_dataset(
+    processor: Any,
+    config: dict[str, Any],
+    length: int,
+    image_tokens: int,
+    images_per_prompt: int,
+    rows: int,
+    seed: int = 0,
+) -> Any:
     """A ``datasets.Dataset`` of ``rows`` conversational prompts, each with ``images_per_prompt``
     synthetic images, that the model sees as exactly ``length + images x image_tokens`` tokens.
 
@@ -186,21 +217,26 @@ def vision_dataset(processor: Any, config: dict[str, Any], length: int, image_to
     if is_synthetic(tokenizer):
         ids = ordinary_ids(tokenizer)
 
-        def text_of(n: int) -> str:   # n random ordinary words, one token each: a fresh text per call
+        def text_of(n: int) -> str:  # n random ordinary words, one token each: a fresh text per call
             return " ".join(token_word(rng.choice(ids)) for _ in range(n))
     else:
         filler = one_token_filler(tokenizer)
 
         def text_of(n: int) -> str:
             return filler * n
+
     total, seen_images = _rendered_length(processor, text_of(0), images)
     overhead = total - target_images
     if seen_images != target_images:
-        raise UsageError(f"the processor made {seen_images} image tokens of {images_per_prompt} image(s), "
-                         f"not {target_images}: the vision config's patch/merge sizes disagree with its processor")
+        raise UsageError(
+            f"the processor made {seen_images} image tokens of {images_per_prompt} image(s), "
+            f"not {target_images}: the vision config's patch/merge sizes disagree with its processor"
+        )
     if overhead > length:
-        raise UsageError(f"--max-prompt-length {length} cannot hold the chat markers and image delimiters "
-                         f"({overhead} tokens); use at least {overhead}")
+        raise UsageError(
+            f"--max-prompt-length {length} cannot hold the chat markers and image delimiters "
+            f"({overhead} tokens); use at least {overhead}"
+        )
     n = length - overhead
     for _ in range(16):
         total, _ = _rendered_length(processor, text_of(n), images)
@@ -209,8 +245,11 @@ def vision_dataset(processor: Any, config: dict[str, Any], length: int, image_to
         n += target - total
     else:
         raise UsageError(f"could not make a VL prompt of exactly {target} tokens with this processor")
-    say(f"prompt tokens as the model sees them: {total} ({length} text incl. {overhead} chat/vision markers + "
-        f"{images_per_prompt} x {image_tokens} image tokens, images {images[0].height}x{images[0].width} px)")
+    say(
+        f"prompt tokens as the model sees them: {total} "
+        f"({length} text incl. {overhead} chat/vision markers + "
+        f"{images_per_prompt} x {image_tokens} image tokens, images {images[0].height}x{images[0].width} px)"
+    )
     # a text per row, the same images in every row: only their size matters
     prompts = [[{"role": "user", "content": text_of(n)}] for _ in range(rows)]
     return Dataset.from_dict({"prompt": prompts, "images": [images] * rows})
@@ -228,7 +267,9 @@ def report_vision(model: Any) -> None:
         handle.remove()
         pixels = args[0] if args else kwargs.get("hidden_states")
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
-        images = f" of {int(grid.shape[0])} image(s), grid {[int(v) for v in grid[0]]}" if grid is not None else ""
+        images = (
+            f" of {int(grid.shape[0])} image(s), grid {[int(v) for v in grid[0]]}" if grid is not None else ""
+        )
         say(f"vision tower: {int(pixels.shape[0])} patches{images} in its first forward")
 
     handle = tower.register_forward_pre_hook(first_forward, with_kwargs=True)

@@ -5,6 +5,7 @@ world size), runs exactly --max_steps steps, prints a log dict per step (step_ti
 no samples: autotune must know the batch) and first records the flags it runs with in
 <output_dir>/ran.json, so a test can tell which configuration ran.
 """
+
 import argparse
 import json
 import os
@@ -23,8 +24,10 @@ p.add_argument("--output_dir", required=True)
 a = p.parse_args()
 world = int(os.environ.get("NPROC_PER_NODE", "1"))
 if a.train_batch_size != a.micro_train_batch_size * a.grad_accum * world:
-    sys.exit(f"ValueError: train_batch_size {a.train_batch_size} != micro_train_batch_size "
-             f"{a.micro_train_batch_size} x grad_accum {a.grad_accum} x world size {world}")
+    sys.exit(
+        f"ValueError: train_batch_size {a.train_batch_size} != micro_train_batch_size "
+        f"{a.micro_train_batch_size} x grad_accum {a.grad_accum} x world size {world}"
+    )
 if a.train_batch_size % a.n_samples_per_prompt:
     sys.exit(f"ValueError: train_batch_size {a.train_batch_size} is not a multiple of n_samples_per_prompt")
 out = Path(a.output_dir)
@@ -35,5 +38,12 @@ for step in range(1, a.max_steps + 1):
     # a micro-step costs a fixed overhead plus the completions in it: bigger micro-batches are faster
     step_time = a.grad_accum * (0.004 + 0.001 * a.micro_train_batch_size)
     time.sleep(0.005)
-    print({"loss": 0.1, "step_time": step_time, "memory(GiB)": 10 + 6 * a.micro_train_batch_size,
-           "epoch": step / 100}, flush=True)
+    print(
+        {
+            "loss": 0.1,
+            "step_time": step_time,
+            "memory(GiB)": 10 + 6 * a.micro_train_batch_size,
+            "epoch": step / 100,
+        },
+        flush=True,
+    )
