@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from autotune.errors import UsageError
 from autotune.export import export_study
+from autotune.export.layout import PARAMS_JSON
 from autotune.hardware import resolve_hardware, visible_gpus
 from autotune.models import resolve_model
 from autotune.progress import make_reporter, short_params
@@ -39,6 +40,7 @@ from autotune.study import (
 )
 from autotune.study.ranking import choose_best, confirmations, eligible, headroom_limit
 from autotune.trial.control import StopRule, TrialControl
+from autotune.trial.layout import TrialFiles
 
 if TYPE_CHECKING:
     import optuna
@@ -436,7 +438,7 @@ def verify_best(name: str, runs_dir: Path, steps: int) -> bool:
     runs/<study>/verify/<n>/, and is judged like any trial, plus the headroom rule.
     """
     paths, recipe, _ = open_named(name, runs_dir)
-    params_file = paths.best / "params.json"
+    params_file = paths.best / PARAMS_JSON
     if not params_file.exists():
         raise UsageError(f"{params_file} does not exist: run autotune export {name} first")
     try:
@@ -487,7 +489,7 @@ def verify_best(name: str, runs_dir: Path, steps: int) -> bool:
         within = limit is None or peak is None or peak <= limit
         held = outcome.status == "ok" and within
         outcome.extra["held"] = held
-        outcome.write(trial_dir / "outcome.json")
+        outcome.write(TrialFiles(trial_dir).outcome)
     if outcome.status == "ok":
         print(f"throughput: {outcome.throughput:.4g} completions/s over {outcome.steps} steps")
     else:

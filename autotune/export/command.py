@@ -17,13 +17,14 @@ from typing import Any
 
 from autotune import configs
 from autotune.errors import UsageError
-from autotune.export.summary import COMMAND_SH, DS_JSON
+from autotune.export.layout import COMMAND_SH, DS_JSON
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
 from autotune.runners.command import Verbatim, fill, placeholder_values, template_fields
 from autotune.search.constraints import space_of
 from autotune.study.record import TrialRow
 from autotune.trial.control import StopRule
+from autotune.trial.layout import METRICS
 
 # placeholder -> the shell variable that stands for it in command.sh
 SHELL_VARS = {
@@ -77,7 +78,7 @@ def command_sh(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
         'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
         'OUTPUT_DIR="${OUTPUT_DIR:-$HERE/run}"    '
         "# {trial_dir}: each trial had its own folder; the run writes here",
-        'METRICS_FILE="${METRICS_FILE:-$OUTPUT_DIR/metrics.jsonl}"    '
+        f'METRICS_FILE="${{METRICS_FILE:-$OUTPUT_DIR/{METRICS}}}"    '
         "# {metrics_file}: where autotune read steps",
     ]
     if "max_steps" in used:
@@ -86,7 +87,7 @@ def command_sh(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
             f"length; {confirm_steps} is what autotune's confirmation run trained"
         )
     if "deepspeed_config" in used:
-        lines.append('DS_CONFIG="$HERE/ds_config.json"    # {deepspeed_config}: the JSON beside this script')
+        lines.append(f'DS_CONFIG="$HERE/{DS_JSON}"    # {{deepspeed_config}}: the JSON beside this script')
     lines += [
         'mkdir -p "$OUTPUT_DIR"',
         "# the trial contract's environment (a trainer that writes autotune's metrics reads it)",

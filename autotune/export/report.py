@@ -20,6 +20,7 @@ from autotune.recipe import Recipe
 from autotune.study import StudyPaths, choose_best, confirmations, rows
 from autotune.study.ranking import headroom_limit
 from autotune.study.record import TrialRow
+from autotune.trial.layout import TrialFiles
 from autotune.trial.utilization import read_ticks
 
 REPORT_HTML = "report.html"
@@ -48,7 +49,7 @@ def _regime(params: dict[str, Any]) -> str:
 
 def _predicted(paths: StudyPaths, row: TrialRow) -> float | None:
     try:
-        extra = json.loads((paths.trial_dir(row.number) / "outcome.json").read_text(encoding="utf-8")).get(
+        extra = json.loads(TrialFiles(paths.trial_dir(row.number)).outcome.read_text(encoding="utf-8")).get(
             "extra", {}
         )
     except (OSError, ValueError):
@@ -60,7 +61,7 @@ def _predicted(paths: StudyPaths, row: TrialRow) -> float | None:
 def _util_series(trial_dir: Path) -> dict[int, tuple[list[float], list[float]]]:
     """Per GPU: (seconds, utilization %) from the trial's gpu.csv; empty when there is none."""
     series: dict[int, tuple[list[float], list[float]]] = {}
-    for tick in read_ticks(trial_dir / "gpu.csv"):
+    for tick in read_ticks(TrialFiles(trial_dir).gpu_csv):
         for reading in tick.gpus:
             if reading.util_pct is not None:
                 xs, ys = series.setdefault(reading.gpu, ([], []))

@@ -8,22 +8,15 @@ from pathlib import Path
 from typing import Any
 
 from autotune import configs
+from autotune.export.layout import BEST_FILES, LAUNCH_SH, PARAMS_JSON, SWIFT_SH
 from autotune.export.trl import fmt
 from autotune.recipe import Recipe
 from autotune.search.constraints import space_of
 from autotune.study.record import TrialRow
+from autotune.trial.layout import GPU_CSV
 
 STATUS_ORDER = ("ok", "oom", "invalid", "crash", "timeout", "hang", "interrupted", "skipped")
 RUNNERS_UP = 5
-
-PARAMS_JSON = "params.json"
-GRPO_YAML = "grpo_config.yaml"
-DS_JSON = "ds_config.json"
-ACCELERATE_YAML = "accelerate_config.yaml"
-LAUNCH_SH = "launch.sh"
-SWIFT_SH = "swift.sh"
-COMMAND_SH = "command.sh"
-SUMMARY_MD = "summary.md"
 
 
 def _status_counts(rows: list[TrialRow]) -> tuple[Counter, Counter]:
@@ -58,13 +51,13 @@ def utilization_section(best: TrialRow, rows: list[TrialRow], recipe: Recipe) ->
         lines.append(
             "It is still the fastest configuration that fits; the change suggested may make it faster "
             "(try it with `--set NAME=VALUE` in a new search, or `autotune verify` after editing "
-            "params.json)."
+            f"{PARAMS_JSON})."
         )
     elif best.mean_gpu_util is not None:
         lines.append(f"The chosen trial {best.number} kept its GPUs busy: {mean} ({threshold}).")
     else:
         lines.append(
-            f"The chosen trial {best.number} has no GPU utilization samples (no gpu.csv was recorded)."
+            f"The chosen trial {best.number} has no GPU utilization samples (no {GPU_CSV} was recorded)."
         )
     others = [r for r in rows if r.diagnosis and r.number != best.number and r.status == "ok"]
     others.sort(key=lambda r: -(r.throughput or 0))
@@ -197,15 +190,5 @@ def summary_md(
         "## Files",
         "",
     ]
-    what = {
-        PARAMS_JSON: "the tuned parameter values",
-        GRPO_YAML: "trl.GRPOConfig fields (`--config`)",
-        DS_JSON: "DeepSpeed config; batch sizes and precision are `auto`, filled from the GRPO config",
-        ACCELERATE_YAML: "`accelerate launch --config_file`",
-        LAUNCH_SH: "TRL + accelerate launcher",
-        SWIFT_SH: "the same run with ms-swift",
-        COMMAND_SH: "the winner's filled --command template (trial-only values marked at the top)",
-        SUMMARY_MD: "this file",
-    }
-    lines += [f"- `{n}`: {what[n]}" for n in names if n in what]
+    lines += [f"- `{n}`: {BEST_FILES[n]}" for n in names if n in BEST_FILES]
     return "\n".join(lines) + "\n"

@@ -18,6 +18,7 @@ from autotune.search.space import Space
 from autotune.trial.control import TrialControl
 from autotune.trial.execute import execute, fresh_trial_dir
 from autotune.trial.launch import LaunchSpec
+from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import Outcome
 
 Rule = Callable[[dict[str, Any]], "str | None"]
@@ -103,13 +104,13 @@ class Runner:
         rule = control.rule
         self.steps_needed = rule.warmup + rule.measure + (rule.extra if rule.adaptive else 0)
         spec = self.prepare(params, trial_dir, number)
-        write_json(trial_dir / "params.json", params)
+        write_json(TrialFiles(trial_dir).params, params)
         return execute(
             spec, params, self.recipe, control, monitors_gpus=self.monitors_gpus, services=self.services(spec)
         )
 
     def base_env(self, trial_dir: Path) -> dict[str, str]:
-        """The trial contract's environment (DESIGN.md): folder, metrics file, GPUs: the slot's
+        """The trial contract's environment (docs/trial-contract.md): folder, metrics file, GPUs: the slot's
         when trials run in parallel (:func:`on_gpus`), else the first --gpus visible ones."""
         gpus = self.recipe.gpus
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -122,7 +123,7 @@ class Runner:
             devices = [str(i) for i in range(gpus)]
         return {
             "AUTOTUNE_TRIAL_DIR": str(trial_dir),
-            "AUTOTUNE_METRICS_FILE": str(trial_dir / "metrics.jsonl"),
+            "AUTOTUNE_METRICS_FILE": str(TrialFiles(trial_dir).metrics),
             "CUDA_VISIBLE_DEVICES": ",".join(devices),
             "PYTHONUNBUFFERED": "1",
         }

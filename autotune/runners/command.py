@@ -23,6 +23,7 @@ from autotune.runners.base import Runner
 from autotune.runners.trl import free_port
 from autotune.search.space import GlobalBatch
 from autotune.trial.launch import LaunchSpec
+from autotune.trial.layout import TrialFiles
 
 # placeholders that are not search parameters
 EXTRA_FIELDS = (
@@ -155,7 +156,7 @@ def placeholder_values(
         "gpus": recipe.gpus,
         "num_processes": recipe.dp_gpus(params),
         "trial_dir": trial_dir,
-        "metrics_file": trial_dir / "metrics.jsonl",
+        "metrics_file": TrialFiles(trial_dir).metrics,
         "max_prompt_length": recipe.max_prompt_length,
         "max_completion_length": recipe.max_completion_length,
         "max_length": recipe.max_prompt_length,

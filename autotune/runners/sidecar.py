@@ -15,6 +15,7 @@ from pathlib import Path
 
 from autotune import configs as lc
 from autotune.trial.launch import LaunchSpec
+from autotune.trial.layout import TrialFiles
 from autotune.trial.processes import PID_FILE, TRIAL_ENV, kill_group, kill_marked, process_tree
 
 __all__ = ["listens", "port_in_use", "start_sidecar", "stop_sidecar", "vllm_health_url", "wait_health"]
@@ -54,7 +55,8 @@ def start_sidecar(spec: LaunchSpec) -> subprocess.Popen:
     spec.trial_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **spec.env}
     env.setdefault(TRIAL_ENV, str(spec.trial_dir))
-    with open(spec.trial_dir / "stdout.log", "ab") as out, open(spec.trial_dir / "stderr.log", "ab") as err:
+    files = TrialFiles(spec.trial_dir)
+    with open(files.stdout, "ab") as out, open(files.stderr, "ab") as err:
         proc = subprocess.Popen(
             spec.argv,
             env=env,

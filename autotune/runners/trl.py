@@ -69,6 +69,7 @@ from autotune.runners.sidecar import (
 )
 from autotune.search.memory import base_quantization
 from autotune.trial.launch import LaunchSpec, ServiceFailed
+from autotune.trial.layout import TrialFiles
 from autotune.trial.processes import TRIAL_ENV
 
 #: Packages a real trial imports; ``check`` names the missing ones in one line.
@@ -382,7 +383,7 @@ class TrlRunner(Runner):
                 )
             except (RuntimeError, TimeoutError) as exc:
                 self.stop_services(procs)
-                err = side.trial_dir / "stderr.log"
+                err = TrialFiles(side.trial_dir).stderr
                 text = err.read_text(errors="replace")[-200_000:] if err.exists() else ""
                 raise ServiceFailed(str(exc), proc.returncode, text) from exc
         return procs

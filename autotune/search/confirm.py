@@ -23,6 +23,7 @@ from autotune.study import StudyPaths, TrialRow, confirmations, eligible, rows, 
 from autotune.study.ranking import headroom_limit
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.execute import abort_on_error
+from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import Outcome
 
 CONFIRM_NUMBER_OFFSET = 100_000  # confirmation runs are numbered apart from search trials
@@ -143,5 +144,5 @@ def run_one(
     )
     with on_gpus(gpus):
         outcome = execute(row.params, trial_dir, CONFIRM_NUMBER_OFFSET + row.number, control)
-    outcome.write(trial_dir / "outcome.json")
+    outcome.write(TrialFiles(trial_dir).outcome)
     return outcome

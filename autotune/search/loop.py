@@ -50,6 +50,7 @@ from autotune.study import (
 )
 from autotune.study.lock import StudyLock
 from autotune.trial.control import StopRule, TrialControl
+from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import Outcome
 
 log = logging.getLogger(__name__)
@@ -278,7 +279,9 @@ class Search:
     def leftover(self, number: int) -> bool:
         """Whether trial ``number`` started on GPUs still holding an earlier trial's memory."""
         try:
-            return bool(Outcome.read(self.paths.trial_dir(number) / "outcome.json").extra.get("leftover_gib"))
+            return bool(
+                Outcome.read(TrialFiles(self.paths.trial_dir(number)).outcome).extra.get("leftover_gib")
+            )
         except (OSError, ValueError, KeyError, TypeError):
             return False
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from autotune.errors import SearchStopped
+from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import Outcome
 
 SAME_CRASH_LIMIT = 3  # the same crash this many times in a row ends the search
@@ -82,5 +83,5 @@ class Stopping:
         if len(self.crashes) >= SAME_CRASH_LIMIT and len(set(self.crashes[-SAME_CRASH_LIMIT:])) == 1:
             raise SearchStopped(
                 f"the same crash {SAME_CRASH_LIMIT} times in a row: {outcome.error_line} "
-                f"(see {trial_dir}/stderr.log; fix it, then autotune resume {self.study_name})"
+                f"(see {TrialFiles(trial_dir).stderr}; fix it, then autotune resume {self.study_name})"
             )

@@ -23,6 +23,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.files import write_json
+from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import Outcome
 
 FEASIBLE, INFEASIBLE = 0.0, 1.0
@@ -126,8 +127,8 @@ def record(
         trial_dir.mkdir(parents=True, exist_ok=True)
         outcome.extra["launched"] = launched
         if not launched:
-            write_json(trial_dir / "params.json", params)
-        outcome.write(trial_dir / "outcome.json")
+            write_json(TrialFiles(trial_dir).params, params)
+        outcome.write(TrialFiles(trial_dir).outcome)
     if outcome.extra.get("pruned"):
         study.tell(trial, state=TrialState.PRUNED)
     elif state == TrialState.COMPLETE:

@@ -40,6 +40,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.study.paths import StudyPaths
 from autotune.study.record import candidate_key, record
+from autotune.trial.layout import PARAMS, TrialFiles
 from autotune.trial.outcome import Outcome
 from autotune.trial.processes import kill_stale
 
@@ -161,12 +162,12 @@ class RetryInterrupted:
         trial_dir = self.paths.trial_dir(trial.number) if self.paths is not None else Path("/nonexistent")
         params, source = interrupted_candidate(trial, trial_dir)
         killed = kill_stale(trial_dir) if trial_dir.is_dir() else False
-        if trial_dir.is_dir() and not (trial_dir / "outcome.json").exists():  # never overwrite a result
+        if trial_dir.is_dir() and not TrialFiles(trial_dir).outcome.exists():  # never overwrite a result
             detail = "its controller stopped sending heartbeats; the trial is run again by another one"
             Outcome(
                 status="interrupted",
                 detail=detail + (" (its leftover processes were killed)" if killed else ""),
-            ).write(trial_dir / "outcome.json")
+            ).write(TrialFiles(trial_dir).outcome)
         queue_again(study, trial, params, source)
 
 
@@ -191,7 +192,7 @@ def queue_again(study: optuna.Study, trial: FrozenTrial, params: dict[str, Any],
 
 def _params_file(trial_dir: Path) -> dict[str, Any] | None:
     try:
-        data = json.loads((trial_dir / "params.json").read_text())
+        data = json.loads(TrialFiles(trial_dir).params.read_text())
     except (OSError, ValueError):
         return None
     return data if isinstance(data, dict) and data else None
@@ -209,7 +210,7 @@ def interrupted_candidate(trial: FrozenTrial, trial_dir: Path) -> tuple[dict[str
         return dict(candidate), "candidate"
     from_file = _params_file(trial_dir)
     if from_file is not None:
-        return from_file, "params.json"
+        return from_file, PARAMS
     fixed = trial.system_attrs.get("fixed_params")
     if isinstance(fixed, dict) and fixed:
         return {**trial.params, **fixed}, "fixed_params"
@@ -236,7 +237,7 @@ def recover_interrupted(study: optuna.Study, paths: StudyPaths, *, sweep: bool =
         trial_dir = paths.trial_dir(trial.number)
         killed = kill_stale(trial_dir)
         params, source = interrupted_candidate(trial, trial_dir)
-        finished = trial_dir / "outcome.json"
+        finished = TrialFiles(trial_dir).outcome
         if finished.exists():
             try:
                 done = Outcome.read(finished)
@@ -267,7 +268,7 @@ def recover_interrupted(study: optuna.Study, paths: StudyPaths, *, sweep: bool =
             detail += f"; only {len(params)} of its parameters had been chosen, so the rest are chosen anew"
         outcome = Outcome(status="interrupted", detail=detail)
         trial_dir.mkdir(parents=True, exist_ok=True)
-        outcome.write(trial_dir / "outcome.json")
+        outcome.write(TrialFiles(trial_dir).outcome)
         try:
             label(study, trial, params, source)
             if not study._storage.set_trial_state_values(trial._trial_id, state=TrialState.FAIL):  # noqa: SLF001

@@ -23,6 +23,7 @@ from autotune.trial.classify import classify_failure, diagnose, diagnose_files
 from autotune.trial.cleanup import read_baseline, wait_for_baseline
 from autotune.trial.control import TrialControl
 from autotune.trial.launch import LaunchResult, LaunchSpec, ServiceFailed, launch
+from autotune.trial.layout import TrialFiles
 from autotune.trial.metrics import steady_throughput
 from autotune.trial.monitor import TrialMonitor
 from autotune.trial.outcome import Outcome
@@ -31,21 +32,17 @@ from autotune.trial.utilization import MonitorSummary, phase_times, summarize_fi
 
 log = logging.getLogger(__name__)
 
-# files of a previous run in a reused trial folder (after an interruption): never read them again
-RUN_FILES = ("metrics.jsonl", "stdout.log", "stderr.log", "gpu.csv", "outcome.json")
-
 
 def fresh_trial_dir(trial_dir: Path) -> None:
     """Remove what an earlier, interrupted run left, so its lines are not fed to this one."""
-    for leftover in RUN_FILES:
-        (trial_dir / leftover).unlink(missing_ok=True)
+    TrialFiles(trial_dir).clear_run()
 
 
 def write_command(spec: LaunchSpec) -> None:
     """command.txt: how to run the trial by hand, environment and memory cap included."""
     env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(spec.env.items()))
     limit = f"# RLIMIT_AS {spec.memory_limit_gib} GiB\n" if spec.memory_limit_gib else ""
-    (spec.trial_dir / "command.txt").write_text(
+    TrialFiles(spec.trial_dir).command.write_text(
         f"{limit}cd {shlex.quote(str(spec.cwd or spec.trial_dir))}\n{env} \\\n  {shlex.join(spec.argv)}\n"
     )
 
@@ -136,8 +133,9 @@ def execute(
     back to their baseline before the next trial.
     """
     trial_dir = spec.trial_dir
+    files = TrialFiles(trial_dir)
     write_command(spec)
-    monitor = TrialMonitor(trial_dir / "metrics.jsonl", control.samples_per_step)
+    monitor = TrialMonitor(files.metrics, control.samples_per_step)
     gpus = trial_gpus(spec) if recipe.device == "cuda" else []
     sampler = GpuSampler(trial_dir, gpus, params=params, min_util=recipe.min_util) if monitors_gpus else None
     baseline = baseline_for(gpus) if sampler is not None and gpus else None
@@ -197,9 +195,7 @@ def execute(
             )
         finally:
             summary = (
-                sampler.stop(
-                    step_times=phase_times(trial_dir / "metrics.jsonl", after_step=control.rule.warmup)
-                )
+                sampler.stop(step_times=phase_times(files.metrics, after_step=control.rule.warmup))
                 if sampler
                 else None
             )
@@ -207,10 +203,10 @@ def execute(
     if summary is None and not monitors_gpus:
         # a trial that writes its own gpu.csv (the simulator, following its physics)
         summary = summarize_file(
-            trial_dir / "gpu.csv",
+            files.gpu_csv,
             params=params,
             min_util=recipe.min_util,
-            step_times=phase_times(trial_dir / "metrics.jsonl", after_step=control.rule.warmup),
+            step_times=phase_times(files.metrics, after_step=control.rule.warmup),
         )
     outcome = judge(result, monitor, recipe, control.rule.warmup, trial_dir=trial_dir)
     note_leftover(outcome, leftover, previous_failed)
@@ -220,7 +216,7 @@ def execute(
             log.info("%s: low GPU utilization: %s", trial_dir.name, summary.diagnosis)
     # on disk before anything slow: a controller killed from here on resumes with this result
     outcome.extra["launched"] = True
-    outcome.write(trial_dir / "outcome.json")
+    outcome.write(files.outcome)
     if gpus and sampler is not None:
         reached = wait_for_baseline(
             gpus, baseline, tolerance_gib=LEFTOVER_TOLERANCE_GIB, pgid=None, trial_dir=trial_dir.parent
@@ -313,7 +309,7 @@ def _verdict(
     if trial_dir is not None:
         found = diagnose_files(
             result.returncode,
-            [trial_dir / "stderr.log", trial_dir / "stdout.log"],
+            TrialFiles(trial_dir).logs,
             fallback=result.log_tail,
             stopped_by_us=stopped_by_us,
         )

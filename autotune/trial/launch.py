@@ -33,6 +33,7 @@ from typing import IO
 
 import psutil
 
+from autotune.trial.layout import TrialFiles
 from autotune.trial.processes import PID_FILE, TRIAL_ENV, kill_group, kill_marked, process_tree
 from autotune.units import GIB
 
@@ -327,7 +328,8 @@ def launch(
     lines: queue.Queue[tuple[str, str]] = queue.Queue(maxsize=QUEUE_LINES)
     stop_readers = threading.Event()
     seen = [start]
-    sinks = [CappedLog(spec.trial_dir / f"{name}.log", cap=log_cap_bytes) for name in ("stdout", "stderr")]
+    files = TrialFiles(spec.trial_dir)
+    sinks = [CappedLog(path, cap=log_cap_bytes) for path in (files.stdout, files.stderr)]
     readers = [
         threading.Thread(target=_reader, args=(stream, sink, name, lines, seen, stop_readers), daemon=True)
         for stream, sink, name in ((proc.stdout, sinks[0], "stdout"), (proc.stderr, sinks[1], "stderr"))

@@ -28,6 +28,7 @@ from typing import Any
 
 import psutil
 
+from autotune.trial.layout import GPU_CSV
 from autotune.trial.nvml import close_nvml, handles, open_nvml
 from autotune.trial.processes import PID_FILE, process_tree
 from autotune.trial.utilization import MEASURE, GpuReading, MonitorSummary, Tick, summarize
@@ -37,7 +38,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["CSV_NAME", "CSV_COLUMNS", "MEASURE", "GpuReading", "Tick", "GpuSampler"]
 
-CSV_NAME = "gpu.csv"
+CSV_NAME = GPU_CSV  # the sampler's file, by its name in the trial folder's layout
 CSV_COLUMNS = (
     "time_s",
     "phase",

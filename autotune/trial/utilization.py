@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autotune.trial.layout import GPU_CSV, STDOUT
 from autotune.trial.metrics import PLAUSIBLE_STEP_S, to_float
 
 __all__ = [
@@ -415,7 +416,7 @@ def diagnose_low_util(
     return (
         f"{head}: no cause stands out in the parameters or step times"
         + (f"; per_device_train_batch_size={batch} may be too small to fill the GPU" if batch else "")
-        + "; see gpu.csv and stdout.log"
+        + f"; see {GPU_CSV} and {STDOUT}"
     )
 
 
