@@ -8,6 +8,7 @@ past the size a reader can hold, and few modules sit flat in ``autotune/``.
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,26 @@ def test_the_checker_sees_real_imports():
     assert "autotune.trial.execute" in GRAPH["autotune.runners.base"]
     assert "autotune.search.constraints" in GRAPH["autotune.search.policy"]
     assert layer("autotune.search.loop") > layer("autotune.search.space")
+
+
+# docs/ of this repository is flat: "peft's docs/source/accelerate/deepspeed.md" or a URL's path
+# names another project's page
+DOC_CITATION = re.compile(r"(?<![\w./-])docs/[\w.-]+\.md")
+
+
+def test_every_cited_docs_page_exists():
+    """A module that sends its reader to a docs/ page sends them somewhere that exists."""
+    cited = {
+        (match.group(0), name)
+        for name, path in MODULES.items()
+        for match in DOC_CITATION.finditer(path.read_text())
+    }
+    assert cited, "the checker finds no citation at all: the pattern is wrong"
+    missing = sorted((page, name) for page, name in cited if not (PACKAGE.parent / page).is_file())
+    assert not missing, f"cited docs pages that do not exist: {missing}"
+
+
+def test_no_module_cites_the_founding_design_document():
+    """DESIGN.md was never part of the repository: the trial contract is docs/trial-contract.md."""
+    citing = sorted(name for name, path in MODULES.items() if "DESIGN.md" in path.read_text())
+    assert not citing, f"these modules cite DESIGN.md, which the repository does not hold: {citing}"

@@ -1,4 +1,4 @@
-"""Where a study lives: ``runs/<name>/`` and its fixed layout (DESIGN.md)."""
+"""Where a study lives: ``runs/<name>/`` and its fixed layout (docs/trial-contract.md)."""
 
 from __future__ import annotations
 

@@ -18,6 +18,7 @@ __all__ = [
     "GPU_CSV",
     "PARAMS",
     "COMMAND",
+    "PID",
     "RUN_FILES",
     "TrialFiles",
 ]
@@ -29,6 +30,7 @@ STDERR = "stderr.log"  # the trainer's standard error, likewise
 GPU_CSV = "gpu.csv"  # NVML/psutil samples (trial/telemetry.py), or the simulator's own timeline
 PARAMS = "params.json"  # the candidate's parameter values, written before the launch
 COMMAND = "command.txt"  # how to run the trial by hand: cwd, environment, argv
+PID = "pid"  # the trial leader's pid while it runs (trial/processes.py finds its tree by it)
 
 # what one run of the trial writes: a folder reused after an interruption loses these first, so
 # the earlier run's lines are never read as this run's

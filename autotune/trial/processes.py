@@ -13,7 +13,7 @@ outlives every later trial. Such processes are found by the environment marker w
 
 A pid alone is never trusted: pids are recycled, and NVML reports processes of other users and
 containers. A process counts as a trial's only when its environment carries ``AUTOTUNE_TRIAL_DIR``
-(:data:`TRIAL_ENV`, set in every trial's environment, DESIGN.md) naming that trial's folder
+(:data:`TRIAL_ENV`, set in every trial's environment, docs/trial-contract.md) naming that trial's folder
 (:func:`owned_by_trial`, :func:`kill_stale`), and this process and its ancestors are never
 signalled whatever their environment says (:func:`protected_pids`).
 """
@@ -29,6 +29,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import psutil
+
+from autotune.trial.layout import PID
 
 log = logging.getLogger(__name__)
 
@@ -48,8 +50,8 @@ __all__ = [
     "kill_marked",
 ]
 
-TRIAL_ENV = "AUTOTUNE_TRIAL_DIR"  # set in every trial's environment (DESIGN.md)
-PID_FILE = "pid"  # the trial leader's pid, in the trial folder while it runs
+TRIAL_ENV = "AUTOTUNE_TRIAL_DIR"  # set in every trial's environment (docs/trial-contract.md)
+PID_FILE = PID  # the trial leader's pid, in the trial folder while it runs
 
 # How often a wait re-scans the process group: members may appear (a dying trainer forks a cleanup
 # helper), and psutil's wait counts a zombie as running until someone reaps it, which may be never

@@ -138,7 +138,7 @@ class MonitorSummary:
 
     @property
     def peak_memory_gib(self) -> float | None:
-        """The largest device memory use over the trial's GPUs (DESIGN.md's peak_memory_gib)."""
+        """The largest device memory use over the trial's GPUs (docs/trial-contract.md's peak_memory_gib)."""
         return max(self.peak_memory_gib_per_gpu) if self.peak_memory_gib_per_gpu else None
 
     @property

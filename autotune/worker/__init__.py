@@ -24,7 +24,7 @@ What a trial must do to be worth its GPU time:
 * **Fail loudly.** Nothing is caught: an out-of-memory error or TRL's divisibility ``ValueError``
   reaches stderr as a traceback with a non-zero exit, which is what the controller classifies.
 
-Measurements go to ``$AUTOTUNE_METRICS_FILE`` (DESIGN.md's metrics lines) from
+Measurements go to ``$AUTOTUNE_METRICS_FILE`` (docs/trial-contract.md's metrics lines) from
 :class:`autotune.worker.callbacks.TrialMetricsCallback`, and TRL's own log dicts are printed to
 stdout every step.
 

@@ -1,6 +1,6 @@
 """Measurement inside the trial process: the metrics lines of the trial contract.
 
-:class:`TrialMetricsCallback` writes one DESIGN.md metrics line per optimizer step to
+:class:`TrialMetricsCallback` writes one metrics line (docs/trial-contract.md) per optimizer step to
 ``$AUTOTUNE_METRICS_FILE``; :class:`_GenerationTimer` times TRL's generation, which TRL does not
 log; memory is reduced to its maximum over ranks (:func:`_max_over_ranks`), on CPU as the peak
 RSS (:func:`_cpu_peak_rss_gib`).
@@ -76,7 +76,7 @@ def _cpu_peak_rss_gib() -> float:
 
 
 class TrialMetricsCallback:  # a transformers.TrainerCallback, made so in make_metrics_callback
-    """Writes one DESIGN.md metrics line per optimizer step to the metrics file (main process).
+    """Writes one metrics line (docs/trial-contract.md) per optimizer step to the metrics file (main process).
 
     * ``step_time``: wall seconds between the ends of successive optimizer steps (the first from
       its start): everything the step costs, dataloader and logging included.
