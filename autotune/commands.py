@@ -41,6 +41,7 @@ from autotune.study import (
 from autotune.study.ranking import choose_best, confirmations, eligible, headroom_limit
 from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.layout import TrialFiles
+from autotune.units import GIB
 
 if TYPE_CHECKING:
     import optuna
@@ -79,7 +80,7 @@ def resolve_inputs(
             raise UsageError("--gpus must be at least 1 (with --device cpu: the number of processes)")
         recipe.gpu_type = "CPU"
         recipe.gpu_memory_gib = float(
-            recipe.memory_limit_gib or round(psutil.virtual_memory().total / 2**30, 1)
+            recipe.memory_limit_gib or round(psutil.virtual_memory().total / GIB, 1)
         )
     else:
         real = recipe.runner in ("trl", "swift")
@@ -119,12 +120,12 @@ def resolve_inputs(
 def context_for(recipe: Recipe) -> TrialContext:
     from dataclasses import replace
 
-    from autotune.hardware import GpuType, find_gpu_type
+    from autotune.hardware import find_gpu_type, unlisted_gpu
 
     try:
         gpu = replace(find_gpu_type(recipe.gpu_type), memory_gib=recipe.gpu_memory_gib)
     except UsageError:
-        gpu = GpuType(recipe.gpu_type, recipe.gpu_memory_gib, 100.0, 1.0, 32)
+        gpu = unlisted_gpu(recipe.gpu_type, recipe.gpu_memory_gib)
     space = load_space(recipe.space or None)
     return TrialContext(recipe=recipe, space=space, model=resolve_model(recipe.model), gpu=gpu)
 

@@ -9,6 +9,7 @@ import shutil
 from typing import Any
 
 from autotune.hardware import link_distances, visible_gpus
+from autotune.nvml import driver_version
 
 
 def _version(package: str) -> str:
@@ -25,15 +26,7 @@ def report() -> dict[str, Any]:
     out["gpus"] = (
         ", ".join(f"{g.index}: {g.name} {g.memory_gib:.1f} GiB" for g in gpus) or "none visible (NVML)"
     )
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        driver = pynvml.nvmlSystemGetDriverVersion()
-        out["driver"] = driver.decode() if isinstance(driver, bytes) else driver
-        pynvml.nvmlShutdown()
-    except Exception as exc:
-        out["driver"] = f"unavailable ({exc.__class__.__name__})"
+    out["driver"] = driver_version()
     for package in (
         "torch",
         "transformers",

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from autotune.errors import UsageError
+from autotune.nvml import QUERY_ERRORS, close_nvml, open_nvml
+from autotune.units import GIB
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,18 @@ GPU_TYPES: dict[str, GpuType] = {
 }
 
 
+# A GPU the table does not know: memory is what was measured or given; the rest are middling
+# figures (dense bf16 TFLOP/s, HBM TB/s, GPU-GPU GB/s as over PCIe) the speed prior can rank with.
+UNKNOWN_TFLOPS_BF16 = 100.0
+UNKNOWN_BANDWIDTH_TBS = 1.0
+UNKNOWN_INTERCONNECT_GBS = 32
+
+
+def unlisted_gpu(name: str, memory_gib: float) -> GpuType:
+    """A GPU type outside :data:`GPU_TYPES`, known only by its memory."""
+    return GpuType(name, memory_gib, UNKNOWN_TFLOPS_BF16, UNKNOWN_BANDWIDTH_TBS, UNKNOWN_INTERCONNECT_GBS)
+
+
 def find_gpu_type(name: str) -> GpuType:
     """Look a GPU type up by name, forgiving case and separators (``a100-80gb``, ``A100_80GB``)."""
     key = name.replace("_", "-").replace(" ", "-").lower()
@@ -69,7 +83,7 @@ def gpu_type_from_nvml_name(name: str, memory_gib: float) -> GpuType:
         stem = key.split("-")[0].lower()
         if stem in lowered and abs(gpu.memory_gib - memory_gib) < 0.15 * gpu.memory_gib:
             return replace(gpu, memory_gib=memory_gib)
-    return GpuType(name, memory_gib, 100.0, 1.0, 32)
+    return unlisted_gpu(name, memory_gib)
 
 
 @dataclass(frozen=True)
@@ -81,30 +95,21 @@ class VisibleGpu:
 
 def visible_gpus() -> list[VisibleGpu]:
     """GPUs NVML can see (respecting CUDA_VISIBLE_DEVICES is the caller's job); [] without NVML."""
-    try:
-        import pynvml
-    except ImportError:
-        return []
-    try:
-        pynvml.nvmlInit()
-    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ...
-        log.debug("NVML unavailable: %s", exc)
+    nvml = open_nvml(None, without="no GPU listed", level=logging.DEBUG)
+    if nvml is None:
         return []
     try:
         gpus = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(handle)
+        for i in range(nvml.nvmlDeviceGetCount()):
+            handle = nvml.nvmlDeviceGetHandleByIndex(i)
+            name = nvml.nvmlDeviceGetName(handle)
             if isinstance(name, bytes):
                 name = name.decode()
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            gpus.append(VisibleGpu(i, name, mem.total / 2**30))
+            mem = nvml.nvmlDeviceGetMemoryInfo(handle)
+            gpus.append(VisibleGpu(i, name, mem.total / GIB))
         return gpus
     finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+        close_nvml(nvml)
 
 
 def resolve_hardware(
@@ -129,7 +134,7 @@ def resolve_hardware(
         )
         return replace(gpu, memory_gib=float(gpu_memory)) if gpu_memory else gpu
     if gpu_memory:
-        return GpuType(f"custom-{gpu_memory:g}GiB", float(gpu_memory), 100.0, 1.0, 32)
+        return unlisted_gpu(f"custom-{gpu_memory:g}GiB", float(gpu_memory))
     raise UsageError(
         "no GPU is visible: describe the hardware with --gpu-type "
         f"({', '.join(GPU_TYPES)}) or --gpu-memory GIB"
@@ -146,44 +151,36 @@ FAR = 60  # no topology information: every pair equally far
 def link_distances(indices: list[int], nvml: Any | None = None) -> dict[tuple[int, int], int] | None:
     """How far apart each pair of GPUs is (0 NVLink, else NVML's common-ancestor level), or None
     when NVML cannot tell (no driver, a simulator rehearsal, an old binding)."""
+    nvml = open_nvml(nvml, without="no GPU topology", level=logging.DEBUG)
     if nvml is None:
-        try:
-            import pynvml as nvml
-        except ImportError:
-            return None
-    try:
-        nvml.nvmlInit()
-    except Exception as exc:
-        log.debug("NVML unavailable for topology: %s", exc)
         return None
     try:
-        handle = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
+        try:
+            handle = {i: nvml.nvmlDeviceGetHandleByIndex(i) for i in indices}
+        except QUERY_ERRORS as exc:
+            log.debug("NVML topology query failed: %s", exc)
+            return None
         far: dict[tuple[int, int], int] = {}
         for a in indices:
             for b in indices:
-                if a >= b:
-                    continue
-                try:
-                    nvlink = nvml.nvmlDeviceGetP2PStatus(handle[a], handle[b], NVML_P2P_CAPS_INDEX_NVLINK)
-                except Exception:
-                    nvlink = None
-                if nvlink == NVML_P2P_STATUS_OK:
-                    level = 0
-                else:
-                    try:
-                        level = int(nvml.nvmlDeviceGetTopologyCommonAncestor(handle[a], handle[b]))
-                    except Exception:
-                        level = FAR
-                far[(a, b)] = far[(b, a)] = level
+                if a < b:
+                    far[(a, b)] = far[(b, a)] = _pair_level(nvml, handle[a], handle[b])
         return far
-    except Exception as exc:
-        log.debug("NVML topology query failed: %s", exc)
-        return None
     finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:
-            pass
+        close_nvml(nvml)
+
+
+def _pair_level(nvml: Any, a: Any, b: Any) -> int:
+    """0 over NVLink, else NVML's common-ancestor level; :data:`FAR` when NVML cannot say."""
+    try:
+        if nvml.nvmlDeviceGetP2PStatus(a, b, NVML_P2P_CAPS_INDEX_NVLINK) == NVML_P2P_STATUS_OK:
+            return 0
+    except QUERY_ERRORS:
+        pass  # no NVLink answer: the common ancestor still tells NUMA from sockets
+    try:
+        return int(nvml.nvmlDeviceGetTopologyCommonAncestor(a, b))
+    except QUERY_ERRORS:
+        return FAR
 
 
 def gpu_subsets(

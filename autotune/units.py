@@ -11,6 +11,8 @@ from typing import Any
 
 GIB = 2**30
 MIB = 2**20
+KIB = 2**10
+MIB_PER_GIB = GIB // MIB  # NVML reports MiB; autotune speaks GiB
 
 _DURATION_PART = re.compile(r"(\d+(?:\.\d+)?)\s*([dhms]?)")
 _SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}

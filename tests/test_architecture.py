@@ -19,7 +19,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
 # listed where a package spans layers, as search/ does).
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
     (0, ("autotune", "autotune.errors", "autotune.units", "autotune.files")),
-    (1, ("autotune.recipe", "autotune.hardware", "autotune.models")),
+    (1, ("autotune.recipe", "autotune.hardware", "autotune.nvml", "autotune.models")),
     (
         2,
         (

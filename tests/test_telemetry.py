@@ -526,7 +526,7 @@ def _real_nvml_works() -> bool:
 
 def test_real_pynvml_path(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The real module end to end: on a GPU machine it samples; without one it falls back quietly."""
-    caplog.set_level("INFO", logger="autotune.trial.nvml")
+    caplog.set_level("INFO", logger="autotune.nvml")
     sampler = GpuSampler(
         tmp_path, [0], root_pid=os.getpid(), interval_s=0.02
     ).start()  # nvml=None: real pynvml

@@ -13,6 +13,8 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import psutil
+
 from autotune import configs as lc
 from autotune.trial.launch import LaunchSpec
 from autotune.trial.layout import TrialFiles
@@ -78,7 +80,7 @@ def listens(proc: subprocess.Popen, port: int) -> bool:
     for member in process_tree(proc.pid):
         try:
             conns = member.net_connections(kind="tcp")
-        except Exception:  # psutil.Error (gone, AccessDenied)
+        except psutil.Error:  # gone, AccessDenied
             continue
         if any(c.status == "LISTEN" and c.laddr and c.laddr.port == port for c in conns):
             return True

@@ -21,8 +21,9 @@ from typing import Any
 
 import psutil
 
-from autotune.trial.nvml import close_nvml, handles, memory_used_mib, open_nvml
+from autotune.nvml import QUERY_ERRORS, close_nvml, handles, memory_used_mib, open_nvml
 from autotune.trial.processes import group_members, kill_group, owned_by_trial, protected_pids, wait_gone
+from autotune.units import MIB_PER_GIB
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def _kill_leftovers(
     for index, handle in gpu_handles.items():
         try:
             running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        except Exception as exc:
+        except QUERY_ERRORS as exc:
             log.debug("nvmlDeviceGetComputeRunningProcesses(%s) failed: %s", index, exc)
             continue
         for info in running:
@@ -97,10 +98,11 @@ def _trial_processes(nvml: Any, gpu_handles: Mapping[int, Any], trial_dir: Path 
     """Pids of trial processes (by environment) NVML lists on these GPUs."""
     protected = protected_pids()
     pids = []
-    for handle in gpu_handles.values():
+    for index, handle in gpu_handles.items():
         try:
             running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
-        except Exception:
+        except QUERY_ERRORS as exc:
+            log.debug("nvmlDeviceGetComputeRunningProcesses(%s) failed: %s", index, exc)
             continue
         pids += [
             int(info.pid)
@@ -141,7 +143,7 @@ def wait_for_baseline(
         baseline_mib = {int(k): float(v) for k, v in baseline_mib.items()}
     try:
         gpu_handles = handles(nv, gpu_indices)
-        tolerance_mib = tolerance_gib * 1024
+        tolerance_mib = tolerance_gib * MIB_PER_GIB
 
         def clean() -> bool:
             if baseline_mib is None:
@@ -164,7 +166,7 @@ def wait_for_baseline(
             log.warning(
                 "GPU memory still above baseline after %.1f s: %s",
                 timeout_s,
-                ", ".join(f"GPU {i} +{mib / 1024:.1f} GiB" for i, mib in sorted(over.items())),
+                ", ".join(f"GPU {i} +{mib / MIB_PER_GIB:.1f} GiB" for i, mib in sorted(over.items())),
             )
         _kill_leftovers(nv, gpu_handles, pgid, trial_dir, grace_s)
         reached = wait(settle_s)

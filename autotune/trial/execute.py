@@ -29,6 +29,7 @@ from autotune.trial.monitor import TrialMonitor
 from autotune.trial.outcome import Outcome
 from autotune.trial.telemetry import GpuSampler
 from autotune.trial.utilization import MonitorSummary, phase_times, summarize_file
+from autotune.units import MIB_PER_GIB
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def leftover_gib(
     if now is None:
         return None
     base = {int(k): float(v) for k, v in baseline.items()}
-    excess = max((now[i] - base[i] for i in now if i in base), default=0.0) / 1024
+    excess = max((now[i] - base[i] for i in now if i in base), default=0.0) / MIB_PER_GIB
     if excess > tolerance_gib or previous_failed:
         return round(max(excess, 0.0), 3)
     return None

@@ -84,14 +84,17 @@ class LaunchResult:
     notes: list[str] = field(default_factory=list)  # a log that could not be written or was capped
 
 
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
+
+
 def _preexec(memory_limit_gib: float | None) -> Callable[[], None]:
     """Runs in the child between fork and exec: die with the controller, cap memory if asked."""
     limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
 
     def setup() -> None:
-        try:  # PR_SET_PDEATHSIG: if the controller is SIGKILLed, the trial leader goes too
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL, 0, 0, 0)
-        except Exception:
+        try:  # if the controller is SIGKILLed, the trial leader goes too
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):  # no glibc (musl, macOS): the trial outlives a killed controller
             pass
         if limit:
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))

@@ -4,7 +4,7 @@ The trainer's own metrics say how fast a trial went and how much memory *PyTorch
 not say whether the GPUs were busy, how much memory a colocated vLLM engine or the CUDA contexts
 took, or how much host RAM an offloaded optimizer used. This module samples those from outside the
 trial, a few times a second, with NVML (the library behind ``nvidia-smi``, see
-:mod:`autotune.trial.nvml`) and psutil.
+:mod:`autotune.nvml`) and psutil.
 
 :class:`GpuSampler` is a background thread started for one trial. Every tick it reads, for each
 watched GPU, ``nvmlDeviceGetUtilizationRates(h).gpu`` (percent of the last sample period in which a
@@ -28,11 +28,11 @@ from typing import Any
 
 import psutil
 
+from autotune.nvml import QUERY_ERRORS, close_nvml, handles, open_nvml
 from autotune.trial.layout import GPU_CSV
-from autotune.trial.nvml import close_nvml, handles, open_nvml
 from autotune.trial.processes import PID_FILE, process_tree
 from autotune.trial.utilization import MEASURE, GpuReading, MonitorSummary, Tick, summarize
-from autotune.units import GIB
+from autotune.units import GIB, KIB
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def _peak_rss_bytes(pid: int) -> int | None:
         with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as status:
             for line in status:
                 if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                    return int(line.split()[1]) * KIB
     except (OSError, ValueError, IndexError):
         return None
     return None
@@ -237,12 +237,12 @@ class GpuSampler:
         util = used = total = None
         try:
             util = float(nv.nvmlDeviceGetUtilizationRates(handle).gpu)
-        except Exception as exc:  # NVMLError_NotSupported on MIG slices, GpuIsLost, ...
+        except QUERY_ERRORS as exc:  # NVMLError_NotSupported on MIG slices, GpuIsLost, ...
             self._once(index, "util", exc)
         try:
             mem = nv.nvmlDeviceGetMemoryInfo(handle)
             used, total = mem.used / GIB, mem.total / GIB
-        except Exception as exc:
+        except QUERY_ERRORS as exc:
             self._once(index, "memory", exc)
         return GpuReading(index, util, used, total)
 

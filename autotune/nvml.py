@@ -1,4 +1,8 @@
-"""NVML access that degrades instead of failing.
+"""NVML access that degrades instead of failing: the one module that imports pynvml.
+
+Why one module: the GPU list and topology (:mod:`autotune.hardware`), the doctor, the trial's
+sampling (:mod:`autotune.trial.telemetry`) and the cleanup between trials
+(:mod:`autotune.trial.cleanup`) all need NVML, and each opened, closed and excused it its own way.
 
 Everything NVML is reached through an object with pynvml's API (the real ``pynvml`` module from
 nvidia-ml-py by default; tests inject a replay of recorded samples). When NVML cannot be initialised
@@ -20,31 +24,50 @@ from autotune.units import MIB
 
 log = logging.getLogger(__name__)
 
-__all__ = ["open_nvml", "close_nvml", "handles", "memory_used_mib"]
+__all__ = [
+    "NVMLError",
+    "QUERY_ERRORS",
+    "open_nvml",
+    "close_nvml",
+    "handles",
+    "memory_used_mib",
+    "driver_version",
+]
+
+try:
+    from pynvml import NVMLError
+except ImportError:  # nvidia-ml-py missing: open_nvml says so, and nothing can raise its errors
+
+    class NVMLError(Exception):  # type: ignore[no-redef]
+        """Stands in for pynvml's error class where nvidia-ml-py is not installed."""
 
 
-def open_nvml(nvml: Any | None) -> Any | None:
+# what one NVML query may raise: NVMLError subclasses (NotSupported on MIG slices, GpuIsLost, a
+# symbol the driver lacks), OSError from ctypes, AttributeError from bindings older than the call
+QUERY_ERRORS: tuple[type[BaseException], ...] = (NVMLError, OSError, AttributeError)
+
+
+def open_nvml(
+    nvml: Any | None, *, without: str = "GPU sampling off, host sampling only", level: int = logging.INFO
+) -> Any | None:
     """Initialise NVML and return the module-like object, or None when NVML is not usable.
 
-    Any failure counts as "no NVML": the real pynvml raises ``NVMLError_LibraryNotFound`` without
-    a driver, ``NVMLError_DriverNotLoaded`` when the kernel module is missing, and an old driver may
-    lack a symbol. Monitoring must degrade, never stop a search, so the reason is logged once and
-    psutil carries on alone.
+    Any NVML failure (:data:`QUERY_ERRORS`) counts as "no NVML": the real pynvml raises
+    ``NVMLError_LibraryNotFound`` without a driver, ``NVMLError_DriverNotLoaded`` when the kernel
+    module is missing, and an old driver may lack a symbol. Monitoring must degrade, never stop a
+    search, so the reason is logged once and psutil carries on alone. ``without`` says what the
+    caller does without NVML, logged at ``level``.
     """
     if nvml is None:
         try:
             import pynvml as nvml  # nvidia-ml-py
         except ImportError as exc:
-            log.info("NVML not available (%s): GPU sampling off, host sampling only", exc)
+            log.log(level, "NVML not available (%s): %s", exc, without)
             return None
     try:
         nvml.nvmlInit()
-    except Exception as exc:  # NVMLError subclasses, OSError from ctypes, AttributeError from old bindings
-        log.info(
-            "NVML could not be initialised (%s: %s): GPU sampling off, host sampling only",
-            type(exc).__name__,
-            exc,
-        )
+    except QUERY_ERRORS as exc:
+        log.log(level, "NVML could not be initialised (%s: %s): %s", type(exc).__name__, exc, without)
         return None
     return nvml
 
@@ -55,7 +78,7 @@ def close_nvml(nvml: Any | None) -> None:
         return
     try:
         nvml.nvmlShutdown()
-    except Exception as exc:
+    except QUERY_ERRORS as exc:
         log.debug("nvmlShutdown failed: %s", exc)
 
 
@@ -67,7 +90,7 @@ def handles(nvml: Any, gpu_indices: Sequence[int] | None) -> dict[int, Any]:
     """
     try:
         count = int(nvml.nvmlDeviceGetCount())
-    except Exception as exc:
+    except QUERY_ERRORS as exc:
         log.warning("nvmlDeviceGetCount failed (%s): GPU sampling off", exc)
         return {}
     wanted = list(range(count)) if gpu_indices is None else list(gpu_indices)
@@ -78,7 +101,7 @@ def handles(nvml: Any, gpu_indices: Sequence[int] | None) -> dict[int, Any]:
             continue
         try:
             out[index] = nvml.nvmlDeviceGetHandleByIndex(index)
-        except Exception as exc:
+        except QUERY_ERRORS as exc:
             log.warning("no NVML handle for GPU %s (%s): not monitored", index, exc)
     return out
 
@@ -89,6 +112,19 @@ def memory_used_mib(nvml: Any, gpu_handles: Mapping[int, Any]) -> dict[int, floa
     for index, handle in gpu_handles.items():
         try:
             used[index] = nvml.nvmlDeviceGetMemoryInfo(handle).used / MIB
-        except Exception as exc:
+        except QUERY_ERRORS as exc:
             log.debug("nvmlDeviceGetMemoryInfo(%s) failed: %s", index, exc)
     return used
+
+
+def driver_version() -> str:
+    """The NVIDIA driver's version for ``autotune doctor``, or ``unavailable (<error class>)``."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        driver = pynvml.nvmlSystemGetDriverVersion()
+        pynvml.nvmlShutdown()
+    except Exception as exc:  # the doctor reports whatever is wrong; it never fails because of it
+        return f"unavailable ({exc.__class__.__name__})"
+    return driver.decode() if isinstance(driver, bytes) else driver
