@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from autotune.trial import launch as launching
+from autotune.trial import streams
 from autotune.trial.launch import LaunchSpec, launch
 
 # the bounds a trial's stream is held to (getattr: this file also runs against the code before them)
-LINE_MAX = getattr(launching, "LINE_MAX", 8 * 1024)
-LOG_CAP = getattr(launching, "LOG_CAP", 64 * 2**20)
-LOG_END = getattr(launching, "LOG_END", 2**20)
+LINE_MAX = streams.LINE_MAX
+LOG_CAP = streams.LOG_CAP
+LOG_END = streams.LOG_END
 
 
 def spec(tmp_path: Path, code: str) -> LaunchSpec:

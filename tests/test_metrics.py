@@ -16,11 +16,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from autotune.trial.logparse import LogParser, parse_log_dicts
+from autotune.trial.mapping import MAX_LITERAL_CHARS, parse_mapping
 from autotune.trial.metrics import (
-    MAX_LITERAL_CHARS,
     MetricsTail,
     StepRecord,
-    parse_mapping,
     parse_metrics_line,
     read_metrics_file,
     steady_throughput,

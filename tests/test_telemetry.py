@@ -25,11 +25,12 @@ import pynvml
 import pytest
 
 from autotune.trial.cleanup import read_baseline, wait_for_baseline
+from autotune.trial.diagnosis import diagnose_low_util
 from autotune.trial.execute import add_monitor_summary
 from autotune.trial.outcome import Outcome
 from autotune.trial.processes import owned_by_trial
 from autotune.trial.telemetry import CSV_COLUMNS, GpuReading, GpuSampler, Tick
-from autotune.trial.utilization import diagnose_low_util, phase_times, summarize
+from autotune.trial.utilization import phase_times, summarize
 from autotune.units import GIB
 
 H100_TOTAL_GIB = 79.65  # what nvmlDeviceGetMemoryInfo(h).total reports on an 80 GB H100, in GiB

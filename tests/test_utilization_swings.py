@@ -14,13 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from autotune.trial.utilization import (
-    IDLE_SHARE_LIMIT,
-    diagnose_low_util,
-    read_ticks,
-    summarize,
-    summarize_file,
-)
+from autotune.trial.diagnosis import IDLE_SHARE_LIMIT, diagnose_low_util
+from autotune.trial.utilization import read_ticks, summarize, summarize_file
 
 # gpu.csv of the write-up 004 run, as GpuSampler writes it (2 GPUs, one sample every 0.5 s)
 SWING_CSV = textwrap.dedent("""\

@@ -46,7 +46,18 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from autotune.trial.logparse import log_digest
+from autotune.trial.failure_texts import (
+    FATAL,
+    PIN_MEMORY,
+    ROOT_CAUSE_WORDS,
+    RULES,
+    SECONDARY_NAMES,
+    SECONDARY_TEXT,
+    SIGKILL,
+    WORTH_READING,
+    Rule,
+)
+from autotune.trial.logread import log_digest
 from autotune.trial.outcome import describe
 
 __all__ = ["Diagnosis", "classify_failure", "diagnose", "diagnose_files", "last_error_line"]
@@ -119,163 +130,15 @@ def _trim(text: str) -> str:
     return text if len(text) <= ERROR_LINE_MAX else text[: ERROR_LINE_MAX - 3].rstrip() + "..."
 
 
-# --------------------------------------------------------------------------------------------
-# What to recognise
-# --------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Rule:
-    category: str  # "oom" | "invalid"
-    kind: str | None  # an OOM_KIND for "oom"
-    regex: re.Pattern[str]
-    exception_only: tuple[str, ...] = ()  # match only when the line's exception name is one of these
-    rank: int = 5  # lower = better error line among lines of the same kind
-
-
-def _r(pattern: str, flags: int = 0) -> re.Pattern[str]:
-    return re.compile(pattern, flags)
-
-
-_RULES: tuple[_Rule, ...] = (
-    # --- vLLM: its own words are more specific than any CUDA message, so they come first
-    _Rule(
-        "oom",
-        "vllm_startup",
-        _r(r"Free memory on device.*on startup is less than desired GPU memory utilization"),
-        rank=0,
-    ),
-    _Rule("oom", "vllm_kv", _r(r"No available memory for the cache blocks"), rank=0),
-    _Rule(
-        "oom",
-        "vllm_kv",
-        _r(r"KV cache is needed, which is larger than the available KV cache memory"),
-        rank=0,
-    ),
-    _Rule(
-        "oom",
-        "vllm_kv",
-        _r(r"is larger than the maximum number of tokens that can be stored in KV cache"),
-        rank=0,
-    ),
-    # --- host RAM
-    _Rule("oom", "host", _r(r"ray\.exceptions\.OutOfMemoryError"), rank=1),
-    _Rule("oom", "host", _r(r"DefaultCPUAllocator: can't allocate memory"), rank=0),
-    _Rule("oom", "host", _r(r"std::bad_alloc"), rank=2),
-    _Rule("oom", "host", _r(r"DataLoader worker \(pid.*\) is killed by signal: Killed"), rank=1),
-    _Rule("oom", "host", _r(r"\[Errno 12\] Cannot allocate memory"), rank=2),
-    _Rule("oom", "host", _r(r"MemoryError"), exception_only=("MemoryError", "builtins.MemoryError"), rank=1),
-    # --- accelerator memory
-    _Rule("oom", "cuda", _r(r"CUDA out of memory\.\s*Tried to allocate"), rank=0),
-    _Rule("oom", "cuda", _r(r"(?<![\w.])(?:torch\.)?(?:cuda\.)?OutOfMemoryError\b"), rank=1),
-    _Rule(
-        "oom",
-        "cuda",
-        _r(r"CUDA out of memory"),
-        exception_only=(
-            "RuntimeError",
-            "OutOfMemoryError",
-            "torch.OutOfMemoryError",
-            "torch.cuda.OutOfMemoryError",
-            "torch.AcceleratorError",
-        ),
-        rank=1,
-    ),
-    _Rule("oom", "cuda", _r(r"CUDA error:\s*out of memory", re.IGNORECASE), rank=1),
-    _Rule("oom", "cuda", _r(r"\b(?:CUBLAS|CUDNN|CUSOLVER|CUSPARSE)_STATUS_ALLOC_FAILED\b"), rank=1),
-    _Rule("oom", "cuda", _r(r"Cuda failure\s+(?:\d+\s+)?'out of memory'", re.IGNORECASE), rank=2),
-    _Rule(
-        "oom",
-        "cuda",
-        _r(r"\b(?:cudaErrorMemoryAllocation|CUDA_ERROR_OUT_OF_MEMORY|hipErrorOutOfMemory)\b"),
-        rank=2,
-    ),
-    _Rule("oom", "cuda", _r(r"\b(?:HIP|XPU|NPU|GCU|MPS backend) out of memory\b"), rank=1),
-    # --- configurations the trainer refuses (TRL GRPOConfig / vLLM colocate, ms-swift's copies)
-    _Rule(
-        "invalid",
-        None,
-        _r(r"generation_batch_size \(\d+\) must (?:be (?:evenly )?divisible by|equal)"),
-        rank=0,
-    ),
-    _Rule("invalid", None, _r(r"GRPO requires at least 2 generations per prompt"), rank=0),
-    _Rule("invalid", None, _r(r"tensor_parallel_size \(\d+\) must divide world size"), rank=0),
-    _Rule("invalid", None, _r(r"global eval batch size .* must be (?:evenly )?divisible by"), rank=0),
-    _Rule(
-        "invalid",
-        None,
-        _r(r"'generation_batch_size' and 'steps_per_generation' can not be both configured"),
-        rank=0,
-    ),
-    _Rule("invalid", None, _r(r"auto_find_batch_size is not supported by GRPO"), rank=0),
-    _Rule("invalid", None, _r(r"steps_per_generation must be > 0"), rank=0),
-)
-
-# The process died of SIGKILL: the OOM killer's signature when nothing else explains the exit.
-_SIGKILL = re.compile(
-    r"Signal 9 \(SIGKILL\) received by PID"
-    r"|exitcode\s*:\s*-9\b"
-    r"|died with <Signals\.SIGKILL: 9>"
-    r"|return code = -9\b"
-    r"|^(?:\S+: )?line \d+:\s+\d+ Killed\b"
-    r"|^Killed\s*$"
-)
-
-# Errors that are consequences of another process's failure, never a root cause.
-_SECONDARY_NAMES = {
-    "ChildFailedError",
-    "CalledProcessError",
-    "SignalException",
-    "ProcessExitedException",
-    "DistNetworkError",
-    "DistStoreError",
-    "EngineDeadError",
-    "EngineGenerateError",
-    "BrokenPipeError",
-    "ConnectionResetError",
-    "ConnectionAbortedError",
-}
-_SECONDARY_TEXT = re.compile(
-    r"Connection closed by peer|Connection reset by peer|remote worker crashing"
-    r"|Watchdog caught collective operation timeout|NCCL communicator was aborted"
-    r"|Some NCCL operations have failed or timed out|Process group watchdog thread terminated"
-    r"|Engine core initialization failed|EngineCore encountered a fatal error"
-    r"|died unexpectedly|Broken pipe|recvValue failed|failed to recv|Socket Timeout"
-    r"|terminate called after throwing an instance of 'c10::DistBackendError'"
-    r"|To avoid data inconsistency, we are taking the entire process down"
-    r"|received by PID|got signal: \d+",
-    re.IGNORECASE,
-)
-# Fatal errors that print no Python exception.
-_FATAL = re.compile(
-    r"Segmentation fault|Fatal Python error:|terminate called after throwing an instance of"
-    r"|Aborted \(core dumped\)|Bus error|Illegal instruction|core dumped"
-)
-_PIN_MEMORY = re.compile(r"pin_memory|cudaHostAlloc|pinned", re.IGNORECASE)
-
-
-# Words without which no rule above can match a line (a cheap filter before the rules, so that a
-# 64 MiB log is read in about a second), and those of the memory and configuration rules alone.
-_ROOT_CAUSE_WORDS = re.compile(
-    r"emory|alloc|ALLOC|MEMORY|KV cache|Killed|generation|tensor_parallel_size"
-    r"|divisible|auto_find_batch_size"
-)
-_WORTH_READING = re.compile(
-    _ROOT_CAUSE_WORDS.pattern + r"|Error|Exception|Exit|Interrupt|Failure|Exceeded"
-    r"|fault|Fatal|terminate called|Abort|Bus error|Illegal|dumped|SIGKILL|exitcode"
-    r"|return code|NCCL WARN"
-)
-
-
 def _is_secondary(name: str | None, text: str) -> bool:
     short = (name or "").rsplit(".", 1)[-1]
-    return short in _SECONDARY_NAMES or bool(_SECONDARY_TEXT.search(text))
+    return short in SECONDARY_NAMES or bool(SECONDARY_TEXT.search(text))
 
 
 @dataclass
 class _Hit:
     index: int  # line number in the cleaned log
-    rule: _Rule
+    rule: Rule
     kind: str | None
 
 
@@ -300,7 +163,7 @@ def _scan(lines: list[str]) -> list[_Hit]:
         if not line or _is_source_line(lines, i):
             continue
         exc = None
-        for rule in _RULES:
+        for rule in RULES:
             if not rule.regex.search(line):
                 continue
             if rule.exception_only:
@@ -312,7 +175,7 @@ def _scan(lines: list[str]) -> list[_Hit]:
                 kind == "cuda"
                 and "out of memory" in line.lower()
                 and "CUDA error" in line
-                and _traceback_mentions(lines, i, _PIN_MEMORY)
+                and _traceback_mentions(lines, i, PIN_MEMORY)
             ):
                 kind = "host"  # cudaHostAlloc failed: page-locked *host* memory ran out
             hits.append(_Hit(i, rule, kind))
@@ -379,7 +242,7 @@ def _last_error(lines: list[str]) -> str | None:
                 secondary = i
             else:
                 primary = i
-        elif _FATAL.search(line):
+        elif FATAL.search(line):
             fatal = i
     for index in (primary, fatal, secondary):
         if index is not None:
@@ -405,7 +268,7 @@ def _has_primary_error(lines: list[str]) -> bool:
         exc = _exception(line)
         if exc is not None and not _is_secondary(exc[0], line):
             return True
-        if exc is None and _FATAL.search(line) and not _is_secondary(None, line):
+        if exc is None and FATAL.search(line) and not _is_secondary(None, line):
             return True
     return False
 
@@ -436,7 +299,7 @@ def _judge(returncode: int | None, parts: list[list[str]], stopped_by_us: bool) 
             )
     # stdout first, stderr last: the last error of stderr (where tracebacks go) names a crash
     lines = [line for part in reversed(parts) for line in part]
-    killed_line = next((line for line in reversed(lines) if _SIGKILL.search(line)), None)
+    killed_line = next((line for line in reversed(lines) if SIGKILL.search(line)), None)
     killed = killed_line is not None or (returncode in (-9, 137) and not stopped_by_us)
     if killed and not _has_primary_error(lines):
         error_line = (
@@ -480,7 +343,7 @@ def diagnose_files(
     came down (hundreds of KiB of NCCL warnings, then torchrun's ``ChildFailedError``): the OOM
     that caused it all sits further up. So the files are read, each through :func:`log_digest`,
     and ``fallback`` (the tail) is used only when no file has anything."""
-    parts = [[_clean(line) for line in log_digest(path, _WORTH_READING, _ROOT_CAUSE_WORDS)] for path in paths]
+    parts = [[_clean(line) for line in log_digest(path, WORTH_READING, ROOT_CAUSE_WORDS)] for path in paths]
     parts = [part for part in parts if part]
     if not parts:
         return diagnose(returncode, fallback, stopped_by_us=stopped_by_us)
