@@ -91,7 +91,19 @@ def summary_md(
         + (f", LoRA rank {recipe.lora_rank}" if recipe.lora_rank else "")
         + "."
     )
-    lines += ["", "## Choice", ""]
+    lines += _choice_section(best, recipe, params, capacity)
+    lines += _runners_up_section(best, rows, params)
+    lines += utilization_section(best, rows, recipe)
+    lines += _trials_section(rows, stopped)
+    if notes:
+        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
+    lines += _reproduce_section(final, recipe, names)
+    return "\n".join(lines) + "\n"
+
+
+def _choice_section(best: TrialRow, recipe: Recipe, params: dict[str, Any], capacity: float) -> list[str]:
+    """The chosen trial: speed, memory against the headroom, the batch, every parameter."""
+    lines: list[str] = ["", "## Choice", ""]
     lines.append(f"Trial {best.number}: **{fmt(best.throughput)} completions/s**.")
     if best.peak_memory_gib is not None and capacity:
         used = best.peak_memory_gib / capacity
@@ -116,7 +128,12 @@ def summary_md(
         pass
     lines += ["", "| parameter | value |", "|---|---|"]
     lines += [f"| {k} | {v} |" for k, v in params.items()]
+    return lines
 
+
+def _runners_up_section(best: TrialRow, rows: list[TrialRow], params: dict[str, Any]) -> list[str]:
+    """The fastest other ok trials, and how each differs from the choice."""
+    lines: list[str] = []
     ok = sorted(
         (
             r
@@ -141,9 +158,12 @@ def summary_md(
             )
     else:
         lines.append("No other trial finished ok.")
+    return lines
 
-    lines += utilization_section(best, rows, recipe)
 
+def _trials_section(rows: list[TrialRow], stopped: str | None) -> list[str]:
+    """What the search spent: trials by status, repeats, pruned ones, wall time, why it stopped."""
+    lines: list[str] = []
     by_status, oom_kinds = _status_counts(
         [r for r in rows if r.launched or r.status in ("invalid", "skipped")]
     )
@@ -171,10 +191,12 @@ def summary_md(
         lines.append(f"- wall time in trials: {wall / 3600:.2f} h")
     if stopped:
         lines.append(f"- {stopped}")
+    return lines
 
-    if notes:
-        lines += ["", "## Notes", ""] + [f"- {n}" for n in notes]
 
+def _reproduce_section(final: Path, recipe: Recipe, names: list[str]) -> list[str]:
+    """How to verify and launch the choice, and what each written file is."""
+    lines: list[str] = []
     study = recipe.name or final.parent.name
     runs_dir = final.parent.parent
     lines += [
@@ -191,4 +213,4 @@ def summary_md(
         "",
     ]
     lines += [f"- `{n}`: {BEST_FILES[n]}" for n in names if n in BEST_FILES]
-    return "\n".join(lines) + "\n"
+    return lines
