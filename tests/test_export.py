@@ -157,7 +157,7 @@ def test_grpo_kwargs_missing_params_take_trl_defaults_and_global_batch():
     kwargs = lc.grpo_config_kwargs({"per_device_train_batch_size": 4}, r)
     assert kwargs["gradient_accumulation_steps"] == 8  # 64 / (4 x 2)
     assert kwargs["num_generations"] == 8 and kwargs["use_vllm"] is False
-    assert kwargs["gradient_checkpointing"] is True and kwargs["bf16"] is True
+    assert kwargs[lc.checkpointing_field()] is True and kwargs["bf16"] is True
     grpo(kwargs, output_dir="/tmp/autotune-test-out")
 
 

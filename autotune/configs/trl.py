@@ -13,6 +13,9 @@ Checked in the installed packages (trl 1.16, transformers 5): GRPOConfig has no
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.metadata
 from typing import Any
 
 from autotune.recipe import Recipe
@@ -130,6 +133,32 @@ def model_init_kwargs(recipe: Recipe) -> dict[str, Any]:
     return kwargs
 
 
+@functools.lru_cache(maxsize=1)
+def checkpointing_field() -> str:
+    """The TrainingArguments field that turns activation recomputation on, in the installed
+    transformers: ``activation_checkpointing`` where the class declares it (5.23 does, and warns
+    that ``gradient_checkpointing`` is deprecated), else ``gradient_checkpointing`` (5.19 and older,
+    and when transformers is not installed here: the old name is read by every release).
+
+    Read from the class's source with :mod:`ast` rather than by importing it: transformers'
+    training_args pulls in torch, seconds that a sim search's export should not pay.
+    """
+    try:
+        source = importlib.metadata.distribution("transformers").locate_file("transformers/training_args.py")
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (importlib.metadata.PackageNotFoundError, OSError, SyntaxError, ValueError):
+        return "gradient_checkpointing"
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "TrainingArguments":
+            for item in node.body:
+                if (
+                    isinstance(item, ast.AnnAssign)
+                    and getattr(item.target, "id", "") == "activation_checkpointing"
+                ):
+                    return "activation_checkpointing"
+    return "gradient_checkpointing"
+
+
 def grpo_config_kwargs(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
     """Keyword arguments for ``trl.GRPOConfig`` (and the grpo_config.yaml that TrlParser reads).
 
@@ -144,7 +173,7 @@ def grpo_config_kwargs(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]
         "gradient_accumulation_steps": int(eff["gradient_accumulation_steps"]),
         "num_generations": int(eff["num_generations"]),
         "max_completion_length": int(recipe.max_completion_length),
-        "gradient_checkpointing": bool(eff["gradient_checkpointing"]),
+        checkpointing_field(): bool(eff["gradient_checkpointing"]),
         "beta": float(recipe.beta),
         "bf16": not cpu,
     }
