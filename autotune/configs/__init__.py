@@ -40,6 +40,8 @@ from autotune.configs.trl import (
     gpu_split,
     grpo_config_kwargs,
     is_vllm_server,
+    lora_adapter,
+    model_flags,
     vllm_max_model_length,
     vllm_serve_command,
 )
@@ -71,6 +73,8 @@ __all__ = [
     "gpu_split",
     "grpo_config_kwargs",
     "is_vllm_server",
+    "lora_adapter",
+    "model_flags",
     "offload_of",
     "swift_command",
     "swift_deepspeed",

@@ -133,6 +133,44 @@ def model_init_kwargs(recipe: Recipe) -> dict[str, Any]:
     return kwargs
 
 
+#: The adapter a ``--lora-rank`` trial trains: every linear layer, alpha twice the rank, no dropout
+#: (peft's LoraConfig default; TRL's ModelConfig defaults to 0.05 and ms-swift to 0.05 with alpha 32,
+#: so both are written out).
+LORA_TARGET_MODULES = "all-linear"
+
+
+def lora_adapter(rank: int) -> dict[str, Any]:
+    """The LoraConfig fields of a trial of this rank: the worker builds it, the exports write it."""
+    return {
+        "r": int(rank),
+        "lora_alpha": 2 * int(rank),
+        "target_modules": LORA_TARGET_MODULES,
+        "lora_dropout": 0.0,
+    }
+
+
+def model_flags(recipe: Recipe, model: str) -> list[str]:
+    """``trl.ModelConfig`` flags for TRL's GRPO script (TrlParser): the model and the exact adapter
+    the trials ran. Not GRPOConfig fields, so they stay out of grpo_config.yaml, which a strict
+    ``GRPOConfig`` parser reads too. ``--quantization`` travels in ``model_init_kwargs`` there."""
+    argv = ["--model_name_or_path", model]
+    if recipe.lora_rank:
+        lora = lora_adapter(int(recipe.lora_rank))
+        argv += [
+            "--use_peft",
+            "true",
+            "--lora_r",
+            str(lora["r"]),
+            "--lora_alpha",
+            str(lora["lora_alpha"]),
+            "--lora_target_modules",
+            lora["target_modules"],
+            "--lora_dropout",
+            str(lora["lora_dropout"]),
+        ]
+    return argv
+
+
 @functools.lru_cache(maxsize=1)
 def checkpointing_field() -> str:
     """The TrainingArguments field that turns activation recomputation on, in the installed

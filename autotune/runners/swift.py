@@ -353,7 +353,7 @@ class SwiftRunner(Runner):
         """CPU trials run without vLLM; what ms-swift's own environment lacks is not searched."""
         _, python, _ = self._ready()
         cpu = self.recipe.device == "cpu"
-        out = restrict(python, cpu=cpu)
+        out = restrict(python, cpu=cpu, processes=int(self.recipe.gpus))
         return {**out, "use_vllm": False} if cpu else out
 
     # -- one trial ------------------------------------------------------------------------------

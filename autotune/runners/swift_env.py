@@ -67,7 +67,7 @@ def refuse_missing(python: str, quantization: str | None) -> None:
         )
 
 
-def restrict(python: str, *, cpu: bool) -> dict[str, Any]:
+def restrict(python: str, *, cpu: bool, processes: int = 1) -> dict[str, Any]:
     """The parameters to fix so that every candidate runs in ``python``'s environment, each fix
     said in one log line (as the TRL runner does for its own environment)."""
     have = capabilities(python)
@@ -79,5 +79,12 @@ def restrict(python: str, *, cpu: bool) -> dict[str, Any]:
         out["use_vllm"] = False
     if not have["deepspeed"]:
         log.warning("deepspeed is not installed for %s: searching ZeRO stage 0 only (%s)", python, FIX)
+        out.update(zero_stage=0, offload="none")
+    elif cpu and processes == 1:
+        # one CPU process: ms-swift starts no torch.distributed launcher, and DeepSpeed's
+        # init_distributed then looks for MPI ("No module named 'mpi4py'", three crashes in a row)
+        log.warning(
+            "ms-swift on CPU: searching ZeRO stage 0 only (DeepSpeed needs a distributed launch there)"
+        )
         out.update(zero_stage=0, offload="none")
     return out
