@@ -157,7 +157,7 @@ def test_grpo_kwargs_missing_params_take_trl_defaults_and_global_batch():
     kwargs = lc.grpo_config_kwargs({"per_device_train_batch_size": 4}, r)
     assert kwargs["gradient_accumulation_steps"] == 8  # 64 / (4 x 2)
     assert kwargs["num_generations"] == 8 and kwargs["use_vllm"] is False
-    assert kwargs["gradient_checkpointing"] is True and kwargs["bf16"] is True
+    assert kwargs[lc.checkpointing_field()] is True and kwargs["bf16"] is True
     grpo(kwargs, output_dir="/tmp/autotune-test-out")
 
 
@@ -479,7 +479,7 @@ def test_write_best_zero3(tmp_path):
         assert os.access(out / script, os.X_OK)
         _bash_n(out / script)
     launch = (out / "launch.sh").read_text()
-    assert "set -euo pipefail" in launch and "DEFAULT_TRAIN_SCRIPT=train_grpo.py" in launch
+    assert "set -euo pipefail" in launch and "TRAIN=(train_grpo.py)" in launch
     assert '--deepspeed_config_file "$HERE/ds_config.json"' in launch
     assert '--config "$HERE/grpo_config.yaml"' in launch
 
@@ -535,11 +535,14 @@ def test_launch_sh_runs_from_any_cwd(tmp_path):
     ):
         assert Path(args[args.index(flag) + 1]).is_file(), name
     assert "my_train.py" in args and args[-2:] == ["--seed", "1"]
-    # no script and no default: a usage line and exit 2
-    missing = subprocess.run(
-        ["bash", str(out / "launch.sh")], cwd=elsewhere, env=env, capture_output=True, text=True
-    )
-    assert missing.returncode == 2 and "usage:" in missing.stderr
+    # no script: TRL's own GRPO script as a module, with the model the user trains (its hub id)
+    default = subprocess.run(
+        ["bash", str(out / "launch.sh"), "--dataset_name", "d"], cwd=elsewhere, env=env, capture_output=True,
+        text=True, check=True,
+    ).stdout.splitlines()  # fmt: skip
+    assert default[default.index("-m") + 1] == "trl.scripts.grpo"
+    assert default[default.index("--model_name_or_path") + 1] == "Qwen/Qwen2.5-7B"
+    assert default[-2:] == ["--dataset_name", "d"]
 
 
 def test_write_best_single_gpu_without_deepspeed_and_server_mode(tmp_path):

@@ -160,3 +160,27 @@ def test_the_report_shows_the_low_utilization_trials_and_their_timelines(tmp_pat
     assert "trial 0" not in low
     plot = html.split('id="plot-utilization"', 1)[1].split("</section>", 1)[0]
     assert "trial 0 (exported) GPU 0" in plot and "trial 1 (low utilization) GPU 1" in plot
+
+
+def test_a_winner_without_low_utilization_trials_is_not_reported_as_no_success(tmp_path, recipe_factory):
+    """The "nothing ran" heading belongs to a study without a winner, not to one whose trials all
+    kept their GPUs busy (it used to follow the low-utilization list and showed under a winner)."""
+    import optuna
+
+    from autotune.export.report import report_html
+    from autotune.study import StudyPaths, candidate_key, record
+    from autotune.trial.outcome import Outcome
+
+    paths = StudyPaths(tmp_path / "runs", "w")
+    paths.root.mkdir(parents=True)
+    study = optuna.create_study(study_name="w", storage=f"sqlite:///{paths.db}", direction="maximize")
+    recipe = recipe_factory(min_util=0.5)
+    assert "No configuration has run successfully yet." in report_html(study, recipe, paths)
+    params = {"zero_stage": 2, "offload": "none", "per_device_train_batch_size": 4}
+    folder = paths.trial_dir(0)
+    folder.mkdir(parents=True)
+    outcome = Outcome(status="ok", throughput=4.0, peak_memory_gib=60.0, steps=6)
+    record(study, study.ask(), params, outcome, launched=True, key=candidate_key(params), trial_dir=folder)
+    html = report_html(study, recipe, paths)
+    assert "<h2>Winner: trial 0" in html
+    assert "low-util" not in html and "No configuration has run successfully yet." not in html

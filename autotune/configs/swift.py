@@ -29,7 +29,13 @@ from pathlib import Path
 from typing import Any
 
 from autotune.configs.deepspeed import offload_of, uses_deepspeed, zero_stage_of
-from autotune.configs.trl import DEFAULT_VLLM_SERVER_PORT, effective, gpu_split, vllm_max_model_length
+from autotune.configs.trl import (
+    DEFAULT_VLLM_SERVER_PORT,
+    effective,
+    gpu_split,
+    lora_adapter,
+    vllm_max_model_length,
+)
 from autotune.recipe import Recipe
 
 
@@ -185,8 +191,10 @@ def swift_command(
     if template:
         argv += ["--template", template]
     argv += [version.tuner_flag, "lora" if recipe.lora_rank else "full"]
-    if recipe.lora_rank:
-        argv += ["--lora_rank", str(int(recipe.lora_rank))]
+    if recipe.lora_rank:  # the TRL trials' adapter; ms-swift's defaults are alpha 32, dropout 0.05
+        lora = lora_adapter(int(recipe.lora_rank))
+        argv += ["--lora_rank", str(lora["r"]), "--lora_alpha", str(lora["lora_alpha"])]
+        argv += ["--target_modules", lora["target_modules"], "--lora_dropout", str(lora["lora_dropout"])]
     argv += quantization_flags(recipe)
     argv += [
         "--torch_dtype",

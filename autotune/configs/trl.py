@@ -13,6 +13,9 @@ Checked in the installed packages (trl 1.16, transformers 5): GRPOConfig has no
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.metadata
 from typing import Any
 
 from autotune.recipe import Recipe
@@ -130,6 +133,70 @@ def model_init_kwargs(recipe: Recipe) -> dict[str, Any]:
     return kwargs
 
 
+#: The adapter a ``--lora-rank`` trial trains: every linear layer, alpha twice the rank, no dropout
+#: (peft's LoraConfig default; TRL's ModelConfig defaults to 0.05 and ms-swift to 0.05 with alpha 32,
+#: so both are written out).
+LORA_TARGET_MODULES = "all-linear"
+
+
+def lora_adapter(rank: int) -> dict[str, Any]:
+    """The LoraConfig fields of a trial of this rank: the worker builds it, the exports write it."""
+    return {
+        "r": int(rank),
+        "lora_alpha": 2 * int(rank),
+        "target_modules": LORA_TARGET_MODULES,
+        "lora_dropout": 0.0,
+    }
+
+
+def model_flags(recipe: Recipe, model: str) -> list[str]:
+    """``trl.ModelConfig`` flags for TRL's GRPO script (TrlParser): the model and the exact adapter
+    the trials ran. Not GRPOConfig fields, so they stay out of grpo_config.yaml, which a strict
+    ``GRPOConfig`` parser reads too. ``--quantization`` travels in ``model_init_kwargs`` there."""
+    argv = ["--model_name_or_path", model]
+    if recipe.lora_rank:
+        lora = lora_adapter(int(recipe.lora_rank))
+        argv += [
+            "--use_peft",
+            "true",
+            "--lora_r",
+            str(lora["r"]),
+            "--lora_alpha",
+            str(lora["lora_alpha"]),
+            "--lora_target_modules",
+            lora["target_modules"],
+            "--lora_dropout",
+            str(lora["lora_dropout"]),
+        ]
+    return argv
+
+
+@functools.lru_cache(maxsize=1)
+def checkpointing_field() -> str:
+    """The TrainingArguments field that turns activation recomputation on, in the installed
+    transformers: ``activation_checkpointing`` where the class declares it (5.23 does, and warns
+    that ``gradient_checkpointing`` is deprecated), else ``gradient_checkpointing`` (5.19 and older,
+    and when transformers is not installed here: the old name is read by every release).
+
+    Read from the class's source with :mod:`ast` rather than by importing it: transformers'
+    training_args pulls in torch, seconds that a sim search's export should not pay.
+    """
+    try:
+        source = importlib.metadata.distribution("transformers").locate_file("transformers/training_args.py")
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (importlib.metadata.PackageNotFoundError, OSError, SyntaxError, ValueError):
+        return "gradient_checkpointing"
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == "TrainingArguments":
+            for item in node.body:
+                if (
+                    isinstance(item, ast.AnnAssign)
+                    and getattr(item.target, "id", "") == "activation_checkpointing"
+                ):
+                    return "activation_checkpointing"
+    return "gradient_checkpointing"
+
+
 def grpo_config_kwargs(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
     """Keyword arguments for ``trl.GRPOConfig`` (and the grpo_config.yaml that TrlParser reads).
 
@@ -144,7 +211,7 @@ def grpo_config_kwargs(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]
         "gradient_accumulation_steps": int(eff["gradient_accumulation_steps"]),
         "num_generations": int(eff["num_generations"]),
         "max_completion_length": int(recipe.max_completion_length),
-        "gradient_checkpointing": bool(eff["gradient_checkpointing"]),
+        checkpointing_field(): bool(eff["gradient_checkpointing"]),
         "beta": float(recipe.beta),
         "bf16": not cpu,
     }

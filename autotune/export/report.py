@@ -301,6 +301,8 @@ def report_html(study: optuna.Study, recipe: Recipe, paths: StudyPaths) -> str:
         if best.diagnosis:
             parts.append(f"<p class='diagnosis'>The winner left its GPUs idle: {esc(best.diagnosis)}</p>")
         parts.append("<h3>Why it won</h3><ul>" + "".join(f"<li>{esc(n)}</li>" for n in notes) + "</ul>")
+    else:
+        parts.append("<h2>No configuration has run successfully yet.</h2>")
     low = sorted(
         (r for r in all_rows if r.diagnosis and r.status == "ok"), key=lambda r: -(r.throughput or 0)
     )
@@ -313,8 +315,6 @@ def report_html(study: optuna.Study, recipe: Recipe, paths: StudyPaths) -> str:
             )
             + "</ul>"
         )
-    else:
-        parts.append("<h2>No configuration has run successfully yet.</h2>")
     for name, fig in _figures(paths, recipe, all_rows, best):
         fig.update_layout(template="plotly_white", height=460, margin=dict(t=70, l=60, r=30, b=50))
         parts.append(

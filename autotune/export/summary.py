@@ -205,8 +205,16 @@ def _reproduce_section(final: Path, recipe: Recipe, names: list[str]) -> list[st
         "",
         "```",
         f"autotune verify {shlex.quote(study)} --runs-dir {shlex.quote(str(runs_dir))}",
-        f"bash {shlex.quote(str(final / LAUNCH_SH))} {shlex.quote(recipe.train_script or 'train_grpo.py')}",
-        f"bash {shlex.quote(str(final / SWIFT_SH))} --dataset DATA --reward_funcs REWARD",
+    ]
+    if COMMAND_SH in names:  # a template study: its own trainer's command is what it measured
+        lines.append(f"bash {shlex.quote(str(final / COMMAND_SH))}")
+    else:
+        lines += [
+            f"bash {shlex.quote(str(final / LAUNCH_SH))} --dataset_name DATA --reward_funcs REWARD "
+            "--output_dir OUT",
+            f"bash {shlex.quote(str(final / SWIFT_SH))} --dataset DATA --reward_funcs REWARD",
+        ]
+    lines += [
         "```",
         "",
         "## Files",

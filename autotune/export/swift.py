@@ -15,10 +15,11 @@ from typing import Any
 
 from autotune import configs
 from autotune.errors import UsageError
+from autotune.export.model import export_model
 from autotune.export.trl import gpu_list
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
-from autotune.runners.swift import export_argv, hub_id
+from autotune.runners.swift import MODEL_TYPES, export_argv
 from autotune.study.record import TrialRow
 
 _DS_SENTINEL = "\x00ds_config\x00.json"
@@ -33,10 +34,12 @@ def _argv(params: dict[str, Any], recipe: Recipe) -> tuple[list[str], str, Path 
     if model is not None and recipe.runner == "swift":
         argv, version, program = export_argv(params, recipe, model, ds_config=_DS_SENTINEL)
         return argv, str(version), program
-    name = (
-        hub_id(model, recipe.model) if model is not None and not model.has_weights else None
-    ) or recipe.model
-    argv = configs.swift_command(params, recipe, name, ds_config_path=_DS_SENTINEL)
+    named = export_model(recipe)  # a hub id or a local folder, never a bare card name
+    template = "qwen" if named.rehearsal else None  # the materialised tokenizer's chat markers
+    model_type = MODEL_TYPES.get(model.model_type) if named.rehearsal and model is not None else None
+    argv = configs.swift_command(
+        params, recipe, named.name, ds_config_path=_DS_SENTINEL, model_type=model_type, template=template
+    )
     return argv, str(configs.SwiftVersion(4, 6, 0)), None
 
 

@@ -9,6 +9,7 @@ import yaml
 
 from autotune import configs
 from autotune.configs.trl import model_init_kwargs
+from autotune.export.model import export_model
 from autotune.recipe import Recipe
 from autotune.study.record import TrialRow
 
@@ -29,9 +30,9 @@ def grpo_yaml(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
         kwargs["model_init_kwargs"] = init
     header = (
         f"# trl.GRPOConfig fields tuned by autotune (trial {best.number}).\n"
-        "# Read by TrlParser (`--config grpo_config.yaml`); your script adds output_dir, dataset,\n"
-        "# rewards and learning rate. TRL 1.x has no max_prompt_length: the search assumed prompts\n"
-        f"# of at most {recipe.max_prompt_length} tokens, so keep them that short in your dataset.\n"
+        "# Read by TrlParser (`--config grpo_config.yaml`, launch.sh passes it); the model, dataset,\n"
+        "# rewards, output_dir and learning rate are flags. TRL 1.x has no max_prompt_length: the search\n"
+        f"# assumed prompts of at most {recipe.max_prompt_length} tokens: keep your prompts that short.\n"
     )
     if recipe.quantization:
         header += (
@@ -45,53 +46,81 @@ def grpo_yaml(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
             "each on top of the text: larger images raise memory (vllm_max_model_length counts them).\n"
         )
     if recipe.lora_rank:
+        lora = configs.lora_adapter(int(recipe.lora_rank))
         header += (
-            f"# LoRA rank {recipe.lora_rank} was tuned: give the trainer a peft LoraConfig(r="
-            f"{recipe.lora_rank}) (ModelConfig: use_peft, lora_r); it is not a GRPOConfig field.\n"
+            f"# The trials trained LoRA r={lora['r']}, alpha={lora['lora_alpha']}, "
+            f"target_modules={lora['target_modules']}, dropout={lora['lora_dropout']}: not GRPOConfig\n"
+            "# fields; launch.sh passes them to TRL's script as ModelConfig flags (--use_peft --lora_r\n"
+            "# --lora_alpha --lora_target_modules --lora_dropout); give your trainer the same LoraConfig.\n"
         )
     return header + yaml.safe_dump(kwargs, sort_keys=False)
+
+
+#: TRL's script loads ``--dataset_name`` with ``datasets.load_dataset``, which reads a hub id or a
+#: folder but not a single local file ("Couldn't find any data file at data.jsonl"): a file is linked
+#: as the train split of a folder of its own, removed when the run ends.
+LOCAL_DATA = [
+    "ARGS=()",
+    "DATA_DIR=",
+    "while [[ $# -gt 0 ]]; do",
+    '  if [[ "$1" == --dataset_name && $# -ge 2 && -f "$2" ]]; then',
+    '    DATA_DIR="$(mktemp -d)"',
+    '    ln -s "$(realpath "$2")" "$DATA_DIR/train.${2##*.}"',
+    '    ARGS+=("$1" "$DATA_DIR"); shift 2',
+    "  else",
+    '    ARGS+=("$1"); shift',
+    "  fi",
+    "done",
+    'trap \'[[ -z "$DATA_DIR" ]] || rm -rf "$DATA_DIR"\' EXIT',
+]
 
 
 def launch_sh(params: dict[str, Any], recipe: Recipe, best: TrialRow, with_ds: bool) -> str:
     """launch.sh: runs from any working directory (files found next to the script).
 
-    It does not ``cd``: the user's script and data paths stay relative to where they call it.
-    ``--deepspeed_config_file`` on the command line overrides the absolute path in the YAML, so the
-    folder may also be moved or copied to another machine.
+    By default it runs TRL's own GRPO script (``python -m trl.scripts.grpo``, what ``trl grpo``
+    runs), so ``launch.sh --dataset_name D --reward_funcs R --output_dir O`` trains as it is; a
+    first argument that is not a flag is the user's own TrlParser script instead. The model and the
+    measured LoRA adapter are ``trl.ModelConfig`` flags (:func:`autotune.configs.model_flags`),
+    passed before the caller's arguments so that those win. It does not ``cd``: the user's paths
+    stay relative to where they call it. ``--deepspeed_config_file`` on the command line overrides
+    the absolute path in the YAML, so the folder may also be moved or copied to another machine.
     """
     train, server = configs.gpu_split(params, recipe)
-    default_script = shlex.quote(recipe.train_script) if recipe.train_script else "''"
+    model = export_model(recipe)
+    # accelerate launch -m: TRL's script as a module, found in whatever environment runs accelerate
+    default = ["-m", "trl.scripts.grpo"] if not recipe.train_script else [recipe.train_script]
     lines = [
         "#!/usr/bin/env bash",
         f"# GRPO with TRL + accelerate, tuned by autotune (trial {best.number}: "
         f"{fmt(best.throughput)} completions/s).",
-        "# usage: launch.sh TRAIN_SCRIPT [script args...]   "
-        "(TRAIN_SCRIPT must parse --config with TrlParser)",
+        "# usage: launch.sh [TRAIN_SCRIPT] --dataset_name DATA --reward_funcs R [--output_dir O ...]",
+        "#   TRAIN_SCRIPT defaults to TRL's own GRPO script (trl grpo); yours must parse --config and",
+        "#   trl.ModelConfig's flags with TrlParser. DATA: a hub dataset, a local folder or a .jsonl file",
+        "#   with a 'prompt' column (datasets.load_dataset reads it).",
         "set -euo pipefail",
         'HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"',
-        f"DEFAULT_TRAIN_SCRIPT={default_script}",
+        f"# the model: {model.note}",
+        "MODEL_ARGS=(" + " ".join(shlex.quote(t) for t in configs.model_flags(recipe, model.name)) + ")",
         'if [[ $# -ge 1 && "$1" != -* ]]; then',
-        '  TRAIN_SCRIPT="$1"; shift',
+        '  TRAIN=("$1"); shift',
         "else",
-        '  TRAIN_SCRIPT="$DEFAULT_TRAIN_SCRIPT"',
-        "fi",
-        'if [[ -z "$TRAIN_SCRIPT" ]]; then',
-        '  echo "usage: $0 TRAIN_SCRIPT [script args...]" >&2',
-        "  exit 2",
+        "  TRAIN=(" + " ".join(shlex.quote(t) for t in default) + ")",
         "fi",
     ]
     if recipe.device != "cpu":
         lines.append(f'export CUDA_VISIBLE_DEVICES="${{CUDA_VISIBLE_DEVICES:-{gpu_list(train)}}}"')
     if server:
-        serve = " ".join(shlex.quote(t) for t in configs.vllm_serve_command(params, recipe, recipe.model))
+        serve = " ".join(shlex.quote(t) for t in configs.vllm_serve_command(params, recipe, model.name))
         lines += [
             "# vLLM server mode: start the generation server on the other GPUs first, and wait until",
             "# `curl -sf http://localhost:8000/health/` answers:",
             f"#   CUDA_VISIBLE_DEVICES={gpu_list(server)} {serve} &",
         ]
+    lines += LOCAL_DATA
     command = ['accelerate launch --config_file "$HERE/accelerate_config.yaml"']
     if with_ds:
         command.append('--deepspeed_config_file "$HERE/ds_config.json"')
-    command.append('"$TRAIN_SCRIPT" --config "$HERE/grpo_config.yaml" "$@"')
-    lines.append("exec " + " \\\n  ".join(command))
+    command.append('"${TRAIN[@]}" --config "$HERE/grpo_config.yaml" "${MODEL_ARGS[@]}" "${ARGS[@]}"')
+    lines.append(" \\\n  ".join(command))
     return "\n".join(lines) + "\n"

@@ -74,14 +74,17 @@ def write_best(
 
     files: dict[str, tuple[str, bool]] = {}  # name -> (text, executable)
     files[PARAMS_JSON] = (json.dumps(params, indent=2) + "\n", False)
-    files[GRPO_YAML] = (grpo_yaml(params, recipe, best), False)
-    ds_json = ds_config_json(params, recipe)
-    ds_path = str(final / DS_JSON) if ds_json is not None else None
-    if ds_json is not None:
-        files[DS_JSON] = (ds_json, False)
-    files[ACCELERATE_YAML] = (accelerate_yaml(params, recipe, ds_path), False)
-    files[LAUNCH_SH] = (launch_sh(params, recipe, best, ds_path is not None), True)
-    files[SWIFT_SH] = (swift_sh(params, recipe, best), True)
+    if recipe.runner != "command":
+        # a template study measured its own trainer's knobs: TRL / ms-swift files would be filled
+        # with defaults it never ran (TRL's batch of 8 for a space that searched ``bs``)
+        files[GRPO_YAML] = (grpo_yaml(params, recipe, best), False)
+        ds_json = ds_config_json(params, recipe)
+        ds_path = str(final / DS_JSON) if ds_json is not None else None
+        if ds_json is not None:
+            files[DS_JSON] = (ds_json, False)
+        files[ACCELERATE_YAML] = (accelerate_yaml(params, recipe, ds_path), False)
+        files[LAUNCH_SH] = (launch_sh(params, recipe, best, ds_path is not None), True)
+        files[SWIFT_SH] = (swift_sh(params, recipe, best), True)
     files.update(command_files(params, recipe, best, files))  # command.sh for --runner command
     files[SUMMARY_MD] = (
         summary_md(final, best, recipe, rows, notes, sorted(files) + [SUMMARY_MD], stopped),

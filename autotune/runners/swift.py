@@ -42,6 +42,7 @@ from autotune.errors import UsageError
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
 from autotune.runners.base import Rule, Runner
+from autotune.runners.swift_env import refuse_missing, restrict
 from autotune.runners.trl import free_port
 from autotune.trial.launch import LaunchSpec
 
@@ -299,6 +300,7 @@ class SwiftRunner(Runner):
                 f"ms-swift {self.version} at {self.program} is too old: autotune needs ms-swift >= "
                 f"{OLDEST} (GRPO with --vllm_mode); upgrade it, e.g. bash scripts/swift_env.sh"
             )
+        refuse_missing(self.python, recipe.quantization)
 
     def check_inputs(self) -> None:
         """Refuse what a swift trial would not measure: its prompts are text only (worst-case chat
@@ -348,8 +350,11 @@ class SwiftRunner(Runner):
         return [vllm_rule, sleep_rule, deepspeed_rule]
 
     def forced(self) -> dict[str, Any]:
-        """CPU trials run without vLLM."""
-        return {"use_vllm": False} if self.recipe.device == "cpu" else {}
+        """CPU trials run without vLLM; what ms-swift's own environment lacks is not searched."""
+        _, python, _ = self._ready()
+        cpu = self.recipe.device == "cpu"
+        out = restrict(python, cpu=cpu, processes=int(self.recipe.gpus))
+        return {**out, "use_vllm": False} if cpu else out
 
     # -- one trial ------------------------------------------------------------------------------
     def max_steps(self) -> int:

@@ -25,6 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from autotune.configs.trl import lora_adapter
 from autotune.worker.console import say
 
 __all__ = [
@@ -268,6 +269,4 @@ def peft_config(spec: dict[str, Any]) -> Any:
         return None
     from peft import LoraConfig
 
-    return LoraConfig(
-        r=int(rank), lora_alpha=2 * int(rank), target_modules="all-linear", task_type="CAUSAL_LM"
-    )
+    return LoraConfig(**lora_adapter(int(rank)), task_type="CAUSAL_LM")
