@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from autotune import configs
-from autotune.export.layout import BEST_FILES, LAUNCH_SH, PARAMS_JSON, SWIFT_SH
+from autotune.export.layout import BEST_FILES, COMMAND_SH, LAUNCH_SH, PARAMS_JSON, SWIFT_SH
 from autotune.export.trl import fmt
 from autotune.recipe import Recipe
 from autotune.search.constraints import space_of
