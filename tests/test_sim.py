@@ -193,11 +193,15 @@ def test_memory_grows_with_micro_batch():
 def test_zero3_uses_less_memory_than_zero0():
     small = dict(model=QWEN15B, use_vllm=False, per_device_train_batch_size=2)
     z0 = evaluate(make_spec(zero_stage=0, **small))
+    z1 = evaluate(make_spec(zero_stage=1, **small))
     z3 = evaluate(make_spec(zero_stage=3, **small))
-    assert z0.ok and z3.ok
-    assert z3.peak_gib < z0.peak_gib - 10
-    # and for 7B, ZeRO-0 cannot even hold the model states
-    assert evaluate(make_spec(zero_stage=0)).failure == Failure("cuda", 0, "cuda_oom")
+    assert z0.ok and z1.ok and z3.ok
+    # re-based on the H100 measurements: ZeRO 0 (DeepSpeed's bf16 optimizer) holds ~8 bytes per
+    # parameter, ZeRO 1 keeps bf16 grads and its shard of the fp32 states (docs/gpu-validation.md)
+    assert z3.peak_gib < z0.peak_gib - 4
+    assert z3.peak_gib < z1.peak_gib - 4
+    # and for 7B, ZeRO-0's states leave too little for anything else: it dies at start-up
+    assert evaluate(make_spec(zero_stage=0)).failure.at_step == 0
 
 
 def test_offload_lowers_gpu_memory_and_slows_steps():

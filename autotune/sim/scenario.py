@@ -11,8 +11,10 @@ reader: the truth must not share formulas with what the planner is supposed to l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from autotune.sim.physics import Physics
 
 
 class SpecError(ValueError):
@@ -35,6 +37,8 @@ class Model:
     n_tensors: int  # weight tensors (for per-tensor sync costs)
     n_modules: int  # modules with ZeRO-3 hooks
     lora_targets: float  # sum over one layer's linears of (in + out), for LoRA sizing
+    vision_hidden: int = 0  # vision tower width (0: a text-only model)
+    vision_depth: int = 0
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -92,6 +96,7 @@ def _parse_model(cfg: dict) -> Model:
     embed = float(vocab * h)
     params = layers * layer_total + embed * (1 if tied else 2) + h
 
+    vh = depth = 0
     vision = cfg.get("vision_config")
     if isinstance(vision, dict) and "hidden_size" in vision:
         vh = int(vision["hidden_size"])
@@ -115,6 +120,8 @@ def _parse_model(cfg: dict) -> Model:
         n_tensors=layers * (12 if qkv_bias else 9) + 3,
         n_modules=layers * 9 + 3,
         lora_targets=float((h + qd) + 2 * (h + kvd) + (qd + h) + 3 * (h + inter_active)),
+        vision_hidden=vh,
+        vision_depth=depth,
     )
 
 
@@ -259,6 +266,9 @@ class Scenario:
     max_model_len: int
     max_steps: int
     seed: int
+    physics: Physics = field(default_factory=Physics)
+    quant_bits: int = 16  # how the frozen base is stored (4: QLoRA's NF4)
+    image_tokens: int = 0  # prompt tokens that come from images, per prompt
 
 
 def parse_spec(spec: dict) -> Scenario:
@@ -278,6 +288,7 @@ def parse_spec(spec: dict) -> Scenario:
     completion = _as_int(_i(recipe, "max_completion_length", 512), "recipe.max_completion_length")
     lora = recipe.get("lora_rank")
     lora_rank = _as_int(lora, "recipe.lora_rank") if lora not in (None, 0) else None
+    prompt += _as_int(_i(recipe, "image_tokens", 0), "recipe.image_tokens", low=0)  # images join the prompt
     mml = _i(recipe, "vllm_max_model_length", _i(spec.get("params") or {}, "vllm_max_model_length", 0))
     try:
         beta = float(_i(recipe, "beta", 0.0))
@@ -298,6 +309,9 @@ def parse_spec(spec: dict) -> Scenario:
         max_model_len=int(mml) if mml else prompt + completion,
         max_steps=_as_int(_i(spec, "max_steps", 20), "max_steps"),
         seed=seed,
+        physics=Physics.from_json(spec.get("physics")),
+        quant_bits={"4bit": 4, "8bit": 8}.get(str(recipe.get("quantization")), 16),
+        image_tokens=_as_int(_i(recipe, "image_tokens", 0), "recipe.image_tokens", low=0),
     )
 
 

@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from autotune.sim.error_text import ds_ts, failure_text, vllm_ts
+from autotune.sim.error_frames import ds_ts, vllm_ts
+from autotune.sim.error_text import failure_text
 from autotune.sim.gpu_trace import GpuTrace
 from autotune.sim.landscape import Scenario, SpecError, TrialTruth, evaluate, parse_spec
 
