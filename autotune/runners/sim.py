@@ -31,6 +31,8 @@ class SimRunner(Runner):
                 "max_completion_length": recipe.max_completion_length,
                 "beta": recipe.beta,
                 "lora_rank": recipe.lora_rank,
+                "quantization": recipe.quantization,
+                "image_tokens": recipe.image_tokens * recipe.images_per_prompt,
                 "host_memory_gib": max(256, 128 * recipe.gpus),
             },
             "model_config": self.context.model.config,

@@ -1,0 +1,183 @@
+"""The benchmark's landscapes: several independent trainer families, each drawn from a seed.
+
+``landscape(index, seed)`` picks a family by the index and draws its hardware, model, batch and
+physics from the seed, so that no constant fits every landscape:
+
+- ``trl``: the GRPO simulator (``landscape``) under randomised physics, on tight and roomy hardware,
+  with QLoRA (4-bit) and vision-language (768 image tokens) variants; TRL's knob names.
+- ``ppo``: a four-model PPO trainer (``ppo``) in its own names, through a template space.
+- ``plain``: a trainer whose speed grows with its micro-batch up to an OOM edge, with knobs that do
+  nothing, and on some landscapes no memory in its logs (``plain``).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from autotune.sim import plain, ppo
+from autotune.sim.family_base import Env
+from autotune.sim.physics import Physics
+
+SPACES = Path(__file__).parent / "spaces"
+FAMILIES = ("trl", "ppo", "plain")
+
+# (name, model, gpus, gpu type, global batch, prompt, completion, extra recipe fields)
+TRL_CASES: list[tuple[str, str, int, str, int, int, int, dict[str, Any]]] = [
+    ("8B on 8 x 24 GB", "Llama-3.1-8B", 8, "A10G", 256, 512, 1024, {}),
+    ("14B on 4 x 48 GB", "Qwen2.5-14B", 4, "L40S", 128, 512, 1024, {}),
+    (
+        "QLoRA 7B on 2 x 40 GB",
+        "Qwen2.5-7B-Instruct",
+        2,
+        "A100-40GB",
+        64,
+        512,
+        1024,
+        {"lora_rank": 16, "quantization": "4bit"},
+    ),
+    (
+        "VL 3B, 768 image tokens, 4 x 40 GB",
+        "Qwen2.5-VL-3B-Instruct",
+        4,
+        "A100-40GB",
+        128,
+        512,
+        1024,
+        {"image_tokens": 768},
+    ),
+    ("7B on 4 x 80 GB", "Qwen2.5-7B-Instruct", 4, "H100-80GB", 256, 512, 1024, {}),
+    ("1.5B on 2 x 24 GB", "Qwen2.5-1.5B", 2, "RTX-4090", 128, 512, 512, {}),
+]
+
+# (name, params in billions, hidden, layers, gpus, GiB per GPU, bf16 TFLOPS, global batch)
+PPO_CASES = [
+    ("PPO 7B on 8 x 80 GB", 7.6, 3584, 28, 8, 79.3, 312.0, 256),
+    ("PPO 3B on 4 x 48 GB", 3.1, 2048, 36, 4, 44.4, 362.0, 128),
+    ("PPO 1.5B on 8 x 24 GB", 1.5, 1536, 28, 8, 22.0, 125.0, 256),
+]
+PLAIN_CASES = [
+    ("plain 0.5B on 1 x 24 GB", 0.5, 896, 24, 1, 22.0, 165.0, 64),
+    ("plain 3B on 2 x 80 GB", 3.1, 2048, 36, 2, 79.3, 989.0, 128),
+    ("plain 8B on 8 x 80 GB", 8.0, 4096, 32, 8, 79.3, 312.0, 256),
+]
+
+
+@dataclass(frozen=True)
+class LandscapeDef:
+    """One benchmark landscape: which trainer, on what, under which physics."""
+
+    index: int
+    family: str
+    name: str
+    physics: Physics
+    space: Path | None  # None: autotune's own grpo.yaml
+    recipe: dict[str, Any]  # Recipe fields (model, gpus, gpu_type, global_batch, lengths, runner, command)
+    env: Env | None = None  # the family's environment (ppo, plain)
+    drawn: dict[str, Any] = field(default_factory=dict)  # the landscape's parameters, for the report
+
+    @property
+    def truth(self) -> Any:
+        return {"ppo": ppo.truth, "plain": plain.truth}.get(self.family)
+
+    @property
+    def program(self) -> str:
+        return {"ppo": ppo.PROGRAM, "plain": plain.PROGRAM}.get(self.family, "")
+
+
+def landscape(index: int, seed: int = 0) -> LandscapeDef:
+    """The index-th landscape of the benchmark drawn with ``seed`` (deterministic)."""
+    rng = random.Random(f"landscape:{seed}:{index}")
+    family = FAMILIES[0] if index % 10 < 4 else (FAMILIES[1] if index % 10 < 7 else FAMILIES[2])
+    physics = Physics.draw(rng.randrange(2**31))
+    if family == "trl":
+        return _trl(index, rng, physics)
+    return _template(index, family, rng, physics)
+
+
+def _trl(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
+    name, model, gpus, gpu, batch, prompt, completion, extra = TRL_CASES[_turn(index, 0, 4) % len(TRL_CASES)]
+    recipe = dict(
+        model=model,
+        gpus=gpus,
+        gpu_type=gpu,
+        global_batch=batch,
+        max_prompt_length=prompt,
+        max_completion_length=completion,
+        runner="sim",
+        **extra,
+    )
+    return LandscapeDef(index, "trl", name, physics, None, recipe, drawn={"case": name, **_brief(physics)})
+
+
+def _template(index: int, family: str, rng: random.Random, physics: Physics) -> LandscapeDef:
+    cases = PPO_CASES if family == "ppo" else PLAIN_CASES
+    offset, width = (4, 3) if family == "ppo" else (7, 3)
+    name, params_b, hidden, layers, gpus, gib, tflops, batch = cases[_turn(index, offset, width) % len(cases)]
+    if family == "ppo":
+        extra = {
+            "critic_size": rng.uniform(0.3, 1.0),
+            "micro_half": rng.uniform(1.0, 6.0),
+            "prefix_share": rng.uniform(-0.1, 0.25),
+            "kv_ratio": rng.uniform(0.12, 0.25),
+        }
+        logs = True
+    else:
+        edge = rng.choice((8, 12, 16, 24))  # the largest micro-batch that fits, before physics
+        base = (16.0 * params_b / gpus + 2.0 * params_b) * 1e9 / 2**30 + 0.8
+        extra = {"sample_gib": max(gib * 0.93 - base, 1.0) / edge, "micro_half": rng.uniform(2.0, 12.0)}
+        logs = rng.random() < 0.5
+    env = Env(
+        gpus=gpus,
+        gpu_gib=gib,
+        tflops=tflops,
+        params_b=params_b,
+        hidden=hidden,
+        layers=layers,
+        vocab=151936,
+        prompt=1024,
+        completion=1024,
+        global_batch=batch,
+        physics=physics,
+        logs_memory=logs,
+        extra=extra,
+    )
+    module = ppo if family == "ppo" else plain
+    recipe = dict(
+        model="Qwen2.5-7B-Instruct" if params_b > 5 else "Qwen2.5-3B" if params_b > 2 else "Qwen2.5-1.5B",
+        gpus=gpus,
+        gpu_type={22.0: "A10G", 44.4: "L40S", 79.3: "A100-80GB"}[gib] if family == "ppo" else _gpu_name(gib),
+        global_batch=batch,
+        max_prompt_length=env.prompt,
+        max_completion_length=env.completion,
+        runner="command",
+        command=module.TEMPLATE,
+    )
+    drawn = {
+        "case": name,
+        "logs_memory": logs,
+        **{k: round(v, 3) for k, v in extra.items()},
+        **_brief(physics),
+    }
+    return LandscapeDef(index, family, name, physics, SPACES / module.SPACE, recipe, env, drawn)
+
+
+def _turn(index: int, offset: int, width: int) -> int:
+    """How many landscapes of this family came before: the cases take turns."""
+    return index // 10 * width + index % 10 - offset
+
+
+def _gpu_name(gib: float) -> str:
+    return {22.0: "RTX-4090", 79.3: "H100-80GB"}[gib]
+
+
+def _brief(physics: Physics) -> dict[str, float]:
+    return {k: round(v, 3) for k, v in physics.to_json().items()}
+
+
+def steady(land: LandscapeDef) -> LandscapeDef:
+    """The landscape without transient crashes (how long runs are judged)."""
+    env = replace(land.env, physics=land.physics.steady()) if land.env else None
+    return replace(land, physics=land.physics.steady(), env=env)
