@@ -35,7 +35,8 @@ def metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 def table(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
     lines = [
-        "| | runs | >= 0.95 | 10th pct | worst | < 0.85 | empty export | median cost | 0.98 @20 | OOMs | launched |",
+        "| | runs | >= 0.95 | 10th pct | worst | < 0.85 | empty export | median cost | 0.98 @20 | OOMs "
+        "| launched |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, rows in groups:
@@ -43,8 +44,9 @@ def table(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
             continue
         m = metrics(rows)
         lines.append(
-            f"| {name} | {m['runs']} | {m['share95']:.0%} | {m['p10']:.2f} | {m['worst']:.2f} | {m['below85']} "
-            f"| {m['empty']} | {m['cost']:.1f} | {m['stretch']:.0%} | {m['ooms']:.1f} | {m['launched']:.0f} |"
+            f"| {name} | {m['runs']} | {m['share95']:.0%} | {m['p10']:.2f} | {m['worst']:.2f} "
+            f"| {m['below85']} | {m['empty']} | {m['cost']:.1f} | {m['stretch']:.0%} | {m['ooms']:.1f} "
+            f"| {m['launched']:.0f} |"
         )
     return lines
 
@@ -60,7 +62,8 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
     lines = [
         "# Search benchmark",
         "",
-        f"Produced by `{cmd}` ({seconds / 60:.1f} min on this machine); machine-readable: docs/benchmarks.json.",
+        f"Produced by `{cmd}` ({seconds / 60:.1f} min on this machine); machine-readable: "
+        "docs/benchmarks.json.",
         "",
         "Landscapes of several independent families (autotune/sim/families.py): `trl` is the GRPO simulator "
         "(TRL's knob names; tight and roomy hardware, QLoRA 4-bit and a vision-language model with 768 "
@@ -106,7 +109,8 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
         exported = ", ".join(f"{k}={v}" for k, v in sorted((r["exported"] or {}).items())) or "nothing"
         lines.append(
             f"| #{r['landscape']} | {r['family']} | {r['case']} | {r['final']:.2f} | {r['at30']:.2f} | "
-            f"{r['cost']:.1f} | {r['launched']} | {r['ooms']} | {r['crashes']} | {r['stopped']} | {exported} |"
+            f"{r['cost']:.1f} | {r['launched']} | {r['ooms']} | {r['crashes']} | {r['stopped']} "
+            f"| {exported} |"
         )
     lines += [
         "",

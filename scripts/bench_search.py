@@ -100,7 +100,8 @@ class Tracker:
         if outcome.status == "crash":
             self.crashes += 1
         self.run.log.append(
-            f"{number}: {short(params)} -> {outcome.status}{'/' + outcome.oom_kind if outcome.oom_kind else ''}"
+            f"{number}: {short(params)} -> {outcome.status}"
+            f"{'/' + outcome.oom_kind if outcome.oom_kind else ''}"
             f"{f' {outcome.throughput:.3g}/s' if outcome.throughput else ''}"
             f"{f' peak {outcome.peak_memory_gib:.1f}' if outcome.peak_memory_gib else ''}"
             f" (true {self.land.value(params) / max(self.land.best, 1e-9):.2f})"
@@ -331,7 +332,8 @@ def main() -> int:
     ]
     if bad:
         print(
-            f"error: unknown {', '.join(bad)}: families are {', '.join(FAMILIES)}, policies {', '.join(POLICIES)}"
+            f"error: unknown {', '.join(bad)}: families are {', '.join(FAMILIES)}, "
+            f"policies {', '.join(POLICIES)}"
         )
         return 2
     logging.basicConfig(level=logging.WARNING)

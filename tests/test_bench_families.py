@@ -1,0 +1,196 @@
+"""The benchmark's landscape families: deterministic truths, physics that vary, real failure texts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autotune.hardware import find_gpu_type
+from autotune.models import resolve_model
+from autotune.search.space import load_space
+from autotune.sim import evaluate
+from autotune.sim.error_text import failure_text
+from autotune.sim.families import FAMILIES, landscape
+from autotune.sim.family_base import failure_text as family_text
+from autotune.sim.landscape import parse_spec
+from autotune.sim.physics import FACTOR_RANGE, Physics
+from autotune.sim.replay import FamilyExecutor
+from autotune.trial.classify import diagnose
+from autotune.trial.control import StopRule, TrialControl
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def first_of(family: str) -> int:
+    return next(i for i in range(20) if landscape(i).family == family)
+
+
+def some_params(index: int) -> dict:
+    """The first configuration of the landscape's space that runs (its defaults may not)."""
+    d = landscape(index)
+    space = load_space(d.space)
+    return next(
+        c
+        for c in space.grid({}, float_points=7)
+        if d.truth(c, d.env.__class__(**{**d.env.__dict__, "physics": d.physics.steady()}), 1, 12).ok
+    )
+
+
+@pytest.mark.parametrize("family", ["ppo", "plain"])
+def test_a_family_truth_is_deterministic_per_seed(family):
+    d = landscape(first_of(family))
+    params = some_params(d.index)
+    a, b = d.truth(params, d.env, 11, 12), d.truth(params, d.env, 11, 12)
+    c = d.truth(params, d.env, 12, 12)
+    assert a.step_times == b.step_times and a.failure == b.failure
+    assert a.step_times != c.step_times
+
+
+def test_landscapes_are_deterministic_and_their_physics_vary():
+    assert landscape(3, seed=1) == landscape(3, seed=1)
+    drawn = [landscape(i).physics for i in range(30)]
+    assert {landscape(i).family for i in range(10)} == set(FAMILIES)
+    for name in ("mem_states", "mem_acts", "speed_compute", "speed_gen", "kv_need"):
+        values = [getattr(p, name) for p in drawn]
+        assert FACTOR_RANGE[0] <= min(values) and max(values) <= FACTOR_RANGE[1]
+        assert max(values) - min(values) > 0.3, name
+    assert 0.02 <= min(p.noise for p in drawn) and max(p.noise for p in drawn) <= 0.10
+    assert max(p.crash_rate for p in drawn) > 0.03
+
+
+def test_physics_change_the_grpo_simulators_truth():
+    spec = {
+        "params": {"use_vllm": False, "per_device_train_batch_size": 4, "num_generations": 4},
+        "recipe": {"gpus": 1, "max_prompt_length": 256, "max_completion_length": 256},
+        "model_config": resolve_model("Qwen2.5-1.5B").config,
+        "gpu": find_gpu_type("H100-80GB").to_json(),
+        "seed": 3,
+        "max_steps": 6,
+    }
+    plain = evaluate(spec)
+    factors = {"mem_states": 1.4, "mem_acts": 1.4, "mem_logits": 1.4, "speed_compute": 1.4, "speed_gen": 1.4}
+    heavy = evaluate({**spec, "physics": factors})
+    assert heavy.peak_gib > plain.peak_gib * 1.2
+    assert heavy.steady_step_time() > plain.steady_step_time()
+
+
+def test_the_simulator_reproduces_the_h100_measurements():
+    """docs/gpu-validation.md: Qwen2.5-1.5B on one H100, 512 + 256 tokens, batch 16, no vLLM."""
+    model, gpu = resolve_model("Qwen2.5-1.5B"), find_gpu_type("H100-80GB")
+
+    def peak(**params):
+        spec = {
+            "params": {"use_vllm": False, "num_generations": 4, "per_device_train_batch_size": 16, **params},
+            "recipe": {"gpus": 1, "max_prompt_length": 512, "max_completion_length": 256, "beta": 0.0},
+            "model_config": model.config,
+            "gpu": gpu.to_json(),
+            "seed": 1,
+            "max_steps": 6,
+        }
+        return evaluate(spec)
+
+    base = dict(gradient_accumulation_steps=1, gradient_checkpointing=False)
+    for params, measured in (
+        (dict(zero_stage=0), 49.5),
+        (dict(zero_stage=1), 66.1),
+        (dict(zero_stage=2), 66.1),
+        (dict(zero_stage=3, offload="optimizer+params"), 42.0),
+    ):
+        truth = peak(**base, **params)
+        assert truth.ok and abs(truth.peak_gib - measured) / measured < 0.10, (params, truth.peak_gib)
+    assert peak(**base, zero_stage=0, per_device_train_batch_size=32).failure.kind == "cuda"  # V2
+
+
+def test_a_transient_crash_prints_the_nccl_text_and_reads_as_a_crash():
+    spec = {
+        "params": {"use_vllm": False, "per_device_train_batch_size": 2, "num_generations": 4},
+        "recipe": {"gpus": 2, "max_prompt_length": 128, "max_completion_length": 128},
+        "model_config": resolve_model("Qwen2.5-0.5B").config,
+        "gpu": find_gpu_type("H100-80GB").to_json(),
+        "seed": 5,
+        "max_steps": 8,
+        "physics": {"crash_rate": 1.0},
+    }
+    truth = evaluate(spec)
+    assert truth.failure.kind == "transient" and truth.failure.at_step >= 1
+    text = failure_text(spec, parse_spec(spec), truth)
+    assert "c10::DistBackendError" in text and "Watchdog caught collective operation timeout" in text
+    verdict = diagnose(1, text)
+    assert verdict.status == "crash" and verdict.oom_kind is None
+
+
+def test_a_family_executor_judges_a_crash_by_the_real_classifier(tmp_path):
+    d = landscape(first_of("ppo"))
+    env = type(d.env)(**{**d.env.__dict__, "physics": Physics(crash_rate=1.0)})
+    executor = FamilyExecutor(d.truth, env, d.program, seed=1, steps=0)
+    params = {**some_params(d.index), "adam_offload": True, "vllm_gpu_memory_utilization": 0.5}
+    outcome = executor(params, tmp_path, 0, TrialControl(StopRule()))
+    assert outcome.status == "crash", outcome
+    truth = d.truth(params, env, 1, 12)
+    assert "Watchdog caught collective operation timeout" in family_text(truth, env, d.program)
+
+
+def test_a_family_oom_is_read_as_an_oom():
+    d = landscape(first_of("plain"))
+    params = {**some_params(d.index), "micro_batch_size": 32}
+    truth = d.truth(params, d.env, 1, 12)
+    assert truth.failure is not None and truth.failure.kind == "cuda"
+    verdict = diagnose(1, family_text(truth, d.env, d.program))
+    assert (verdict.status, verdict.oom_kind) == ("oom", "cuda")
+
+
+def test_the_plain_trainer_has_knobs_that_change_nothing():
+    d = landscape(first_of("plain"))
+    params = some_params(d.index)
+    calm = d.env.__class__(**{**d.env.__dict__, "physics": Physics(noise=0.0)})
+    times = {
+        round(
+            d.truth({**params, "dataloader_workers": w, "log_interval": i}, calm, 4, 8).steady_step_time(), 9
+        )
+        for w in (0, 8)
+        for i in (1, 50)
+    }
+    assert len(times) == 1  # without noise the runs are identical: the knobs do nothing
+    other = d.truth({**params, "activation_offload": not params["activation_offload"]}, calm, 4, 8)
+    assert round(other.steady_step_time(), 9) not in times
+
+
+def test_the_ppo_space_loads_through_the_real_loader():
+    space = load_space(landscape(first_of("ppo")).space)
+    assert space.batch is not None and space.batch.micro_batch == "micro_train_batch_size"
+    assert space.batch.generations == "n_samples_per_prompt"
+    assert 1 in space.params["n_samples_per_prompt"].choices
+    assert {"adam_offload", "colocate_all_models", "zero_stage"} <= set(space.params)
+
+
+def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
+    out = tmp_path / "bench.md"
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_search.py"),
+            "--landscapes",
+            "2",
+            "--families",
+            "plain",
+            "--trials",
+            "6",
+            "--policies",
+            "autotune,random",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    text = out.read_text()
+    assert "--landscapes 2 --families plain" in text and "## autotune" in text and "| plain |" in text
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert {r["policy"] for r in rows} == {"autotune", "random"} and len(rows) == 4
