@@ -57,7 +57,7 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
     policies = list(dict.fromkeys(r["policy"] for r in rows))
     cmd = (
         f"python scripts/bench_search.py --landscapes {args.landscapes} --families {args.families} "
-        f"--trials {args.trials} --seed {args.seed}"
+        f"--trials {args.trials} --seed {args.seed} --jobs {args.jobs}"
     )
     lines = [
         "# Search benchmark",
