@@ -16,6 +16,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from autotune.candidate import constraints
+from autotune.candidate.space_file import load_space
 from autotune.errors import UsageError
 from autotune.export import export_study
 from autotune.export.layout import PARAMS_JSON
@@ -24,9 +26,7 @@ from autotune.models import resolve_model
 from autotune.progress import make_reporter, short_params
 from autotune.recipe import Recipe
 from autotune.runners import TrialContext, make_runner
-from autotune.search import constraints
 from autotune.search.loop import Search
-from autotune.search.space import load_space
 from autotune.study import (
     StudyPaths,
     check_database,
@@ -106,15 +106,7 @@ def resolve_inputs(
                 f"--dataset {recipe.dataset}: no such file (give a JSONL file with a 'prompt' field)"
             )
         recipe.dataset = str(dataset.resolve())  # trials run in their own folders
-    pins = {}
-    for name, text in raw_pins.items():
-        if name not in space.params:
-            space.check_pins({name: text})  # raises the unknown-parameter error
-        pins[name] = space.params[name].coerce(text)
-    space.check_pins(pins)
-    if recipe.global_batch and "gradient_accumulation_steps" in pins:
-        raise UsageError("--global-batch derives gradient_accumulation_steps: do not also --set it")
-    recipe.pins = pins
+    constraints.pin(recipe, space, raw_pins)
 
 
 def context_for(recipe: Recipe) -> TrialContext:
@@ -349,38 +341,18 @@ def estimate_candidate(recipe: Recipe, as_json: bool, raw_pins: dict[str, str] |
     A what-if calculator: ``raw_pins`` may hold any value of a parameter's type, also outside the
     space (a warning says so); a wrong type, an unknown name or a candidate TRL refuses is bad input.
     """
-    from autotune.search.memory import TYPICAL_REL_ERROR, estimate
+    from autotune.candidate.estimate import estimate_for
+    from autotune.candidate.memory import TYPICAL_REL_ERROR
 
     space = load_space(recipe.space or None)
-    pins = dict(recipe.pins)
-    for name, text in (raw_pins or {}).items():
-        if name not in space.params:
-            space.check_pins({name: text})  # raises the unknown-parameter error
-        pins[name] = space.params[name].coerce(text)
-    warnings = space.outside(pins)
-    if recipe.global_batch and "gradient_accumulation_steps" in pins:
-        raise UsageError("--global-batch derives gradient_accumulation_steps: do not also --set it")
-    recipe.pins = pins
+    warnings = constraints.pin(recipe, space, raw_pins or {}, what_if=True)
     model = resolve_model(recipe.model)
-    params = constraints.derive({**space.defaults(), **pins}, recipe)
+    params = constraints.derive({**space.defaults(), **recipe.pins}, recipe)
     params = space.normalize(params)
     broken = constraints.violations(params, recipe)
     if broken:
         raise UsageError(f"this candidate cannot run (TRL or DeepSpeed refuses it): {broken[0]}")
-    est = estimate(
-        model,
-        params,
-        gpus=recipe.gpus,
-        capacity_gib=recipe.gpu_memory_gib,
-        max_prompt_length=recipe.max_prompt_length,
-        max_completion_length=recipe.max_completion_length,
-        beta=recipe.beta,
-        lora_rank=recipe.lora_rank,
-        dp_gpus=recipe.dp_gpus(params),
-        quantization=recipe.quantization,
-        image_tokens=recipe.image_tokens,
-        images_per_prompt=recipe.images_per_prompt,
-    )
+    est = estimate_for(model, recipe, params, space)
     spread = TYPICAL_REL_ERROR * est.total_gib
     uncertainty = (
         f"uncertainty +/-{TYPICAL_REL_ERROR:.0%} (+/-{spread:.1f} GiB): it read 2-5% above 5 peaks "

@@ -246,25 +246,6 @@ class Recipe:
             return max(self.gpus - int(params.get("vllm_tensor_parallel_size", 1)), 0)
         return self.gpus
 
-    def completions_per_step(self, params: dict[str, Any], batch: Any = None) -> int | None:
-        """Completions trained per optimizer step: micro-batch x accumulation x data-parallel GPUs.
-
-        ``batch`` is the space's ``GlobalBatch`` (``Space.batch``) when the trainer has its own names;
-        it is handed in because the recipe sits below the space. Without it TRL's names are read,
-        and a candidate without them trains ``--global-batch`` completions when one is given, or an
-        unknown number (None: the trial's metrics must then say how many samples a step trained).
-        """
-        if batch is not None:
-            return batch.completions(params, self.dp_gpus(params), self.global_batch)
-        if params.get("per_device_train_batch_size") is not None:
-            accumulation = params.get("gradient_accumulation_steps")
-            return (
-                int(params["per_device_train_batch_size"])
-                * int(1 if accumulation is None else accumulation)
-                * self.dp_gpus(params)
-            )
-        return self.global_batch or None
-
 
 def parse_duration(text: str | None) -> float | None:
     """'8h', '90m', '45s', '1h30m', '1.5d' or plain seconds -> seconds; None for no value."""

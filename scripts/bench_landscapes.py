@@ -16,14 +16,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from autotune.candidate import constraints  # noqa: E402
+from autotune.candidate.space_file import load_space  # noqa: E402
 from autotune.hardware import find_gpu_type  # noqa: E402
 from autotune.models import resolve_model  # noqa: E402
 from autotune.progress import Reporter  # noqa: E402
 from autotune.recipe import Recipe  # noqa: E402
 from autotune.runners import TrialContext  # noqa: E402
 from autotune.runners.sim import SimRunner  # noqa: E402
-from autotune.search import constraints  # noqa: E402
-from autotune.search.space import load_space  # noqa: E402
 from autotune.sim.families import LandscapeDef, steady  # noqa: E402
 from autotune.sim.landscape import evaluate  # noqa: E402
 from autotune.sim.physics import Physics  # noqa: E402

@@ -47,8 +47,8 @@ from bench_landscapes import (  # noqa: E402
 )
 from bench_report import write_report  # noqa: E402
 
+from autotune.candidate import constraints  # noqa: E402
 from autotune.runners import TrialContext  # noqa: E402
-from autotune.search import constraints  # noqa: E402
 from autotune.search.loop import Search  # noqa: E402
 from autotune.sim.families import FAMILIES, landscape  # noqa: E402
 from autotune.study import StudyPaths, candidate_key  # noqa: E402

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
-from autotune.search.space import load_space
 from autotune.sim import evaluate
 from autotune.sim.error_text import failure_text
 from autotune.sim.families import FAMILIES, landscape

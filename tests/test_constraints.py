@@ -1,8 +1,8 @@
 import pytest
 
+from autotune.candidate import constraints
+from autotune.candidate.space_file import load_space
 from autotune.errors import UsageError
-from autotune.search import constraints
-from autotune.search.space import load_space
 
 OK = dict(
     per_device_train_batch_size=4,

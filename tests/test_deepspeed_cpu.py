@@ -19,11 +19,11 @@ from conftest import run_cli
 
 pytest.importorskip("deepspeed", reason="DS_BUILD_OPS=0 pip install -e '.[test]' installs it")
 
+from autotune.candidate.space_file import load_space  # noqa: E402
 from autotune.hardware import find_gpu_type  # noqa: E402
 from autotune.models import resolve_model  # noqa: E402
 from autotune.runners.base import TrialContext  # noqa: E402
 from autotune.runners.trl import TrlRunner  # noqa: E402
-from autotune.search.space import load_space  # noqa: E402
 from autotune.trial.launch import launch  # noqa: E402
 
 pytestmark = pytest.mark.slow

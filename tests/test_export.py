@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from autotune import configs as lc
+from autotune.candidate.batch import completions_per_step
 from autotune.export import write_best
 from autotune.recipe import Recipe
 from autotune.study import TrialRow
@@ -196,7 +197,7 @@ def test_deepspeed_config_stage_offload_and_batch(stage, offload, gpus, mode):
     assert lc.batch_problems(ds, p, r) == []
     dp = r.dp_gpus(p)
     want = lc.batch_values(p, r)
-    assert want["train_batch_size"] == 4 * 2 * dp == r.completions_per_step(p)
+    assert want["train_batch_size"] == 4 * 2 * dp == completions_per_step(p, r)
     # concrete values that disagree are caught
     bad = {**ds, "train_batch_size": want["train_batch_size"] + 1}
     assert lc.batch_problems(bad, p, r)

@@ -178,11 +178,11 @@ def fake_server(tmp_path) -> Path:
 
 @pytest.fixture
 def server_runner(recipe_factory, monkeypatch):
+    from autotune.candidate.space_file import load_space
     from autotune.hardware import find_gpu_type
     from autotune.models import resolve_model
     from autotune.runners.base import TrialContext
     from autotune.runners.trl import TrlRunner
-    from autotune.search.space import load_space
 
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     recipe = recipe_factory(
@@ -246,7 +246,8 @@ def fake_sidecar(tmp_path: Path, fake_server: Path, port: int, *args: str) -> La
 
 def test_a_stale_server_cannot_answer_for_ours(server_runner, tmp_path, fake_server, reap):
     """Fault 9: a server left on the port answered the health check while ours was failing to start."""
-    from autotune.runners.trl import free_port, start_sidecar, stop_sidecar, wait_health
+    from autotune.runners.base import free_port
+    from autotune.runners.trl import start_sidecar, stop_sidecar, wait_health
     from autotune.trial.launch import ServiceFailed
 
     port = free_port()
@@ -277,7 +278,8 @@ def test_recovery_finds_the_sidecar_of_a_crashed_controller(tmp_path, fake_serve
     """Fault 9: the server ran in its own session with no pid file, so resume never found it."""
     import optuna
 
-    from autotune.runners.trl import free_port, start_sidecar, wait_health
+    from autotune.runners.base import free_port
+    from autotune.runners.trl import start_sidecar, wait_health
     from autotune.study.paths import StudyPaths
     from autotune.study.recovery import recover_interrupted
 

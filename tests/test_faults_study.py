@@ -202,7 +202,7 @@ import json, sys
 from pathlib import Path
 import optuna
 from autotune.recipe import Recipe
-from autotune.search.space import load_space
+from autotune.candidate.space_file import load_space
 from autotune.study.recovery import claim_owner
 
 root, candidate = sys.argv[1], json.loads(sys.argv[2])

@@ -3,8 +3,9 @@
 import pytest
 from conftest import saved_activation_bytes
 
+from autotune.candidate.footprint import zero_model_states_bytes
+from autotune.candidate.memory import estimate
 from autotune.models import resolve_model
-from autotune.search.memory import estimate, zero_model_states_bytes
 from autotune.units import GIB
 
 QWEN7 = resolve_model("Qwen2.5-7B-Instruct")
@@ -242,8 +243,8 @@ def test_activation_count_matches_autograd_saved_tensors():
     # what autograd really saves in one HF Qwen2 decoder layer (bf16, SDPA): the per-token count
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
+    from autotune.candidate.footprint import layer_activation_bytes_per_token
     from autotune.models import ModelSpec
-    from autotune.search.memory import layer_activation_bytes_per_token
 
     h, inter, heads, kv, seq, b = 256, 1024, 4, 2, 64, 2
     cfg = transformers.Qwen2Config(
@@ -303,7 +304,7 @@ def test_generation_without_vllm_counts_the_kv_cache_of_one_generate_call():
 
 
 def test_lora_params_by_hand_and_the_vision_tower_adds_its_linears():
-    from autotune.search.memory import lora_params
+    from autotune.candidate.footprint import lora_params
 
     m = resolve_model("Qwen2.5-7B")
     h, i, q, kv = 3584, 18944, 28 * 128, 4 * 128

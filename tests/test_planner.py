@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from autotune.candidate import constraints
+from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
 from autotune.runners import TrialContext
 from autotune.runners.sim import SimRunner
-from autotune.search import constraints
 from autotune.search.planner import Planner, neighbors
-from autotune.search.space import load_space
 from autotune.sim.landscape import evaluate
 from autotune.study import TrialRow, choose_best
 

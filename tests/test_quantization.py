@@ -13,15 +13,15 @@ import json
 import pytest
 import yaml
 
-from autotune.errors import UsageError
-from autotune.models import ModelSpec, Quantization, resolve_model
-from autotune.search.memory import (
+from autotune.candidate.footprint import (
     base_quantization,
     dequant_workspace_bytes,
-    estimate,
     vllm_weight_bytes,
     weight_bytes,
 )
+from autotune.candidate.memory import estimate
+from autotune.errors import UsageError
+from autotune.models import ModelSpec, Quantization, resolve_model
 from autotune.units import GIB
 
 #: Qwen/Qwen2.5-7B-Instruct-GPTQ-Int4's quantization_config (as the checkpoint ships it).

@@ -1,5 +1,6 @@
 import pytest
 
+from autotune.candidate.batch import completions_per_step
 from autotune.errors import UsageError
 from autotune.hardware import GPU_TYPES, find_gpu_type, resolve_hardware
 from autotune.recipe import Recipe, default_study_name, parse_duration
@@ -33,7 +34,9 @@ def test_recipe_roundtrip_and_identity(tmp_path, recipe_factory):
 
 def test_completions_per_step(recipe_factory):
     r = recipe_factory()
-    assert r.completions_per_step({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 8}) == 128
+    assert (
+        completions_per_step({"per_device_train_batch_size": 4, "gradient_accumulation_steps": 8}, r) == 128
+    )
 
 
 def test_gpu_table_has_common_types():

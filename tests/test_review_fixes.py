@@ -14,12 +14,12 @@ from conftest import run_cli
 from test_bad_input import one_line_error
 
 from autotune import configs as lc
+from autotune.candidate.space_file import load_space
 from autotune.errors import UsageError
 from autotune.hardware import GpuType
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
 from autotune.runners.base import TrialContext
-from autotune.search.space import load_space
 
 SWIFT_PARAMS = {
     "per_device_train_batch_size": 4,
@@ -65,7 +65,7 @@ def swift_runner(**kw):
 
 
 def test_parallel_multi_gpu_swift_trials_rendezvous_on_ports_of_their_own(tmp_path, monkeypatch):
-    from autotune.runners.swift import swift_model
+    from autotune.configs.swift_model import swift_model
 
     runner = swift_runner()
     plan = swift_model(runner.context.model, runner.recipe)

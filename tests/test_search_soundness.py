@@ -9,13 +9,13 @@ import time
 import optuna
 from conftest import run_cli
 
+from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
 from autotune.progress import Reporter
 from autotune.recipe import Recipe
 from autotune.runners import TrialContext
 from autotune.search.loop import Search, answered
-from autotune.search.space import load_space
 from autotune.study import StudyPaths, candidate_key
 from autotune.trial.outcome import Outcome
 

@@ -3,8 +3,9 @@ from pathlib import Path
 import optuna
 import pytest
 
+from autotune.candidate.space import default_space_path
+from autotune.candidate.space_file import load_space
 from autotune.errors import UsageError
-from autotune.search.space import default_space_path, load_space
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -34,10 +34,10 @@ def bare_swift(tmp_path: Path) -> Path:
 
 
 def test_a_venv_without_deepspeed_searches_zero_0_and_says_so(tmp_path, caplog):
+    from autotune.candidate.space_file import load_space
     from autotune.configs.swift import swift_space_path
     from autotune.runners.base import TrialContext
     from autotune.runners.swift import SwiftRunner
-    from autotune.search.space import load_space
 
     swift = bare_swift(tmp_path)
     recipe = Recipe(model="tiny-qwen", gpus=1, device="cpu", runner="swift", swift_bin=str(swift))

@@ -231,9 +231,9 @@ def test_too_old_swift_names_the_version_needed(tmp_path):
 
 
 def test_rules_refuse_what_this_version_cannot_run():
+    from autotune.candidate.space_file import load_space
     from autotune.runners.base import TrialContext
     from autotune.runners.swift import SwiftRunner
-    from autotune.search.space import load_space
 
     ctx = TrialContext(
         recipe=recipe(),
@@ -251,7 +251,7 @@ def test_rules_refuse_what_this_version_cannot_run():
 
 
 def test_shipped_space_loads():
-    from autotune.search.space import load_space
+    from autotune.candidate.space_file import load_space
 
     space = load_space(lc.swift_space_path())
     assert {

@@ -12,14 +12,16 @@ from conftest import ROOT, run_cli
 from test_bad_input import one_line_error
 
 from autotune import configs
+from autotune.candidate import constraints
+from autotune.candidate.batch import completions_per_step
+from autotune.candidate.space_file import load_space
+from autotune.configs.command import fill, template_fields
 from autotune.errors import UsageError
 from autotune.export.command import command_files, command_sh
 from autotune.hardware import GpuType
 from autotune.models import resolve_model
 from autotune.runners.base import TrialContext
-from autotune.runners.command import CommandRunner, fill, template_fields
-from autotune.search import constraints
-from autotune.search.space import load_space
+from autotune.runners.command import CommandRunner
 from autotune.study.record import TrialRow
 
 DATA = ROOT / "tests" / "data" / "templates"
@@ -180,13 +182,12 @@ def context(recipe_factory, tmp_path, template, space=SPACE, **kw):
 def test_prepare_fills_max_steps_specs_and_global_batch(recipe_factory, tmp_path):
     runner = CommandRunner(context(recipe_factory, tmp_path, TEMPLATE, global_batch=32))
     runner.check()
-    runner.steps_needed = 7
     params = constraints.derive(
         {"micro_train_batch_size": 4, "grad_accum": 1, "n_samples_per_prompt": 8},
         runner.recipe,
         runner.context.space,
     )
-    spec = runner.prepare(params, tmp_path / "t", 0)
+    spec = runner.prepare(params, tmp_path / "t", 0, steps_needed=7)
     argv = spec.argv
     assert argv[argv.index("--grad_accum") + 1] == "4"  # 32 / (4 x 2)
     assert argv[argv.index("--max_steps") + 1] == "7"
@@ -303,7 +304,7 @@ def test_mapping_derives_the_accumulation_and_drops_trl_placeholders(recipe_fact
         space,
     )
     assert out == {"micro_train_batch_size": 4, "accum": 4, "num_generations": 8}
-    assert recipe.completions_per_step(out, space.batch) == 64
+    assert completions_per_step(out, recipe, space.batch) == 64
     assert constraints.violations(out, recipe, space=space) == []
     bad = constraints.derive(
         {**out, "micro_train_batch_size": 32}, recipe_factory(gpus=3, global_batch=64), space
@@ -328,13 +329,13 @@ def test_per_all_and_a_trainer_that_derives_accumulation_itself(recipe_factory, 
     )
     recipe = recipe_factory(gpus=4, global_batch=48)
     assert space.batch.accumulation is None
-    assert recipe.completions_per_step({"rollout_batch": 16}, space.batch) == 48
+    assert completions_per_step({"rollout_batch": 16}, recipe, space.batch) == 48
     assert constraints.violations({"rollout_batch": 16}, recipe, space=space) == []
     assert (
         "not divisible by rollout_batch 32 x all GPUs together"
         in constraints.violations({"rollout_batch": 32}, recipe, space=space)[0]
     )
-    assert recipe_factory(gpus=4).completions_per_step({"rollout_batch": 16}, space.batch) == 16
+    assert completions_per_step({"rollout_batch": 16}, recipe_factory(gpus=4), space.batch) == 16
 
 
 def test_trl_rules_apply_only_to_trl_names(recipe_factory, tmp_path):
@@ -352,8 +353,8 @@ def test_trl_rules_apply_only_to_trl_names(recipe_factory, tmp_path):
         "at least 2"
         in constraints.violations({"micro_train_batch_size": 1, "num_generations": 1}, one, space=space)[0]
     )
-    assert one.completions_per_step({"micro_train_batch_size": 2}) is None  # unknown, not a KeyError
-    assert recipe_factory(global_batch=64).completions_per_step({"micro_train_batch_size": 2}) == 64
+    assert completions_per_step({"micro_train_batch_size": 2}, one) is None  # unknown, not a KeyError
+    assert completions_per_step({"micro_train_batch_size": 2}, recipe_factory(global_batch=64)) == 64
     # seeds put TRL's names beside the candidate; a space without them gets them dropped
     assert constraints.derive(
         {"micro_train_batch_size": 1, "gradient_accumulation_steps": None}, one, space
@@ -367,7 +368,7 @@ def test_the_shipped_trl_space_is_judged_as_before(recipe_factory):
     assert space.batch is not None and not space.batch.declared
     recipe = recipe_factory(global_batch=256)
     params = constraints.derive({**space.defaults(), "per_device_train_batch_size": 8}, recipe)
-    assert params["gradient_accumulation_steps"] == 8 and recipe.completions_per_step(params) == 256
+    assert params["gradient_accumulation_steps"] == 8 and completions_per_step(params, recipe) == 256
 
 
 # --- bad input through the real CLI: one line, exit 2 ----------------------------------------------

@@ -16,13 +16,13 @@ import pytest
 import yaml
 
 from autotune import configs as lc
+from autotune.candidate.space_file import load_space
 from autotune.errors import UsageError
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
 from autotune.runners import trl as trl_runner
-from autotune.runners.base import TrialContext
-from autotune.runners.trl import TrlRunner, free_port, start_sidecar, stop_sidecar, wait_health
-from autotune.search.space import load_space
+from autotune.runners.base import EXTRA_STEPS, TrialContext, free_port
+from autotune.runners.trl import TrlRunner, start_sidecar, stop_sidecar, wait_health
 from autotune.trial.launch import LaunchSpec
 
 PLAIN = dict(
@@ -210,7 +210,7 @@ def test_prepare_single_process(runner, tmp_path):
     assert data["version"] == 1 and data["params"] == PLAIN
     assert data["grpo_config"] == lc.grpo_config_kwargs(PLAIN, run.recipe)  # what export writes
     assert data["grpo_config"]["beta"] == 0.04 and data["grpo_config"]["use_cpu"] is True
-    assert data["max_steps"] == 1 + 2 + trl_runner.EXTRA_STEPS
+    assert data["max_steps"] == 1 + 2 + EXTRA_STEPS
     assert data["model"]["name"] == "tiny-qwen" and data["model"]["has_weights"] is False
     assert data["model"]["config"]["vocab_size"] == 151936
     assert data["processes"] == 1 and data["device"] == "cpu"

@@ -11,9 +11,10 @@ from __future__ import annotations
 import pytest
 from conftest import saved_activation_bytes
 
+from autotune.candidate.footprint import base_quantization, lora_params, weight_bytes
+from autotune.candidate.memory import estimate
 from autotune.errors import UsageError
 from autotune.models import resolve_model
-from autotune.search.memory import base_quantization, estimate, lora_params, weight_bytes
 from autotune.units import GIB
 
 BASE = dict(
@@ -101,10 +102,10 @@ def test_vl_without_images_says_how_to_add_them():
 
 
 def _trl_runner(recipe_factory, **kw):
+    from autotune.candidate.space_file import load_space
     from autotune.hardware import find_gpu_type
     from autotune.runners.base import TrialContext
     from autotune.runners.trl import TrlRunner
-    from autotune.search.space import load_space
 
     recipe = recipe_factory(**{**dict(model="tiny-qwen-vl", gpus=1, runner="trl", device="cpu"), **kw})
     return TrlRunner(

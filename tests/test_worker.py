@@ -13,11 +13,11 @@ import re
 
 import pytest
 
+from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
 from autotune.runners.base import TrialContext
 from autotune.runners.trl import TrlRunner
-from autotune.search.space import load_space
 from autotune.trial.launch import launch
 
 pytestmark = pytest.mark.slow

@@ -18,21 +18,9 @@ import functools
 import importlib.metadata
 from typing import Any
 
+from autotune.candidate.batch import accumulation_for
+from autotune.candidate.defaults import TRL_DEFAULTS
 from autotune.recipe import Recipe
-
-# TRL 1.16 GRPOConfig defaults for the tuned fields (checked against the real dataclass in tests).
-TRL_DEFAULTS: dict[str, Any] = {
-    "per_device_train_batch_size": 8,
-    "gradient_accumulation_steps": 1,
-    "num_generations": 8,
-    "gradient_checkpointing": True,
-    "use_vllm": False,
-    "vllm_mode": "colocate",
-    "vllm_gpu_memory_utilization": 0.3,
-    "vllm_enable_sleep_mode": False,
-    "vllm_tensor_parallel_size": 1,
-}
-
 
 # Parameters a search space may add that are GRPOConfig fields and are passed through unchanged
 # (all move memory or speed). Anything else unknown to TRL is dropped from the TRL config.
@@ -67,8 +55,9 @@ def effective(params: dict[str, Any], recipe: Recipe) -> dict[str, Any]:
     out = {**TRL_DEFAULTS, **params}
     if "gradient_accumulation_steps" not in params and recipe.global_batch:
         per_step = int(out["per_device_train_batch_size"]) * max(recipe.dp_gpus(out), 1)
-        if recipe.global_batch % per_step == 0:
-            out["gradient_accumulation_steps"] = recipe.global_batch // per_step
+        steps = accumulation_for(recipe.global_batch, per_step)
+        if steps is not None:
+            out["gradient_accumulation_steps"] = steps
     return out
 
 

@@ -1,6 +1,6 @@
 """best/command.sh: the winner's filled ``--command`` template, for a trainer autotune drives by template.
 
-The same template and the same value table (:func:`autotune.runners.command.placeholder_values`)
+The same template and the same value table (:func:`autotune.configs.command.placeholder_values`)
 that built every trial's argv build the script, so what ships is the command that was measured.
 Values that only make sense for a trial become shell variables set at the top of the script, each
 with a comment: the trial folder (``{trial_dir}``) is the run's output folder, the metrics file
@@ -16,12 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from autotune import configs
+from autotune.candidate.constraints import space_of
+from autotune.configs.command import Verbatim, fill, placeholder_values, template_fields
 from autotune.errors import UsageError
 from autotune.export.layout import COMMAND_SH, DS_JSON
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
-from autotune.runners.command import Verbatim, fill, placeholder_values, template_fields
-from autotune.search.constraints import space_of
 from autotune.study.record import TrialRow
 from autotune.trial.control import StopRule
 from autotune.trial.layout import METRICS

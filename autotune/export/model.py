@@ -16,10 +16,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from autotune.configs.swift_model import hub_id
 from autotune.errors import UsageError
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
-from autotune.runners.swift import hub_id
 
 log = logging.getLogger(__name__)
 

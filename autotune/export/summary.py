@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import Any
 
 from autotune import configs
+from autotune.candidate.batch import completions_per_step
+from autotune.candidate.constraints import space_of
 from autotune.export.layout import BEST_FILES, COMMAND_SH, LAUNCH_SH, PARAMS_JSON, SWIFT_SH
 from autotune.export.trl import fmt
 from autotune.recipe import Recipe
-from autotune.search.constraints import space_of
 from autotune.study.record import TrialRow
 from autotune.trial.layout import GPU_CSV
 
@@ -116,8 +117,8 @@ def _choice_section(best: TrialRow, recipe: Recipe, params: dict[str, Any], capa
         lines.append(f"Peak memory not measured (capacity {capacity:g} GiB, headroom {recipe.headroom:.0%}).")
     try:
         space = space_of(recipe)
-        per_step = recipe.completions_per_step(
-            configs.effective(params, recipe), space.batch if space is not None else None
+        per_step = completions_per_step(
+            configs.effective(params, recipe), recipe, space.batch if space is not None else None
         )
         if per_step is None:
             raise ValueError("the space does not say which parameters make the batch")

@@ -1,6 +1,6 @@
 """ms-swift's file: swift.sh, the same configuration as ``swift rlhf --rlhf_type grpo``.
 
-With ``--runner swift`` it is the command the trials ran (:func:`autotune.runners.swift.export_argv`
+With ``--runner swift`` it is the command the trials ran (:func:`export_argv`
 rebuilds it with the same translation), minus the trial-only flags: no step limit, output folder,
 logging or stand-in prompts and reward; the model named by its hub id, or by the local path the
 trials used when the card has none. With the other runners it is the same configuration written
@@ -14,15 +14,65 @@ from pathlib import Path
 from typing import Any
 
 from autotune import configs
+from autotune.configs.swift import TESTED, SwiftVersion
+from autotune.configs.swift_install import find_swift, swift_python, swift_version
+from autotune.configs.swift_model import (
+    MODEL_TYPES,
+    OUTPUT_DIR,
+    PROMPTS_FILE,
+    dataset_arg,
+    swift_model,
+    trial_inputs,
+)
 from autotune.errors import UsageError
 from autotune.export.model import export_model
 from autotune.export.trl import gpu_list
-from autotune.models import resolve_model
+from autotune.models import ModelSpec, resolve_model
 from autotune.recipe import Recipe
-from autotune.runners.swift import MODEL_TYPES, export_argv
 from autotune.study.record import TrialRow
+from autotune.worker.materialise import model_dir_for
 
 _DS_SENTINEL = "\x00ds_config\x00.json"
+
+
+def export_argv(
+    params: dict[str, Any], recipe: Recipe, model: ModelSpec, ds_config: str = "ds_config.json"
+) -> tuple[list[str], SwiftVersion, Path | None]:
+    """swift.sh's command: what a trial of ``params`` runs (the swift runner's ``prepare``), minus
+    the trial-only flags, for the ms-swift this machine has (or :data:`TESTED`, with no program)."""
+    program: Path | None
+    try:
+        program = find_swift(recipe)
+        version = swift_version(swift_python(program))
+    except UsageError:
+        program, version = None, TESTED
+    plan = swift_model(model, recipe)
+    trial_model = (
+        str(model_dir_for(model.name, model.config, recipe.device))
+        if plan.shape_only
+        else plan.export_model or ""
+    )
+    inputs = trial_inputs(
+        recipe,
+        plan,
+        program="swift",
+        model=trial_model,
+        dataset=dataset_arg(recipe) or PROMPTS_FILE,
+        output_dir=OUTPUT_DIR,
+        max_steps=1,
+        ds_config_path=ds_config,
+    )
+    argv = configs.swift_trial_argv(params, recipe, inputs, version)
+    return (
+        configs.production_argv(
+            argv,
+            model=plan.export_model or trial_model,
+            keep_dataset=bool(recipe.dataset),
+            keep_template=plan.export_template,
+        ),
+        version,
+        program,
+    )
 
 
 def _argv(params: dict[str, Any], recipe: Recipe) -> tuple[list[str], str, Path | None]:

@@ -5,16 +5,17 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import os
+import socket
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autotune.candidate.space import Space
 from autotune.files import write_json
 from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
-from autotune.search.space import Space
 from autotune.trial.control import TrialControl
 from autotune.trial.execute import execute, fresh_trial_dir
 from autotune.trial.launch import LaunchSpec
@@ -23,11 +24,36 @@ from autotune.trial.outcome import Outcome
 
 Rule = Callable[[dict[str, Any]], "str | None"]
 
+#: Extra steps beyond warm-up and measurement: the controller stops a trial once it has measured,
+#: so these only matter when a step's metrics line is late.
+EXTRA_STEPS = 2
+
 # The GPUs of the slot the current thread's trial runs on (parallel trials, search/parallel.py).
 # A context variable, not an attribute of the runner: one runner serves every slot at once.
 ASSIGNED_GPUS: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar(
     "autotune_gpus", default=None
 )
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (the OS picks it), for one trial's rendezvous."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def steps_needed(control: TrialControl) -> int:
+    """Optimizer steps a trial under ``control`` must be able to run: warm-up, the measured steps
+    and, for an adaptive rule, the steps it may add (confirmation and verify runs are longer)."""
+    rule = control.rule
+    return rule.warmup + rule.measure + (rule.extra if rule.adaptive else 0)
+
+
+def max_steps(recipe: Recipe, needed: int | None) -> int:
+    """The ``max_steps`` a real trainer is given: the recipe's warm-up and measured steps, or what
+    the trial needs, whichever is more, plus :data:`EXTRA_STEPS` for a late metrics line."""
+    default = int(recipe.warmup_steps) + int(recipe.measure_steps) + EXTRA_STEPS
+    return max(default, (needed or 0) + EXTRA_STEPS)
 
 
 @contextlib.contextmanager
@@ -54,9 +80,6 @@ class Runner:
     """Base class: subclasses implement :meth:`prepare`."""
 
     name = "base"
-    # optimizer steps the next prepared trial must be able to run (confirmation and verify runs are
-    # longer than search trials); set by run() before prepare()
-    steps_needed: int | None = None
     monitors_gpus = True  # sample NVML/psutil while the trial runs (the simulator uses no GPU)
 
     def start_services(self, spec: LaunchSpec) -> list[Any]:
@@ -86,7 +109,12 @@ class Runner:
         a pinned value the runner cannot honour is refused by :meth:`rules` instead."""
         return {}
 
-    def prepare(self, params: dict[str, Any], trial_dir: Path, number: int) -> LaunchSpec:
+    def prepare(
+        self, params: dict[str, Any], trial_dir: Path, number: int, steps_needed: int | None = None
+    ) -> LaunchSpec:
+        """The trial's launch: ``steps_needed`` is what run() says this trial must be able to run
+        (None: the recipe's warm-up and measured steps). Passed along, not kept on the runner,
+        because one runner prepares the trials of every parallel slot at once."""
         raise NotImplementedError
 
     @contextlib.contextmanager
@@ -101,9 +129,7 @@ class Runner:
     def run(self, params: dict[str, Any], trial_dir: Path, number: int, control: TrialControl) -> Outcome:
         """Run one candidate as a real process until ``control`` says it is measured."""
         fresh_trial_dir(trial_dir)
-        rule = control.rule
-        self.steps_needed = rule.warmup + rule.measure + (rule.extra if rule.adaptive else 0)
-        spec = self.prepare(params, trial_dir, number)
+        spec = self.prepare(params, trial_dir, number, steps_needed(control))
         write_json(TrialFiles(trial_dir).params, params)
         return execute(
             spec, params, self.recipe, control, monitors_gpus=self.monitors_gpus, services=self.services(spec)

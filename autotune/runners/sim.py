@@ -20,7 +20,9 @@ class SimRunner(Runner):
     name = "sim"
     monitors_gpus = False
 
-    def build_spec(self, params: dict[str, Any], number: int) -> dict[str, Any]:
+    def build_spec(
+        self, params: dict[str, Any], number: int, steps_needed: int | None = None
+    ) -> dict[str, Any]:
         """The simulator's input for one trial (also used in-process by the benchmark)."""
         recipe = self.recipe
         return {
@@ -41,14 +43,14 @@ class SimRunner(Runner):
             "seed": zlib.crc32(f"{recipe.seed}:{number}".encode()),
             "time_scale": recipe.sim_time_scale,
             "warmup_steps": recipe.warmup_steps,
-            "max_steps": max(
-                50, recipe.warmup_steps + recipe.measure_steps + 20, (self.steps_needed or 0) + 2
-            ),
+            "max_steps": max(50, recipe.warmup_steps + recipe.measure_steps + 20, (steps_needed or 0) + 2),
         }
 
-    def prepare(self, params: dict[str, Any], trial_dir: Path, number: int) -> LaunchSpec:
+    def prepare(
+        self, params: dict[str, Any], trial_dir: Path, number: int, steps_needed: int | None = None
+    ) -> LaunchSpec:
         recipe = self.recipe
-        spec = self.build_spec(params, number)
+        spec = self.build_spec(params, number, steps_needed)
         trial_dir.mkdir(parents=True, exist_ok=True)
         spec_path = trial_dir / "sim_spec.json"
         spec_path.write_text(json.dumps(spec, indent=1))

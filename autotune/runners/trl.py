@@ -48,7 +48,6 @@ import importlib.util
 import json
 import logging
 import os
-import socket
 import subprocess
 import sys
 import zlib
@@ -58,16 +57,16 @@ from typing import Any
 import yaml
 
 from autotune import configs as lc
+from autotune.candidate.footprint import base_quantization
 from autotune.configs.trl import quantization_config
 from autotune.errors import UsageError
-from autotune.runners.base import Rule, Runner
+from autotune.runners.base import Rule, Runner, free_port, max_steps
 from autotune.runners.sidecar import (
     start_sidecar,
     stop_sidecar,  # noqa: F401 (re-exported)
     vllm_health_url,
     wait_health,
 )
-from autotune.search.memory import base_quantization
 from autotune.trial.launch import LaunchSpec, ServiceFailed
 from autotune.trial.layout import TrialFiles
 from autotune.trial.processes import TRIAL_ENV
@@ -78,9 +77,6 @@ SPEC_FILE = "trial_spec.json"
 ACCELERATE_FILE = "accelerate_config.yaml"
 DEEPSPEED_FILE = "ds_config.json"
 SIDECAR_DIR = "vllm_server"
-#: Extra steps beyond warm-up and measurement: the controller stops a trial once it has measured,
-#: so these only matter when a step's metrics line is late.
-EXTRA_STEPS = 2
 
 
 def installed(package: str) -> bool:
@@ -89,13 +85,6 @@ def installed(package: str) -> bool:
         return importlib.util.find_spec(package) is not None
     except (ImportError, ValueError):
         return False
-
-
-def free_port() -> int:
-    """A TCP port nothing listens on now (the OS picks it), for one trial's rendezvous."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _uses_zero(params: dict[str, Any]) -> bool:
@@ -248,11 +237,9 @@ class TrlRunner(Runner):
         )
 
     # -- one trial ------------------------------------------------------------------------------
-    def max_steps(self) -> int:
-        default = int(self.recipe.warmup_steps) + int(self.recipe.measure_steps) + EXTRA_STEPS
-        return max(default, (self.steps_needed or 0) + EXTRA_STEPS)
-
-    def trial_spec(self, params: dict[str, Any], trial_dir: Path, number: int) -> dict[str, Any]:
+    def trial_spec(
+        self, params: dict[str, Any], trial_dir: Path, number: int, steps_needed: int | None = None
+    ) -> dict[str, Any]:
         """What the worker needs, as plain JSON (format in the module docstring)."""
         recipe, model = self.recipe, self.context.model
         dataset = str(Path(recipe.dataset).expanduser().resolve()) if recipe.dataset else None
@@ -274,7 +261,7 @@ class TrlRunner(Runner):
             "max_completion_length": int(recipe.max_completion_length),
             "image_tokens": int(recipe.image_tokens or 0) if model.vision is not None else 0,
             "images_per_prompt": int(recipe.images_per_prompt or 0),
-            "max_steps": self.max_steps(),
+            "max_steps": max_steps(self.recipe, steps_needed),
             "lora_rank": recipe.lora_rank,
             "dataset": dataset,
             # a different seed per trial, the same on resume
@@ -284,11 +271,13 @@ class TrlRunner(Runner):
             "recipe": recipe.to_dict(),
         }
 
-    def prepare(self, params: dict[str, Any], trial_dir: Path, number: int) -> LaunchSpec:
+    def prepare(
+        self, params: dict[str, Any], trial_dir: Path, number: int, steps_needed: int | None = None
+    ) -> LaunchSpec:
         recipe = self.recipe
         trial_dir = Path(trial_dir)
         trial_dir.mkdir(parents=True, exist_ok=True)
-        spec = self.trial_spec(params, trial_dir, number)
+        spec = self.trial_spec(params, trial_dir, number, steps_needed)
         train, server = lc.gpu_split(params, recipe)
         port = free_port() if server and not recipe.device == "cpu" else None
         if port is not None:  # the trainer's client and the server meet on this trial's own port

@@ -13,10 +13,10 @@ from typing import Any
 
 import optuna
 
+from autotune.candidate import constraints
 from autotune.progress import Reporter
 from autotune.recipe import Recipe
 from autotune.runners.base import on_gpus
-from autotune.search import constraints
 from autotune.search.planner import Planner
 from autotune.search.stopping import Budget
 from autotune.study import StudyPaths, TrialRow, confirmations, eligible, rows, save_confirmation

@@ -21,6 +21,8 @@ from typing import Any
 
 import optuna
 
+from autotune.candidate import constraints
+from autotune.candidate.space import Space
 from autotune.errors import UsageError
 from autotune.export import export_study
 from autotune.export.report import write_report
@@ -28,13 +30,11 @@ from autotune.hardware import plan_slots
 from autotune.progress import Reporter, short_params
 from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
-from autotune.search import constraints
 from autotune.search.confirm import MIN_NOISE, confirm, noise
 from autotune.search.parallel import Scheduler, answered  # noqa: F401  (answered: tests import it from here)
 from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe
 from autotune.search.pruning import BelowBestPruner
-from autotune.search.space import Space
 from autotune.search.stopping import Budget, Stopping
 from autotune.study import (
     StudyPaths,

@@ -26,9 +26,9 @@ import optuna
 from optuna.storages._heartbeat import BaseHeartbeatThread
 from optuna.trial import TrialState
 
+from autotune.candidate import constraints
 from autotune.errors import SearchStopped
 from autotune.runners.base import on_gpus
-from autotune.search import constraints
 from autotune.study import candidate_key, launched_rows, rows
 from autotune.study.claims import answered, claim, launches, pending_keys
 from autotune.study.recovery import Heartbeat, claim_owner, recover_interrupted

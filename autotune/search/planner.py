@@ -4,9 +4,9 @@ It combines three kinds of knowledge, cheapest first:
 1. what trials have shown: a candidate that needs at least as much memory as a measured OOM in
    every memory-raising knob will OOM too (skip it); one that needs no more than a measured success
    fits (never skip it on the model's word);
-2. the memory model (``autotune.search.memory``), calibrated by per-part corrections fitted to every measured
-   peak, so its error shrinks as the night goes on (OOMs teach through dominance, above);
-3. a speed prior (``autotune.speed``) to rank the candidates the model expects to fit, so the
+2. the memory model (``autotune.candidate.memory``), calibrated by per-part corrections fitted to
+   every measured peak, so its error shrinks as the night goes on (OOMs teach through dominance, above);
+3. a speed prior (``autotune.candidate.speed``) to rank the candidates the model expects to fit, so the
    first trials of a study are already good ones.
 Skipped candidates cost no GPU time and are told to Optuna as infeasible, like OOMs.
 """
@@ -20,54 +20,29 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autotune.candidate import constraints
+from autotune.candidate.defaults import knob
+from autotune.candidate.estimate import estimate_for, prior_for
+from autotune.candidate.memory import Estimate
+from autotune.candidate.moves import neighbors
+from autotune.candidate.space import Space
+from autotune.candidate.vector import OFFLOAD_RANK, MemoryVector, at_least, distance, memory_vector
 from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
-from autotune.search import constraints
-from autotune.search.memory import Estimate, estimate, generation_sequences
-from autotune.search.moves import neighbors
-from autotune.search.space import Space
-from autotune.search.speed import throughput_prior
 
 log = logging.getLogger(__name__)
 
-OFFLOAD_RANK = {"none": 2, "optimizer": 1, "optimizer+params": 0}  # higher = more GPU memory
-
-
-def memory_vector(params: dict[str, Any], dp: int = 1) -> tuple[float, ...]:
-    """Each knob oriented so that larger means more GPU memory per GPU.
-
-    num_generations does not change the peak (TRL's micro-batch counts completions); accumulation
-    does only without vLLM, where one ``generate()`` call decodes batch x steps_per_generation
-    sequences (:func:`autotune.search.memory.generation_sequences`). ``dp`` is the data-parallel size: ZeRO
-    shards states over it, so fewer training GPUs (vLLM server mode) means more memory on each.
-    """
-    colocated = bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"
-    return (
-        float(params.get("per_device_train_batch_size", 8)),
-        -float(params.get("zero_stage", 0)),
-        float(OFFLOAD_RANK.get(params.get("offload", "none"), 2)),
-        0.0 if params.get("gradient_checkpointing", True) else 1.0,
-        1.0 if colocated else 0.0,
-        float(params.get("vllm_gpu_memory_utilization", 0.0)) if colocated else 0.0,
-        0.0 if (colocated and params.get("vllm_enable_sleep_mode")) else 1.0,
-        -float(params.get("vllm_tensor_parallel_size", 1)) if colocated else 0.0,
-        float(generation_sequences(params, dp)),
-        -float(dp),
-    )
-
-
-def _distance(a: tuple[float, ...], b: tuple[float, ...]) -> float:
-    return sum(
-        abs(math.log2(x) - math.log2(y))
-        if i in (0, 8) and x > 0 and y > 0
-        else abs(x - y) * (4 if i == 5 else 1)
-        for i, (x, y) in enumerate(zip(a, b))
-    )
-
-
-def at_least(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
-    return all(x >= y - 1e-9 for x, y in zip(a, b))
+#: The parts calibration fits a correction to (the features of :class:`Estimate`).
+CALIBRATED_PARTS = ("model_states", "activations", "logits", "vllm", "overhead")
+RIDGE = 1.0  # how hard calibration pulls each correction towards 1.0
+CORRECTION_BOUNDS = (0.3, 3.0)  # a part is never trusted below 0.3x or above 3x the model
+NEAREST = 3  # measured trials that correct the speed prior of a candidate
+GRID_FLOAT_POINTS = 5  # values of each continuous knob in the candidate pool
+#: The prior's log error that :meth:`Planner.improvable` allows: half a standard deviation of what
+#: was measured, never less than 5%; 50% while fewer than 3 trials say how wrong it is.
+SPREAD_STDEVS, MIN_SPREAD, EARLY_SPREAD, SPREAD_TRIALS = 0.5, 1.05, 1.5, 3
+SEED_MARGIN = 0.05  # seeds leave this much of the GPU free beyond the headroom (at least as much)
 
 
 @dataclass
@@ -106,22 +81,8 @@ class Planner:
 
     # -- predictions ------------------------------------------------------------------------
     def raw(self, params: dict[str, Any]) -> Estimate:
-        r = self.recipe
-        params = constraints.as_trl(params, r)  # a space in the trainer's own names
-        return estimate(
-            self.model,
-            params,
-            gpus=r.gpus,
-            capacity_gib=r.gpu_memory_gib,
-            max_prompt_length=r.max_prompt_length,
-            max_completion_length=r.max_completion_length,
-            beta=r.beta,
-            lora_rank=r.lora_rank,
-            dp_gpus=r.dp_gpus(params),
-            quantization=r.quantization,
-            image_tokens=r.image_tokens,
-            images_per_prompt=r.images_per_prompt,
-        )
+        """The uncalibrated estimate, as ``autotune estimate`` prints it."""
+        return estimate_for(self.model, self.recipe, params)
 
     def predict(self, params: dict[str, Any]) -> float:
         """Calibrated peak GiB per GPU: each part times its learned correction."""
@@ -144,7 +105,7 @@ class Planner:
         self.seen.append(Seen(number, dict(params), status, oom_kind, peak_gib, throughput, leftover))
         self.calibrate()
 
-    def vector(self, params: dict[str, Any]) -> tuple[float, ...]:
+    def vector(self, params: dict[str, Any]) -> MemoryVector:
         params = constraints.as_trl(params, self.recipe)
         return memory_vector(params, self.recipe.dp_gpus(params))
 
@@ -165,14 +126,14 @@ class Planner:
         ]
         if not obs:
             return
-        names = ["model_states", "activations", "logits", "vllm", "overhead"]
+        names = list(CALIBRATED_PARTS)
         X = np.array([[f.get(n, 0.0) for n in names] for f, _ in obs])
         y = np.array([peak for _, peak in obs])
         scale = np.maximum((X**2).mean(axis=0), 1e-6)
-        lam = 1.0
+        lam = RIDGE
         A = X.T @ X + lam * np.diag(scale)
         b = X.T @ y + lam * scale
-        w = np.clip(np.linalg.solve(A, b), 0.3, 3.0)
+        w = np.clip(np.linalg.solve(A, b), *CORRECTION_BOUNDS)
         self.weights = dict(zip(names, map(float, w)))
         errors = [
             abs(self.predict(s.params) - s.peak_gib) / s.peak_gib
@@ -232,7 +193,7 @@ class Planner:
             )
         return Verdict(False, None, predicted)
 
-    def _dominates_oom(self, params: dict[str, Any], vec: tuple[float, ...], s: Seen) -> bool:
+    def _dominates_oom(self, params: dict[str, Any], vec: MemoryVector, s: Seen) -> bool:
         """Whether ``params`` needs at least what OOM trial ``s`` needed, in the knobs its kind of
         failure depends on (each a different resource):
 
@@ -245,7 +206,7 @@ class Planner:
         - host: host RAM, which on GPUs holds offloaded states (CPU trials: every knob).
         """
         other = self.vector(s.params)
-        colocated = bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"
+        colocated = bool(params.get("use_vllm")) and knob(params, "vllm_mode") == "colocate"
         fraction = float(params.get("vllm_gpu_memory_utilization", 0) or 0)
         seen_fraction = float(s.params.get("vllm_gpu_memory_utilization", 0) or 0)
         if s.oom_kind == "cuda":
@@ -254,16 +215,16 @@ class Planner:
             return (
                 colocated
                 and fraction <= seen_fraction + 1e-9
-                and int(params.get("vllm_tensor_parallel_size", 1))
-                <= int(s.params.get("vllm_tensor_parallel_size", 1))
+                and int(knob(params, "vllm_tensor_parallel_size"))
+                <= int(knob(s.params, "vllm_tensor_parallel_size"))
             )
         if s.oom_kind == "vllm_startup":
             return (
                 colocated
                 and fraction >= seen_fraction - 1e-9
-                and vec[1] >= other[1]
-                and vec[2] >= other[2]
-                and vec[9] >= other[9]
+                and vec.zero_stage >= other.zero_stage
+                and vec.offload >= other.offload
+                and vec.dp >= other.dp
             )
         if s.oom_kind == "host":
             if self.recipe.device == "cpu":  # on CPU trials host RAM is the device memory
@@ -271,25 +232,14 @@ class Planner:
             # on GPUs host RAM holds offloaded states: as large a batch with as much offload
             return (
                 params.get("zero_stage") == s.params.get("zero_stage")
-                and vec[0] >= other[0]
+                and vec.micro_batch >= other.micro_batch
                 and OFFLOAD_RANK.get(params.get("offload", "none"), 2)
                 <= OFFLOAD_RANK.get(s.params.get("offload", "none"), 2)
             )
         return False
 
     def prior(self, params: dict[str, Any]) -> float:
-        r = self.recipe
-        params = constraints.as_trl(params, r)
-        return throughput_prior(
-            self.model,
-            params,
-            self.gpu,
-            gpus=r.gpus,
-            dp_gpus=r.dp_gpus(params),
-            prompt=r.max_prompt_length,
-            completion=r.max_completion_length,
-            beta=r.beta,
-        )
+        return prior_for(self.model, self.recipe, self.gpu, params)
 
     def next_local(
         self,
@@ -361,7 +311,7 @@ class Planner:
         if not ok:
             return prior
         vec = self.vector(params)
-        nearest = sorted(ok, key=lambda t: _distance(vec, self.vector(t[1])))[:3]
+        nearest = sorted(ok, key=lambda t: distance(vec, self.vector(t[1])))[:NEAREST]
         ratios = [s.throughput / self.prior(p) for s, p in nearest]
         return prior * statistics.fmean(ratios)
 
@@ -379,7 +329,7 @@ class Planner:
         if self._pool is None:
             rules = list(rules)
             scored: dict[str, tuple[float, dict[str, Any]]] = {}
-            for cand in space.grid(fixed, float_points=5):
+            for cand in space.grid(fixed, float_points=GRID_FLOAT_POINTS):
                 cand = space.normalize(constraints.derive(cand, self.recipe))
                 key = repr(sorted(cand.items()))
                 if key in scored or constraints.violations(cand, self.recipe, rules):
@@ -410,7 +360,11 @@ class Planner:
         logs = [math.log(s.throughput / self.prior(s.params)) for s in ok]
         # half a standard deviation of the prior's log error, never less than 5%: the caller has
         # already waited out its patience, so this guards against a prior that is wrong nearby
-        spread = max(1.05, math.exp(0.5 * statistics.pstdev(logs))) if len(logs) >= 3 else 1.5
+        spread = (
+            max(MIN_SPREAD, math.exp(SPREAD_STDEVS * statistics.pstdev(logs)))
+            if len(logs) >= SPREAD_TRIALS
+            else EARLY_SPREAD
+        )
         ceiling = math.exp(max(logs)) * spread
         bar = best * (1 + noise)
         for prior, cand in pool:
@@ -441,7 +395,7 @@ class Planner:
     ) -> list[dict[str, Any]]:
         """The k valid candidates the model expects to fit with headroom and the prior ranks
         fastest, spread over ZeRO stages so one wrong guess does not sink all seeds."""
-        limit = self.recipe.gpu_memory_gib * (1 - max(self.recipe.headroom, 0.05) - 0.05)
+        limit = self.recipe.gpu_memory_gib * (1 - max(self.recipe.headroom, SEED_MARGIN) - SEED_MARGIN)
         scored = [
             (score, cand)
             for score, cand in self.pool(space, fixed, rules)

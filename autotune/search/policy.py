@@ -32,10 +32,10 @@ from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
+from autotune.candidate import constraints
+from autotune.candidate.space import Space
 from autotune.recipe import Recipe
-from autotune.search import constraints
 from autotune.search.planner import Planner
-from autotune.search.space import Space
 from autotune.study import candidate_key, choose_best, measured_configs, rows
 from autotune.study.claims import pending_keys
 from autotune.study.recovery import claim_owner

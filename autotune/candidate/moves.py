@@ -8,9 +8,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from autotune.candidate import constraints
+from autotune.candidate.space import Space
 from autotune.recipe import Recipe
-from autotune.search import constraints
-from autotune.search.space import Space
 
 
 def neighbors(

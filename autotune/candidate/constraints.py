@@ -13,9 +13,18 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from autotune.candidate.batch import (
+    GlobalBatch,
+    accumulation_for,
+    completions_per_step,
+    generation_batch_of,
+    mapping,
+)
+from autotune.candidate.defaults import TRL_DEFAULTS, knob
+from autotune.candidate.space import Space
+from autotune.candidate.space_file import load_space
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
-from autotune.search.space import TRL_BATCH, GlobalBatch, Space, load_space
 
 # Parameters the rules look at; exhaustive checks enumerate only these.
 RULE_PARAMS = [
@@ -54,15 +63,13 @@ def batch_of(params: dict[str, Any], recipe: Recipe, space: Space | None = None)
     """How this candidate's parameters make the global batch: the space's mapping, else TRL's
     names when the candidate has them, else None (nothing is known about the batch)."""
     space = space if space is not None else space_of(recipe)
-    if space is not None and space.batch is not None:
-        return space.batch
-    return TRL_BATCH if "per_device_train_batch_size" in params else None
+    return mapping(space.batch if space is not None else None, params)
 
 
 def samples_per_step(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -> int | None:
     """Completions one optimizer step of this candidate trains, read through the space's batch
     mapping (None when nothing says: the trial's metrics must then count them)."""
-    return recipe.completions_per_step(params, batch_of(params, recipe, space))
+    return completions_per_step(params, recipe, batch_of(params, recipe, space))
 
 
 def derive(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -> dict[str, Any]:
@@ -90,9 +97,7 @@ def derive(params: dict[str, Any], recipe: Recipe, space: Space | None = None) -
         and out.get(batch.micro_batch) is not None
     ):
         per_micro = int(out[batch.micro_batch]) * batch.gpus_factor(recipe.dp_gpus(out))
-        out[batch.accumulation] = (
-            recipe.global_batch // per_micro if recipe.global_batch % per_micro == 0 else 0
-        )
+        out[batch.accumulation] = accumulation_for(recipe.global_batch, per_micro) or 0
     return out
 
 
@@ -130,6 +135,21 @@ def check_batch(space: Space, recipe: Recipe) -> None:
         )
 
 
+def pin(recipe: Recipe, space: Space, raw: dict[str, str], what_if: bool = False) -> list[str]:
+    """Read ``--set`` pins into ``recipe.pins``, for a search (every pin inside the space) or, with
+    ``what_if``, for ``autotune estimate`` (any value of the parameter's type; the ones outside the
+    space come back as warnings). A wrong type, an unknown name or an accumulation pinned beside
+    ``--global-batch`` (which derives it) is bad input."""
+    pins = {**recipe.pins, **space.read_pins(raw)}
+    warnings = space.outside(pins) if what_if else []
+    if not what_if:
+        space.check_pins(pins)
+    if recipe.global_batch and "gradient_accumulation_steps" in pins:
+        raise UsageError("--global-batch derives gradient_accumulation_steps: do not also --set it")
+    recipe.pins = pins
+    return warnings
+
+
 def violations(
     params: dict[str, Any],
     recipe: Recipe,
@@ -145,8 +165,8 @@ def violations(
     batch = batch_of(params, recipe, space)
     gens = _int(params, batch.generations if batch and batch.generations else "num_generations", None)
     dp = recipe.dp_gpus(params)
-    use_vllm = bool(params.get("use_vllm", False))
-    mode = params.get("vllm_mode", "colocate")
+    use_vllm = bool(knob(params, "use_vllm"))
+    mode = knob(params, "vllm_mode")
     tp = _int(params, "vllm_tensor_parallel_size", 1)
     stage = _int(params, "zero_stage", 0)
     offload = params.get("offload", "none")
@@ -156,7 +176,7 @@ def violations(
         return out
     if batch is not None:
         trl = not batch.declared
-        micro = _int(params, batch.micro_batch, 8 if trl else None)
+        micro = _int(params, batch.micro_batch, TRL_DEFAULTS["per_device_train_batch_size"] if trl else None)
         per_micro = micro * batch.gpus_factor(dp) if micro else None
         derived = params.get(batch.accumulation) if batch.accumulation else None
         if recipe.global_batch and per_micro and (recipe.global_batch % per_micro or derived == 0):
@@ -165,7 +185,7 @@ def violations(
             out.append(f"global batch {recipe.global_batch} is not divisible by {what} {micro} x {gpus}")
             return out
         if trl:
-            gens = 8 if gens is None else gens
+            gens = TRL_DEFAULTS["num_generations"] if gens is None else gens
             generation_batch, how = generation_batch_of(params, dp)
         else:
             generation_batch = batch.completions(params, dp, recipe.global_batch)
@@ -209,29 +229,6 @@ def _int(params: dict[str, Any], name: str, default: int | None) -> int | None:
     """A count from the candidate; a missing or None value (a knob the space lacks) is the default."""
     value = params.get(name)
     return default if value is None else int(value)
-
-
-def generation_batch_of(params: dict[str, Any], dp: int) -> tuple[int | None, str]:
-    """Completions generated per generation round, as TRL's GRPOConfig derives it, and how.
-
-    A space may set ``steps_per_generation`` or ``generation_batch_size`` (not both); without either
-    TRL generates once per optimizer step (steps_per_generation = accumulation). Returns (None,
-    the reason) for what GRPOConfig itself refuses.
-    """
-    pdbs = _int(params, "per_device_train_batch_size", 8) or 8
-    spg, gbs = params.get("steps_per_generation"), params.get("generation_batch_size")
-    if spg is not None and gbs is not None:
-        return None, "generation_batch_size and steps_per_generation cannot both be set (TRL refuses it)"
-    if gbs is not None:
-        if int(gbs) % (pdbs * dp):
-            return None, (
-                f"generation_batch_size {gbs} is not divisible by the global micro-batch "
-                f"{pdbs * dp} (= {pdbs} per device x {dp} GPUs)"
-            )
-        return int(gbs), f"generation_batch_size {gbs}"
-    steps = (_int(params, "gradient_accumulation_steps", 1) or 0) if spg is None else int(spg)
-    what = "accumulation" if spg is None else "steps_per_generation"
-    return pdbs * dp * steps, f"{pdbs} per device x {dp} GPUs x {steps} {what}"
 
 
 def valid_combinations(

@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from autotune.candidate.batch import trl_completions
+from autotune.candidate.defaults import knob
 from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.units import GIB
@@ -34,13 +36,12 @@ def step_time_prior(
 ) -> float:
     """Rough seconds per optimizer step for a candidate."""
     P = float(model.num_params)
-    pdbs = int(params.get("per_device_train_batch_size", 8))
-    gas = int(params.get("gradient_accumulation_steps", 1))
-    completions = pdbs * gas * dp_gpus
+    gas = int(knob(params, "gradient_accumulation_steps"))
+    completions = trl_completions(params, dp_gpus)
     seq = prompt + completion
     tokens = completions * seq
 
-    flops = 6 * P * tokens * (4 / 3 if params.get("gradient_checkpointing", True) else 1.0)
+    flops = 6 * P * tokens * (4 / 3 if knob(params, "gradient_checkpointing") else 1.0)
     flops += 2 * P * tokens * (2 if beta else 1)  # old and reference log-probs
     train = flops / (dp_gpus * gpu.tflops_bf16 * 1e12 * MFU)
 
@@ -83,16 +84,16 @@ def _generation_time(
 ) -> float:
     P = float(model.num_params)
     kv_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
-    if not params.get("use_vllm", False):
+    if not knob(params, "use_vllm"):
         per_token = 2 * P / (gpu.bandwidth_tbs * 1e12 * DECODE_EFFICIENCY) * 3  # HF generate is slow
         per_gpu = math.ceil(completions / dp_gpus)
-        waves = math.ceil(per_gpu / max(int(params.get("per_device_train_batch_size", 8)), 1))
+        waves = math.ceil(per_gpu / max(int(knob(params, "per_device_train_batch_size")), 1))
         return waves * completion * per_token
-    tp = int(params.get("vllm_tensor_parallel_size", 1))
+    tp = int(knob(params, "vllm_tensor_parallel_size"))
     engines = max(gpus // tp, 1)
     per_token = 2 * P / tp / (gpu.bandwidth_tbs * 1e12 * DECODE_EFFICIENCY) + (20e-6 if tp > 1 else 0)
-    if params.get("vllm_mode", "colocate") == "colocate":
-        budget = float(params.get("vllm_gpu_memory_utilization", 0.3)) * gpu.memory_gib * GIB
+    if knob(params, "vllm_mode") == "colocate":
+        budget = float(knob(params, "vllm_gpu_memory_utilization")) * gpu.memory_gib * GIB
     else:
         budget = 0.9 * gpu.memory_gib * GIB
     kv_bytes = max(budget * tp - 2 * P - tp * GIB, kv_token * seq)
@@ -107,9 +108,5 @@ def _generation_time(
 
 def throughput_prior(model: ModelSpec, params: dict[str, Any], gpu: GpuType, **kw: Any) -> float:
     """Completions per second implied by :func:`step_time_prior`."""
-    completions = (
-        int(params.get("per_device_train_batch_size", 8))
-        * int(params.get("gradient_accumulation_steps", 1))
-        * kw["dp_gpus"]
-    )
+    completions = trl_completions(params, kw["dp_gpus"])
     return completions / step_time_prior(model, params, gpu, **kw)
