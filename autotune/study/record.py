@@ -102,7 +102,7 @@ def record(
     ):
         constraint = (outcome.peak_memory_gib - memory_limit_gib) / memory_limit_gib
     attrs = {
-        "status": outcome.status,
+        "status": outcome.status.value,
         "oom_kind": outcome.oom_kind,
         "throughput": outcome.throughput,
         "peak_memory_gib": outcome.peak_memory_gib,
@@ -113,8 +113,8 @@ def record(
         "candidate": params,
         "reason": outcome.detail,
         "mean_gpu_util": outcome.mean_gpu_util,
-        "predicted_gib": outcome.extra.get("predicted_gib"),
-        "pruned": bool(outcome.extra.get("pruned")),
+        "predicted_gib": outcome.predicted_gib,
+        "pruned": outcome.pruned,
         "diagnosis": low_util_diagnosis(outcome),
     }
     for name, value in attrs.items():
@@ -125,11 +125,11 @@ def record(
         trial.storage.set_trial_system_attr(trial._trial_id, DASHBOARD_CONSTRAINTS, [float(constraint)])
     if trial_dir is not None:
         trial_dir.mkdir(parents=True, exist_ok=True)
-        outcome.extra["launched"] = launched
+        outcome.launched = launched
         if not launched:
             write_json(TrialFiles(trial_dir).params, params)
         outcome.write(TrialFiles(trial_dir).outcome)
-    if outcome.extra.get("pruned"):
+    if outcome.pruned:
         study.tell(trial, state=TrialState.PRUNED)
     elif state == TrialState.COMPLETE:
         study.tell(trial, outcome.throughput if outcome.status == "ok" else 0.0)
