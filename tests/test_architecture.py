@@ -40,6 +40,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
             "autotune.search.policy",
             "autotune.search.pruning",
             "autotune.search.stopping",
+            "autotune.search.state",
             "autotune.search",
             "autotune.export",
         ),

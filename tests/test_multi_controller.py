@@ -385,3 +385,55 @@ def test_the_scheduler_answers_a_claim_refused_as_measured(tmp_path):
     assert search.measured == [] and not scheduler.running, "a configuration measured meanwhile was launched"
     assert len(looks) == 2 and looks[1] is not None and looks[1][0] == told.number
     assert study.trials[trial.number].state == TrialState.COMPLETE
+
+
+def test_another_controllers_trials_are_learned_like_our_own(tmp_path):
+    """One observe for every path. The scheduler's copy of the planner feedback dropped the leftover
+    flag (an OOM beside a predecessor's memory then vetoed the configuration's whole region) and
+    never restarted the convergence patience when another controller found a clearly better one."""
+    from types import SimpleNamespace
+
+    from autotune.hardware import find_gpu_type
+    from autotune.models import resolve_model
+    from autotune.recipe import Recipe
+    from autotune.search.planner import Planner
+    from autotune.search.space import load_space
+    from autotune.search.state import SearchState
+    from autotune.study import StudyPaths, candidate_key, record, rows
+    from autotune.trial.outcome import Outcome
+
+    gpu = find_gpu_type("A100-80GB")
+    recipe = Recipe(model="Qwen2.5-7B-Instruct", gpus=4, gpu_type=gpu.name, gpu_memory_gib=gpu.memory_gib)
+    space = load_space()
+    paths = StudyPaths(tmp_path, "s")
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="maximize")
+    planner = Planner(resolve_model(recipe.model), recipe, gpu)
+    state = SearchState(recipe, paths, space, {}, SimpleNamespace(), planner, study, SimpleNamespace())
+    base = space.defaults()
+    told = [  # what another controller recorded: an OOM beside leftover memory, then two successes
+        (
+            {**base, "per_device_train_batch_size": 8},
+            Outcome(status="oom", oom_kind="cuda", leftover_gib=9.5),
+        ),
+        (base, Outcome(status="ok", throughput=2.0, peak_memory_gib=50.0)),
+        (
+            {**base, "per_device_train_batch_size": 2},
+            Outcome(status="ok", throughput=2.5, peak_memory_gib=40.0),
+        ),
+    ]
+    for params, outcome in told:
+        trial = study.ask()
+        record(
+            study,
+            trial,
+            params,
+            outcome,
+            launched=True,
+            key=candidate_key(params),
+            trial_dir=paths.trial_dir(trial.number),
+        )
+    for row in rows(study):
+        state.observe_row(row)
+    oom = next(s for s in planner.seen if s.status == "oom")
+    assert oom.leftover, "the leftover memory of another controller's OOM was not passed on"
+    assert state.best_value == 2.5 and state.improved_at == 3, (state.best_value, state.improved_at)
