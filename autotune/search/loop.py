@@ -282,7 +282,6 @@ class Search:
             return Outcome(status=Status.INVALID, detail="; ".join(broken)), None
         if previous is not None:
             first, prev = previous
-            pruned = prev.get("pruned") or (prev.get("extra") or {}).get("pruned")
             return Outcome(
                 status=prev["status"],
                 oom_kind=prev.get("oom_kind"),
@@ -290,7 +289,7 @@ class Search:
                 peak_memory_gib=prev.get("peak_memory_gib"),
                 error_line=prev.get("error_line"),
                 detail=f"same configuration as trial {first}; not run again",
-                pruned=bool(pruned),
+                pruned=bool(prev.get("pruned")),
             ), None
         verdict = self.planner.verdict(params) if self.planner else None
         if verdict is not None and verdict.skip:
