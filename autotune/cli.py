@@ -171,7 +171,7 @@ def main(verbose: int) -> None:
 @runs_dir_option
 def search(runs_dir: Path, **kw: Any) -> None:
     """Search for the fastest configuration that stays in memory."""
-    from autotune.commands import start_search
+    from autotune.commands.search import start_search
 
     start_search(recipe_from_flags(kw), runs_dir)
 
@@ -188,7 +188,7 @@ def parse_pins(items: tuple[str, ...]) -> dict[str, str]:
 
 def recipe_from_flags(kw: dict[str, Any]) -> Recipe:
     """Check every flag and build the recipe; the first mistake found is reported."""
-    from autotune.commands import resolve_inputs
+    from autotune.commands.inputs import resolve_inputs
 
     for name in ("trials", "max_prompt_length", "max_completion_length", "measure_steps"):
         if kw.get(name) is not None and kw[name] < 1:
@@ -238,7 +238,7 @@ def resume(
     study: str, runs_dir: Path, storage: str | None, trials: int | None, time_budget_s: str | None
 ) -> None:
     """Go on with a stopped or killed search where it left off."""
-    from autotune.commands import resume_search
+    from autotune.commands.search import resume_search
 
     adopt(study, runs_dir, storage)
     resume_search(study, runs_dir, trials=trials, time_budget_s=parse_duration(time_budget_s))
@@ -251,7 +251,7 @@ def resume(
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def show(study: str, runs_dir: Path, storage: str | None, as_json: bool) -> None:
     """The trials so far, best first."""
-    from autotune.commands import show_study
+    from autotune.commands.show import show_study
 
     adopt(study, runs_dir, storage)
     show_study(study, runs_dir, as_json)
@@ -266,7 +266,7 @@ def show(study: str, runs_dir: Path, storage: str | None, as_json: bool) -> None
 )
 def export(study: str, runs_dir: Path, storage: str | None, out: Path | None) -> None:
     """(Re)write the launch configs of the best trial so far."""
-    from autotune.commands import export_named
+    from autotune.commands.export import export_named
 
     adopt(study, runs_dir, storage)
     for path in export_named(study, runs_dir, out):
@@ -284,7 +284,7 @@ def export(study: str, runs_dir: Path, storage: str | None, out: Path | None) ->
 )
 def report(study: str, runs_dir: Path, out: Path | None) -> None:
     """Write the study's HTML report (plots; self-contained, opens offline)."""
-    from autotune.commands import report_named
+    from autotune.commands.export import report_named
 
     click.echo(str(report_named(study, runs_dir, out)))
 
@@ -303,7 +303,7 @@ def report(study: str, runs_dir: Path, out: Path | None) -> None:
 )
 def dashboard(study: str, runs_dir: Path, port: int, host: str) -> None:
     """Browse the study in optuna-dashboard (optional extra); its best trial is the exported one."""
-    from autotune.commands import open_named
+    from autotune.commands.opening import open_named
     from autotune.study.dashboard import require_dashboard, serve
 
     require_dashboard()
@@ -317,7 +317,7 @@ def dashboard(study: str, runs_dir: Path, port: int, host: str) -> None:
 @click.option("--steps", type=int, default=20, show_default=True, help="Measured steps after warm-up.")
 def verify(study: str, runs_dir: Path, steps: int) -> None:
     """Run best/params.json as one longer trial: does it hold?"""
-    from autotune.commands import verify_best
+    from autotune.commands.verify import verify_best
 
     if not verify_best(study, runs_dir, steps):
         sys.exit(1)
@@ -331,7 +331,7 @@ def estimate(as_json: bool, **kw: Any) -> None:
 
     Exit status 0 when it fits, 1 when it does not, 2 on bad input. ``--set`` takes any value of
     the parameter's type (a what-if), with a warning when it is outside the space."""
-    from autotune.commands import estimate_candidate
+    from autotune.commands.estimate import estimate_candidate
 
     kw.update(runner="sim", device="cuda")
     raw_pins = parse_pins(kw.pop("pins", ()) or ())

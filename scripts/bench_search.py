@@ -111,7 +111,7 @@ class Tracker:
         limit = self.land.recipe.gpu_memory_gib * (1 - self.land.recipe.headroom)
         if (
             outcome.status == "ok"
-            and not outcome.extra.get("pruned")
+            and not outcome.pruned
             and outcome.throughput
             and (outcome.peak_memory_gib or 0) <= limit
             and (self.choice is None or outcome.throughput > self.choice[0])

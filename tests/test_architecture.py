@@ -31,6 +31,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
             "autotune.search.pruning",
             "autotune.search.stopping",
             "autotune.search.parallel",
+            "autotune.search.state",
             "autotune.search",
             "autotune.export",
         ),

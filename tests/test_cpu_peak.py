@@ -71,7 +71,7 @@ def search(tmp_path, name, *extra):
     by_batch = {}
     for f in study.glob("trials/*/outcome.json"):
         outcome = json.loads(f.read_text())
-        if outcome["extra"].get("launched"):
+        if outcome.get("launched"):
             batch = json.loads((f.parent / "params.json").read_text())["per_device_train_batch_size"]
             by_batch[batch] = outcome
     return study, by_batch

@@ -60,7 +60,7 @@ def test_real_cpu_search_meets_real_oom_exports_and_verifies(tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
     study = tmp_path / "runs" / "cpu"
     outcomes = {int(p.parent.name): json.loads(p.read_text()) for p in study.glob("trials/*/outcome.json")}
-    launched = {n: o for n, o in outcomes.items() if o["extra"].get("launched")}
+    launched = {n: o for n, o in outcomes.items() if o.get("launched")}
     assert len(launched) == 2
     by_batch = {
         json.loads((study / "trials" / str(n) / "params.json").read_text())["per_device_train_batch_size"]: o

@@ -226,7 +226,7 @@ def test_search_with_oom_behind_noise_learns_oom_and_does_not_stop_as_a_crash(tm
     )
     assert "same crash" not in res.stderr, res.stderr
     got = [json.loads(p.read_text()) for p in (tmp_path / "runs" / "noisy").glob("trials/*/outcome.json")]
-    launched = [o for o in got if o["extra"].get("launched")]
+    launched = [o for o in got if o.get("launched")]
     assert launched and all((o["status"], o["oom_kind"]) == ("oom", "cuda") for o in launched), launched
 
 

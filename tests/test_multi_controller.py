@@ -155,15 +155,24 @@ class _Stop:
 
 
 class _FakeSearch:
-    """What the Scheduler uses of a Search, with a stop reason and a measure that records calls."""
+    """What the Scheduler uses of a Search (its steps, and a state with a stop reason), with a
+    measure that records calls."""
 
-    def __init__(self, paths, *, stop=None, measure_error=None):
+    def __init__(self, paths, study, *, stop=None, measure_error=None):
         from types import SimpleNamespace
 
-        self.paths, self.planner, self.best_value, self.fixed = paths, None, 0.0, {}
-        self.recipe = SimpleNamespace(trials=5)
-        self.stopping = _Stop(stop)
-        self.reporter = SimpleNamespace(message=lambda *a: None)
+        from autotune.search.state import SearchState
+
+        self.state = SearchState(
+            recipe=SimpleNamespace(trials=5),
+            paths=paths,
+            space=None,
+            fixed={},
+            reporter=SimpleNamespace(message=lambda *a: None),
+            planner=None,
+            study=study,
+            stopping=_Stop(stop),
+        )
         self.measured: list[int] = []
         self.measure_error = measure_error
 
@@ -176,12 +185,12 @@ class _FakeSearch:
         self.measured.append(trial.number)
         if self.measure_error is not None:
             raise self.measure_error
-        return Outcome(status="ok", throughput=1.0, extra={"launched": True})
+        return Outcome(status="ok", throughput=1.0, launched=True)
 
-    def tell(self, study, trial, params, key, outcome, measured):
-        study.tell(trial, 1.0)
+    def tell(self, trial, params, key, outcome):
+        self.state.study.tell(trial, 1.0)
 
-    def converged(self, study, launched):
+    def converged(self, launched):
         return None
 
 
@@ -202,7 +211,8 @@ def test_a_failed_trial_thread_stops_its_heartbeat(tmp_path):
     trial = study.ask()
     heartbeat = get_heartbeat_thread(trial._trial_id, study._storage)
     heartbeat.start()
-    scheduler = Scheduler(_FakeSearch(paths), study, [None])
+    search = _FakeSearch(paths, study)
+    scheduler = Scheduler(search.state, search, [None])
     scheduler.free = []
     future: Future = Future()
     future.set_exception(RuntimeError("the trial thread failed"))
@@ -222,11 +232,11 @@ def test_held_candidates_are_dropped_once_the_search_stopped(tmp_path):
     from autotune.search.parallel import Asked, Scheduler
 
     study, paths = _heartbeat_study(tmp_path)
-    search = _FakeSearch(paths, stop=("time budget", "the time budget is spent"))
+    search = _FakeSearch(paths, study, stop=("time budget", "the time budget is spent"))
     trial = study.ask()
     heartbeat = get_heartbeat_thread(trial._trial_id, study._storage)
     heartbeat.start()
-    scheduler = Scheduler(search, study, [None])
+    scheduler = Scheduler(search.state, search, [None])
     scheduler.waiting.append(Asked(trial, {"a": 1}, "k", heartbeat))  # its twin is no longer running
     try:
         stopped = scheduler.run()
@@ -362,11 +372,11 @@ def test_the_scheduler_answers_a_claim_refused_as_measured(tmp_path):
                 return None, None
             return Outcome(status="ok", throughput=1.0, detail="same configuration"), None
 
-    search = Racing(paths)
+    search = Racing(paths, study)
     trial = study.ask()
     heartbeat = get_heartbeat_thread(trial._trial_id, study._storage)
     heartbeat.start()
-    scheduler = Scheduler(search, study, [None])
+    scheduler = Scheduler(search.state, search, [None])
     with ThreadPoolExecutor(1) as pool:
         try:
             scheduler.gate_and_launch(Asked(trial, {"a": 1}, "K", heartbeat), pool)
@@ -375,3 +385,55 @@ def test_the_scheduler_answers_a_claim_refused_as_measured(tmp_path):
     assert search.measured == [] and not scheduler.running, "a configuration measured meanwhile was launched"
     assert len(looks) == 2 and looks[1] is not None and looks[1][0] == told.number
     assert study.trials[trial.number].state == TrialState.COMPLETE
+
+
+def test_another_controllers_trials_are_learned_like_our_own(tmp_path):
+    """One observe for every path. The scheduler's copy of the planner feedback dropped the leftover
+    flag (an OOM beside a predecessor's memory then vetoed the configuration's whole region) and
+    never restarted the convergence patience when another controller found a clearly better one."""
+    from types import SimpleNamespace
+
+    from autotune.candidate.space_file import load_space
+    from autotune.hardware import find_gpu_type
+    from autotune.models import resolve_model
+    from autotune.recipe import Recipe
+    from autotune.search.planner import Planner
+    from autotune.search.state import SearchState
+    from autotune.study import StudyPaths, candidate_key, record, rows
+    from autotune.trial.outcome import Outcome
+
+    gpu = find_gpu_type("A100-80GB")
+    recipe = Recipe(model="Qwen2.5-7B-Instruct", gpus=4, gpu_type=gpu.name, gpu_memory_gib=gpu.memory_gib)
+    space = load_space()
+    paths = StudyPaths(tmp_path, "s")
+    study = optuna.create_study(storage=optuna.storages.InMemoryStorage(), direction="maximize")
+    planner = Planner(resolve_model(recipe.model), recipe, gpu)
+    state = SearchState(recipe, paths, space, {}, SimpleNamespace(), planner, study, SimpleNamespace())
+    base = space.defaults()
+    told = [  # what another controller recorded: an OOM beside leftover memory, then two successes
+        (
+            {**base, "per_device_train_batch_size": 8},
+            Outcome(status="oom", oom_kind="cuda", leftover_gib=9.5),
+        ),
+        (base, Outcome(status="ok", throughput=2.0, peak_memory_gib=50.0)),
+        (
+            {**base, "per_device_train_batch_size": 2},
+            Outcome(status="ok", throughput=2.5, peak_memory_gib=40.0),
+        ),
+    ]
+    for params, outcome in told:
+        trial = study.ask()
+        record(
+            study,
+            trial,
+            params,
+            outcome,
+            launched=True,
+            key=candidate_key(params),
+            trial_dir=paths.trial_dir(trial.number),
+        )
+    for row in rows(study):
+        state.observe_row(row)
+    oom = next(s for s in planner.seen if s.status == "oom")
+    assert oom.leftover, "the leftover memory of another controller's OOM was not passed on"
+    assert state.best_value == 2.5 and state.improved_at == 3, (state.best_value, state.improved_at)

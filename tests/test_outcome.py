@@ -485,3 +485,30 @@ def test_outcome_refuses_nan(tmp_path):
     with pytest.raises(ValueError):
         Outcome(status="ok", throughput=float("nan")).write(tmp_path / "outcome.json")
     assert not (tmp_path / "outcome.json").exists()
+
+
+def test_an_outcome_written_before_the_typed_fields_reads_into_them(tmp_path):
+    """Studies written by the old code kept launched, pruned, predicted_gib and leftover_gib under
+    ``extra``: resume, show and the report must still read them."""
+    import json
+
+    from autotune.trial.outcome import Status
+
+    old = {
+        "status": "ok",
+        "throughput": 3.0,
+        "extra": {
+            "launched": True,
+            "pruned": True,
+            "predicted_gib": 41.5,
+            "leftover_gib": 2.0,
+            "monitor": {},
+        },
+    }
+    (tmp_path / "outcome.json").write_text(json.dumps(old))
+    got = Outcome.read(tmp_path / "outcome.json")
+    assert got.launched and got.pruned and got.predicted_gib == 41.5 and got.leftover_gib == 2.0
+    assert got.extra == {"monitor": {}} and got.status is Status.OK
+    got.write(tmp_path / "again.json")  # the new file holds the plain strings and the fields at the top
+    again = json.loads((tmp_path / "again.json").read_text())
+    assert again["status"] == "ok" and again["launched"] is True and "launched" not in again["extra"]

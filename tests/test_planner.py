@@ -15,7 +15,8 @@ from autotune.runners import TrialContext
 from autotune.runners.sim import SimRunner
 from autotune.search.planner import Planner, neighbors
 from autotune.sim.landscape import evaluate
-from autotune.study import TrialRow, choose_best
+from autotune.study import Confirmation, TrialRow, choose_best
+from autotune.trial.outcome import Status
 
 BASE = dict(
     per_device_train_batch_size=4,
@@ -156,13 +157,13 @@ def test_confirmation_rejects_a_near_limit_candidate():
     assert choose_best([fast, slow], recipe)[0].number == 1
     # its longer run crept to 77.9 GiB (inside the 5% headroom of 79.3): passed over, with the reason
     confirmed = {
-        1: {"status": "ok", "throughput": 5.1, "peak_memory_gib": 77.9, "steps": 11},
-        2: {"status": "ok", "throughput": 4.1, "peak_memory_gib": 61.0, "steps": 11},
+        1: Confirmation(Status.OK, throughput=5.1, peak_memory_gib=77.9, steps=11),
+        2: Confirmation(Status.OK, throughput=4.1, peak_memory_gib=61.0, steps=11),
     }
     best, notes = choose_best([fast, slow], recipe, confirmed)
     assert best.number == 2 and any("trial 1" in n and "77.9" in n for n in notes)
     # one that dies in its confirmation is passed over too
-    confirmed[1] = {"status": "oom", "oom_kind": "cuda", "steps": 6}
+    confirmed[1] = Confirmation(Status.OOM, oom_kind="cuda", steps=6)
     best, notes = choose_best([fast, slow], recipe, confirmed)
     assert best.number == 2 and any("died" in n for n in notes)
 

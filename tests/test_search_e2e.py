@@ -39,7 +39,7 @@ def test_sim_search_sees_ooms_and_exports(tmp_path):
     assert res.returncode == 0, res.stderr
     study = tmp_path / "runs" / "s7b"
     got = outcomes(study)
-    launched = [o for o in got.values() if o["extra"]["launched"]]
+    launched = [o for o in got.values() if o["launched"]]
     assert len(launched) <= 16 and all(o["status"] != "invalid" for o in launched)
     # --trials is a ceiling: a search that converged earlier says so on its last line
     last = res.stdout.strip().splitlines()[-1]
@@ -55,7 +55,7 @@ def test_sim_search_sees_ooms_and_exports(tmp_path):
         d = study / "trials" / str(n)
         if o["status"] in ("ok", "oom"):
             assert (d / "params.json").exists()
-            if o["extra"]["launched"]:
+            if o["launched"]:
                 assert (d / "command.txt").exists() and (d / "stdout.log").exists()
                 assert (d / "metrics.jsonl").exists() or o["status"] == "oom"
     best = study / "best"
@@ -193,7 +193,7 @@ def test_repeated_crash_stops_the_search(tmp_path):
     )
     assert res.returncode == 1
     assert "same crash 3 times in a row" in res.stderr and "flash_attn" in res.stderr
-    assert len([o for o in outcomes(tmp_path / "runs" / "broken").values() if o["extra"]["launched"]]) == 3
+    assert len([o for o in outcomes(tmp_path / "runs" / "broken").values() if o["launched"]]) == 3
 
 
 @pytest.mark.slow
@@ -217,7 +217,7 @@ def test_resume_after_sigkill(tmp_path):
     while time.time() < deadline:  # wait until a trial is mid-way (has a pid file)
         finished = outcomes(study) if study.exists() else {}
         pids = list(study.glob("trials/*/pid")) if study.exists() else []
-        if len([o for o in finished.values() if o["extra"]["launched"]]) >= 2 and pids:
+        if len([o for o in finished.values() if o["launched"]]) >= 2 and pids:
             victim = pids[0]
             break
         time.sleep(0.05)
@@ -234,7 +234,7 @@ def test_resume_after_sigkill(tmp_path):
     assert after[interrupted]["status"] == "interrupted"
     for n, o in before.items():  # nothing finished is lost or re-run
         assert after[n] == o
-    launched = [o for o in after.values() if o["extra"].get("launched")]
+    launched = [o for o in after.values() if o.get("launched")]
     assert len(launched) == 8
     # the interrupted trial's process did not survive, and its configuration was run again
     assert (
@@ -304,14 +304,12 @@ def test_time_budget_stops_launching(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert "would exceed --time-budget" in res.stdout
-    launched = [o for o in outcomes(tmp_path / "runs" / "tb").values() if o["extra"].get("launched")]
+    launched = [o for o in outcomes(tmp_path / "runs" / "tb").values() if o.get("launched")]
     assert 1 <= len(launched) < 30
     # the budget is the study's: a resume with no new budget has none of it left
     again = run_cli("resume", "tb", cwd=tmp_path)
     assert again.returncode == 0 and "would exceed --time-budget" in again.stdout
-    assert len([o for o in outcomes(tmp_path / "runs" / "tb").values() if o["extra"].get("launched")]) == len(
-        launched
-    )
+    assert len([o for o in outcomes(tmp_path / "runs" / "tb").values() if o.get("launched")]) == len(launched)
 
 
 BAD_METRICS_TRAINER = textwrap.dedent('''
@@ -350,7 +348,7 @@ def test_garbage_in_the_metrics_file_neither_crashes_nor_wins(tmp_path):
         cwd=tmp_path,
     )
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
-    got = [o for o in outcomes(tmp_path / "runs" / "garbage").values() if o["extra"].get("launched")]
+    got = [o for o in outcomes(tmp_path / "runs" / "garbage").values() if o.get("launched")]
     assert len(got) == 2 and all(o["status"] == "ok" for o in got)
     # 64 completions every 0.5 s is what the trainer really did; nothing else may be believed
     assert all(o["throughput"] == pytest.approx(128.0) and o["peak_memory_gib"] == 30.0 for o in got)

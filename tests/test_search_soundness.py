@@ -69,7 +69,7 @@ def test_a_resume_that_finds_a_better_configuration_exports_it(tmp_path):
     fast = {}
     for f in study.glob("trials/*/outcome.json"):
         o = json.loads(f.read_text())
-        if int(f.parent.name) >= 2 and o["extra"].get("launched") and o["status"] == "ok":
+        if int(f.parent.name) >= 2 and o.get("launched") and o["status"] == "ok":
             fast[candidate_key(json.loads((f.parent / "params.json").read_text()))] = o["throughput"]
     assert fast, "the resumed search launched no new configuration"
     best = json.loads((study / "best" / "params.json").read_text())
@@ -132,7 +132,7 @@ def test_a_memory_model_veto_is_asked_again(tmp_path):
     search = Search(
         recipe, StudyPaths(tmp_path, "v"), context, Reporter(10), storage=optuna.storages.InMemoryStorage()
     )
-    study = search.open()
+    study = search.open().study
     params = search.space.normalize(
         {
             **search.space.defaults(),
@@ -142,10 +142,9 @@ def test_a_memory_model_veto_is_asked_again(tmp_path):
         }
     )
     key = candidate_key(params)
-    measured = answered(study)
     trial = study.ask()
-    search.tell(study, trial, params, key, Outcome(status="skipped", detail="predicted 120 GiB"), measured)
-    assert key not in measured and key not in answered(study)
+    search.tell(trial, params, key, Outcome(status="skipped", detail="predicted 120 GiB"))
+    assert key not in answered(study)
     # a measured success that needs at least as much memory: the candidate must now be launched
     search.planner.observe(50, {**params, "per_device_train_batch_size": 16}, "ok", None, 70.0, 3.0)
     outcome, _ = search.gate(trial.number + 1, params, answered(study).get(key))

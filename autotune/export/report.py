@@ -9,7 +9,6 @@ confirmations, and each trial's gpu.csv. Plotly draws; nothing here hand-draws S
 from __future__ import annotations
 
 import html
-import json
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from autotune.study import StudyPaths, choose_best, confirmations, rows
 from autotune.study.ranking import headroom_limit
 from autotune.study.record import TrialRow
 from autotune.trial.layout import TrialFiles
+from autotune.trial.outcome import Outcome
 from autotune.trial.utilization import read_ticks
 
 REPORT_HTML = "report.html"
@@ -49,12 +49,9 @@ def _regime(params: dict[str, Any]) -> str:
 
 def _predicted(paths: StudyPaths, row: TrialRow) -> float | None:
     try:
-        extra = json.loads(TrialFiles(paths.trial_dir(row.number)).outcome.read_text(encoding="utf-8")).get(
-            "extra", {}
-        )
-    except (OSError, ValueError):
+        value = Outcome.read(TrialFiles(paths.trial_dir(row.number)).outcome).predicted_gib
+    except (OSError, ValueError, TypeError):
         return None
-    value = extra.get("predicted_gib")
     return float(value) if isinstance(value, (int, float)) else None
 
 

@@ -9,37 +9,39 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
-
-import optuna
 
 from autotune.candidate import constraints
-from autotune.progress import Reporter
 from autotune.recipe import Recipe
 from autotune.runners.base import on_gpus
-from autotune.search.planner import Planner
-from autotune.search.stopping import Budget
-from autotune.study import StudyPaths, TrialRow, confirmations, eligible, rows, save_confirmation
+from autotune.search.state import MIN_NOISE, Finished, SearchState
+from autotune.study import (
+    Confirmation,
+    StudyPaths,
+    TrialRow,
+    confirmations,
+    eligible,
+    rows,
+    save_confirmation,
+)
 from autotune.study.ranking import headroom_limit
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.execute import abort_on_error
 from autotune.trial.layout import TrialFiles
-from autotune.trial.outcome import Outcome
+from autotune.trial.outcome import Outcome, Status
 
 CONFIRM_NUMBER_OFFSET = 100_000  # confirmation runs are numbered apart from search trials
-MIN_NOISE = 0.03  # relative run-to-run noise assumed before any run was repeated
 
 
-def noise(rows_: list[TrialRow], done: dict[int, dict[str, Any]]) -> float:
+def noise(rows_: list[TrialRow], done: dict[int, Confirmation]) -> float:
     """Relative measurement noise: how far confirmed throughputs landed from their short trials'.
 
     The search trials already measured every candidate once; a confirmation measures it again,
     longer, so the gap between the two is the noise that can reorder close candidates."""
     short = {r.number: r.throughput for r in rows_ if r.throughput}
     gaps = [
-        abs((c.get("throughput") or 0) / short[n] - 1)
+        abs((c.throughput or 0) / short[n] - 1)
         for n, c in done.items()
-        if c.get("status") == "ok" and c.get("throughput") and short.get(n)
+        if c.status == Status.OK and c.throughput and short.get(n)
     ]
     return max([MIN_NOISE, *gaps])
 
@@ -53,14 +55,7 @@ def confirm_duration(row: TrialRow, recipe: Recipe) -> float:
 
 
 def confirm(
-    study: optuna.Study,
-    recipe: Recipe,
-    paths: StudyPaths,
-    execute: Callable[..., Outcome],
-    reporter: Reporter,
-    planner: Planner | None,
-    budget: Budget,
-    slots: list[list[int] | None] | None = None,
+    state: SearchState, execute: Callable[..., Outcome], slots: list[list[int] | None] | None = None
 ) -> int:
     """Confirm leaders by longer runs, only as many as it takes to separate them from the noise.
 
@@ -70,14 +65,23 @@ def confirm(
     that is ahead of every confirmed one is always confirmed, so a resumed search that found a
     better configuration exports it. Each run is admitted only if its own expected length fits the
     time budget, and the study's clock is saved after each. With several GPU ``slots`` the leaders
-    still needed are confirmed at once, one per slot. Returns the runs made now.
+    still needed are confirmed at once, one per slot. A run that ran out of memory is learned from
+    (:meth:`SearchState.observe`); one that held teaches nothing the short trial did not. Returns
+    the runs made now.
     """
+    study, recipe, paths, reporter, budget = (
+        state.study,
+        state.recipe,
+        state.paths,
+        state.reporter,
+        state.stopping.budget,
+    )
     if recipe.confirm <= 0:
         return 0
     limit = headroom_limit(recipe)
 
-    def held_up(c: dict[str, Any]) -> bool:
-        return c.get("status") == "ok" and (limit is None or (c.get("peak_memory_gib") or 0) <= limit)
+    def held_up(c: Confirmation) -> bool:
+        return c.status == Status.OK and (limit is None or (c.peak_memory_gib or 0) <= limit)
 
     runs = 0
     slots = slots or [None]
@@ -86,7 +90,7 @@ def confirm(
         all_rows = rows(study)
         candidates, _ = eligible(all_rows, recipe, done)
         held = [c for c in done.values() if held_up(c)]
-        best = max((c.get("throughput") or 0.0 for c in held), default=0.0)
+        best = max((c.throughput or 0.0 for c in held), default=0.0)
         spread = noise(all_rows, done)
         todo = [r for r in candidates if r.number not in done and (r.throughput or 0) * (1 + spread) > best]
         if not todo:
@@ -120,10 +124,8 @@ def confirm(
         for row, outcome in zip(batch, outcomes):
             save_confirmation(study, row.number, outcome)
             budget.spent(outcome.wall_time_s)
-            if planner is not None and outcome.status == "oom":
-                planner.observe(
-                    row.number, row.params, outcome.status, outcome.oom_kind, outcome.peak_memory_gib
-                )
+            if outcome.status == Status.OOM:
+                state.observe(Finished.of_outcome(row.number, row.params, outcome, launched=True))
             reporter.message(
                 f"confirmation of trial {row.number}: {outcome.status}"
                 + (f" {outcome.throughput:.3g}/s" if outcome.throughput else "")

@@ -30,11 +30,12 @@ from autotune.hardware import plan_slots
 from autotune.progress import Reporter, short_params
 from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
-from autotune.search.confirm import MIN_NOISE, confirm, noise
+from autotune.search.confirm import confirm, noise
 from autotune.search.parallel import Scheduler, answered  # noqa: F401  (answered: tests import it from here)
 from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe
 from autotune.search.pruning import BelowBestPruner
+from autotune.search.state import Finished, Previous, SearchState
 from autotune.search.stopping import Budget, Stopping
 from autotune.study import (
     StudyPaths,
@@ -49,9 +50,9 @@ from autotune.study import (
     rows,
 )
 from autotune.study.lock import StudyLock
+from autotune.study.ranking import Confirmation
 from autotune.trial.control import StopRule, TrialControl
-from autotune.trial.layout import TrialFiles
-from autotune.trial.outcome import Outcome
+from autotune.trial.outcome import Outcome, Status
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,7 @@ class SearchResult:
     stopped_reason: str | None = None
     exported: list[Path] = field(default_factory=list)
     confirmed: int = 0
-    confirmation: dict[str, Any] | None = None  # the winner's confirmation run, if it had one
+    confirmation: Confirmation | None = None  # the winner's confirmation run, if it had one
 
 
 def fixed_values(space: Space, recipe: Recipe, runner: Runner) -> dict[str, Any]:
@@ -130,27 +131,30 @@ class Search:
             recipe.node_gpus,
             need_visible=recipe.device == "cuda" and recipe.runner != "sim",
         )
+        self._state: SearchState | None = None  # made by open(), when the study is
+
+    @property
+    def state(self) -> SearchState:
+        if self._state is None:
+            raise RuntimeError("the search has no state before open()")
+        return self._state
+
+    @property
+    def stopping(self) -> Stopping:
+        return self.state.stopping
 
     def run(self) -> SearchResult:
-        study = self.open()
-        stopped_reason = Scheduler(self, study, self.slots).run()  # ask, gate, execute, tell
+        state = self.open()
+        study = state.study
+        stopped_reason = Scheduler(state, self, self.slots).run()  # ask, gate, execute, tell
         launched = len(launched_rows(study))
         if stopped_reason is None:
             stopped_reason = f"stopped after {launched} trials: the --trials limit"
         study.set_user_attr("stopped", stopped_reason)
         with StudyLock(study._storage, study.study_name, "finish"):  # noqa: SLF001  once, across nodes
             recover_interrupted(study, self.paths, sweep=True)
-            confirmed = confirm(
-                study,
-                self.recipe,
-                self.paths,
-                self.execute,
-                self.reporter,
-                self.planner,
-                self.stopping.budget,
-                self.slots,
-            )
-            study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))  # the study's clock
+            confirmed = confirm(state, self.execute, self.slots)
+            study.set_user_attr("elapsed_s", round(state.stopping.budget.elapsed(), 1))  # the study's clock
             exported = export_study(study, self.recipe, self.paths.best)
             self.refresh_report(study)
         done = confirmations(study)
@@ -207,7 +211,7 @@ class Search:
             "%s (searching anyway: the --command trainer may use less than the model predicts)", message
         )
 
-    def converged(self, study: optuna.Study, launched: int) -> str | None:
+    def converged(self, launched: int) -> str | None:
         """Why to stop now that nothing untried is likely to beat the incumbent, or None.
 
         Only with a usable memory model and speed prior (GPU trials), after :data:`MIN_LAUNCHED`
@@ -216,28 +220,28 @@ class Search:
         throughput, raised by how far measurements strayed from the prior, beats the best by more
         than the measurement noise. (Patience 8 with half a standard deviation was chosen on the
         benchmark over patience 6 with one: see docs/benchmarks-notes.md.)"""
+        state = self.state
         if (
             self.planner is None
             or not self.planner.use_model
             or launched < MIN_LAUNCHED
-            or not self.best_value
+            or not state.best_value
         ):
             return None
-        spread = noise(rows(study), confirmations(study))
-        if launched - self.improved_at < PATIENCE:
+        spread = noise(rows(state.study), confirmations(state.study))
+        if launched - state.improved_at < PATIENCE:
             return None
         pool = self.planner.pool(self.space, self.fixed, self.rules)
-        if self.planner.improvable(
-            pool, set(measured_configs(study)), candidate_key, self.best_value, spread
-        ):
+        measured = set(measured_configs(state.study))
+        if self.planner.improvable(pool, measured, candidate_key, state.best_value, spread):
             return None
         return (
             f"stopped after {launched} trials: converged, no untried candidate is expected to beat "
-            f"the best {self.best_value:.3g} completions/s by more than the noise ({spread:.0%})"
+            f"the best {state.best_value:.3g} completions/s by more than the noise ({spread:.0%})"
         )
 
-    def open(self) -> optuna.Study:
-        """Open the study, recover what a killed controller left, and let the planner learn from it."""
+    def open(self) -> SearchState:
+        """Open the study, recover what a killed controller left, and learn from its trials."""
         study = open_study(self.paths, self.recipe, pruner=BelowBestPruner(), storage=self.storage)
         study.sampler = PolicySampler(
             make_tpe(self.recipe, salt=len(study.trials)),
@@ -249,20 +253,8 @@ class Search:
             planner=self.planner,
         )
         recover_interrupted(study, self.paths)
-        if self.planner is not None:
-            for row in rows(study):
-                if row.launched and row.status not in ("crash", "interrupted"):
-                    self.planner.observe(
-                        row.number,
-                        row.params,
-                        row.status,
-                        row.oom_kind,
-                        row.peak_memory_gib,
-                        None if row.pruned else row.throughput,
-                        leftover=row.status == "oom" and self.leftover(row.number),
-                    )
         previous = launched_rows(study)
-        self.stopping = Stopping(
+        stopping = Stopping(
             Budget(
                 self.recipe.time_budget_s,
                 float(study.user_attrs.get("elapsed_s", 0.0)),
@@ -270,33 +262,26 @@ class Search:
             ),
             self.paths.name,
         )
-        self.improved_at = len(launched_rows(study))  # a resumed search waits its patience again
-        self.best_value = max(
-            (r.throughput or 0 for r in rows(study) if r.status == "ok" and not r.pruned), default=0.0
+        state = SearchState(
+            self.recipe, self.paths, self.space, self.fixed, self.reporter, self.planner, study, stopping
         )
-        return study
-
-    def leftover(self, number: int) -> bool:
-        """Whether trial ``number`` started on GPUs still holding an earlier trial's memory."""
-        try:
-            return bool(
-                Outcome.read(TrialFiles(self.paths.trial_dir(number)).outcome).extra.get("leftover_gib")
-            )
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
+        for row in rows(study):
+            state.observe_row(row)
+        state.improved_at = len(launched_rows(study))  # a resumed search waits its patience again
+        self._state = state
+        return state
 
     def gate(
-        self, number: int, params: dict[str, Any], previous: tuple[int, dict[str, Any]] | None
+        self, number: int, params: dict[str, Any], previous: Previous | None
     ) -> tuple[Outcome | None, float | None]:
         """The outcome of a candidate that needs no launch (invalid, a repeat, skipped), or None
         to launch it, with the planner's predicted peak."""
         broken = constraints.violations(params, self.recipe, self.rules)
         if broken:
             self.reporter.not_launched(number, params, "invalid", broken[0])
-            return Outcome(status="invalid", detail="; ".join(broken)), None
+            return Outcome(status=Status.INVALID, detail="; ".join(broken)), None
         if previous is not None:
             first, prev = previous
-            pruned = prev.get("pruned") or (prev.get("extra") or {}).get("pruned")
             return Outcome(
                 status=prev["status"],
                 oom_kind=prev.get("oom_kind"),
@@ -304,13 +289,13 @@ class Search:
                 peak_memory_gib=prev.get("peak_memory_gib"),
                 error_line=prev.get("error_line"),
                 detail=f"same configuration as trial {first}; not run again",
-                extra={"pruned": True} if pruned else {},
+                pruned=bool(prev.get("pruned")),
             ), None
         verdict = self.planner.verdict(params) if self.planner else None
         if verdict is not None and verdict.skip:
             self.reporter.not_launched(number, params, "skipped", verdict.reason or "")
             return Outcome(
-                status="skipped", detail=verdict.reason, extra={"predicted_gib": verdict.predicted_gib}
+                status=Status.SKIPPED, detail=verdict.reason, predicted_gib=verdict.predicted_gib
             ), None
         return None, verdict.predicted_gib if verdict is not None else None
 
@@ -318,7 +303,7 @@ class Search:
         self, trial: optuna.Trial, params: dict[str, Any], launched: int, predicted_gib: float | None
     ) -> Outcome:
         """Run one candidate as a trial, reported live, until its throughput is measured."""
-        self.stopping.launched()
+        self.state.stopping.launched()
         self.reporter.trial_started(trial.number, launched, params)
         control = TrialControl(
             StopRule.searching(self.recipe),
@@ -327,62 +312,35 @@ class Search:
             on_step=lambda rec, n=trial.number: self.reporter.step(n, rec),
         )
         outcome = self.execute(params, self.paths.trial_dir(trial.number), trial.number, control)
-        outcome.extra["launched"] = True
+        outcome.launched = True
         if predicted_gib is not None:
-            outcome.extra["predicted_gib"] = round(predicted_gib, 3)
+            outcome.predicted_gib = round(predicted_gib, 3)
         return outcome
 
-    def tell(
-        self,
-        study: optuna.Study,
-        trial: optuna.Trial,
-        params: dict[str, Any],
-        key: str,
-        outcome: Outcome,
-        measured: dict[str, tuple[int, dict[str, Any]]],
-    ) -> None:
-        """Record the outcome; a launched one also teaches the planner and may be the new best."""
-        launched = bool(outcome.extra.get("launched"))
+    def tell(self, trial: optuna.Trial, params: dict[str, Any], key: str, outcome: Outcome) -> None:
+        """Record the outcome; a launched one is also learned from (:meth:`SearchState.observe`),
+        and a new best is exported at once."""
+        state = self.state
         trial_dir = self.paths.trial_dir(trial.number)
         record(
-            study,
+            state.study,
             trial,
             params,
             outcome,
-            launched=launched,
+            launched=outcome.launched,
             key=key,
             trial_dir=trial_dir,
             memory_limit_gib=self.memory_limit(),
         )
-        if outcome.status not in ("crash", "interrupted", "skipped") and (
-            launched or outcome.status != "invalid"
-        ):
-            measured.setdefault(key, (trial.number, outcome.to_json()))  # a repeat is answered from it
-        if not launched:
-            self.stopping.not_launched()
+        if not outcome.launched:
+            state.stopping.not_launched()
             return
-        study.set_user_attr("elapsed_s", round(self.stopping.budget.elapsed(), 1))
-        if self.planner is not None and outcome.status not in ("crash", "interrupted"):
-            self.planner.observe(
-                trial.number,
-                params,
-                outcome.status,
-                outcome.oom_kind,
-                outcome.peak_memory_gib,
-                None if outcome.extra.get("pruned") else outcome.throughput,
-                leftover=bool(outcome.extra.get("leftover_gib")),
-            )
+        state.study.set_user_attr("elapsed_s", round(state.stopping.budget.elapsed(), 1))
+        new_best = state.observe(Finished.of_outcome(trial.number, params, outcome, launched=True))
         self.reporter.trial_finished(trial.number, outcome)
-        self.refresh_report(study)
-        if (
-            outcome.status == "ok"
-            and not outcome.extra.get("pruned")
-            and (outcome.throughput or 0) > self.best_value
-        ):
-            if (outcome.throughput or 0) > self.best_value * (1 + MIN_NOISE):
-                self.improved_at = len(launched_rows(study))
-            self.best_value = outcome.throughput or 0
-            export_study(study, self.recipe, self.paths.best)
+        self.refresh_report(state.study)
+        if new_best:
+            export_study(state.study, self.recipe, self.paths.best)
         self.stopping.finished(outcome, trial_dir)
 
     def memory_limit(self) -> float | None:

@@ -29,6 +29,7 @@ from optuna.trial import TrialState
 from autotune.candidate import constraints
 from autotune.errors import SearchStopped
 from autotune.runners.base import on_gpus
+from autotune.search.state import SearchState, TrialSteps
 from autotune.study import candidate_key, launched_rows, rows
 from autotune.study.claims import answered, claim, launches, pending_keys
 from autotune.study.recovery import Heartbeat, claim_owner, recover_interrupted
@@ -60,18 +61,19 @@ class Asked:
 class Scheduler:
     """Runs the search's trials on ``slots`` (one GPU list per slot) until the budget or a stop."""
 
-    def __init__(self, search: Any, study: optuna.Study, slots: list[list[int] | None]) -> None:
-        """``search`` is the :class:`autotune.search.loop.Search` (a layer above: not imported here)."""
-        self.search, self.study, self.slots = search, study, slots
+    def __init__(self, state: SearchState, steps: TrialSteps, slots: list[list[int] | None]) -> None:
+        """``steps`` gate, measure and tell one trial (:class:`autotune.search.loop.Search`, a layer
+        above: known here only by its protocol); ``state`` is what they share with the scheduler."""
+        self.state, self.steps, self.study, self.slots = state, steps, state.study, slots
         self.free = list(range(len(slots)))
         self.running: dict[Future, Asked] = {}
         self.waiting: list[Asked] = []  # the same configuration is running elsewhere
         self.last_recover = time.monotonic()
-        self.known = {r.number for r in rows(study)}  # trials the planner has seen (Search.open fed them)
+        self.known = {r.number for r in rows(self.study)}  # trials already learned from (Search.open)
 
     def run(self) -> str | None:
         """Until --trials, a stop condition, or nothing left to do; returns why it stopped (or None)."""
-        s = self.search
+        s = self.state
         stopped: str | None = None
         pool = ThreadPoolExecutor(len(self.slots), thread_name_prefix="trial")
         try:
@@ -116,7 +118,7 @@ class Scheduler:
     # -- asking -------------------------------------------------------------------------------
     def budget_left(self) -> bool:
         """Launches left in the study's --trials (anyone's), or a queued re-run waiting."""
-        if launches(self.study) < self.search.recipe.trials:
+        if launches(self.study) < self.state.recipe.trials:
             return True
         return bool(self.study.get_trials(deepcopy=False, states=(TrialState.WAITING,)))
 
@@ -129,7 +131,7 @@ class Scheduler:
 
     def ask(self, pool: ThreadPoolExecutor) -> None:
         """Ask one candidate, gate it, and launch it on a free slot (or answer it, or hold it)."""
-        s = self.search
+        s = self.state
         try:
             with (
                 warnings.catch_warnings()
@@ -161,33 +163,21 @@ class Scheduler:
     def learn_from_others(self) -> None:
         """Feed the planner what other controllers measured since it last looked, so that a node's
         proposals know the whole study's outcomes, not only its own."""
-        s = self.search
         for row in rows(self.study):
             if row.number in self.known:
                 continue
             self.known.add(row.number)
-            if s.planner is not None and row.launched and row.status not in ("crash", "interrupted"):
-                s.planner.observe(
-                    row.number,
-                    row.params,
-                    row.status,
-                    row.oom_kind,
-                    row.peak_memory_gib,
-                    None if row.pruned else row.throughput,
-                )
-            if row.status == "ok" and not row.pruned and (row.throughput or 0) > s.best_value:
-                s.best_value = row.throughput or 0.0
+            self.state.observe_row(row)
 
     def gate_and_launch(self, asked: Asked, pool: ThreadPoolExecutor) -> None:
-        s = self.search
         self.learn_from_others()
-        outcome, asked.predicted_gib = s.gate(
+        outcome, asked.predicted_gib = self.steps.gate(
             asked.trial.number, asked.params, answered(self.study).get(asked.key)
         )
         if outcome is not None:
             self.tell(asked, outcome)
             return
-        granted = claim(self.study, asked.trial, asked.params, asked.key, s.recipe.trials)
+        granted = claim(self.study, asked.trial, asked.params, asked.key, self.state.recipe.trials)
         if granted.why == "measured":  # told by another controller since the gate looked: answer it
             self.gate_and_launch(asked, pool)  # (claim and the gate read the same answered())
             return
@@ -209,7 +199,7 @@ class Scheduler:
     def execute(self, asked: Asked, number: int) -> Outcome:
         """In a worker thread: run the trial on its slot's GPUs."""
         with on_gpus(self.slots[asked.slot]):
-            return self.search.measure(asked.trial, asked.params, number, asked.predicted_gib)
+            return self.steps.measure(asked.trial, asked.params, number, asked.predicted_gib)
 
     def recheck_waiting(self, pool: ThreadPoolExecutor) -> None:
         """Answer a held candidate once its twin is measured, or launch it if its twin died."""
@@ -249,23 +239,23 @@ class Scheduler:
             asked.heartbeat.join()
             raise
         self.tell(asked, outcome)
-        if outcome.extra.get("launched"):
-            reason = self.search.converged(self.study, len(launched_rows(self.study)))
+        if outcome.launched:
+            reason = self.steps.converged(len(launched_rows(self.study)))
             if reason:
-                self.search.reporter.message(reason)
+                self.state.reporter.message(reason)
                 return reason
         return None
 
     def tell(self, asked: Asked, outcome: Outcome) -> None:
         self.known.add(asked.trial.number)
         try:
-            self.search.tell(self.study, asked.trial, asked.params, asked.key, outcome, {})
+            self.steps.tell(asked.trial, asked.params, asked.key, outcome)
         except optuna.exceptions.UpdateFinishedTrialError:
             log.warning(
                 "trial %d was taken over by another controller (its heartbeat was late); its result "
                 "stays in %s only",
                 asked.trial.number,
-                self.search.paths.trial_dir(asked.trial.number),
+                self.state.paths.trial_dir(asked.trial.number),
             )
         finally:
             asked.heartbeat.join()
@@ -285,4 +275,4 @@ class Scheduler:
         if time.monotonic() - self.last_recover < min(RECOVER_EVERY_S, heartbeat_s()):
             return
         self.last_recover = time.monotonic()
-        recover_interrupted(self.study, self.search.paths)
+        recover_interrupted(self.study, self.state.paths)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from autotune.errors import SearchStopped
 from autotune.trial.layout import TrialFiles
-from autotune.trial.outcome import Outcome
+from autotune.trial.outcome import Outcome, Status
 
 SAME_CRASH_LIMIT = 3  # the same crash this many times in a row ends the search
 UNLAUNCHED_LIMIT = 300  # proposals in a row that need no launch: the space is exhausted
@@ -76,7 +76,7 @@ class Stopping:
     def finished(self, outcome: Outcome, trial_dir: Path) -> None:
         """After a launched trial: the same crash :data:`SAME_CRASH_LIMIT` times in a row stops it all."""
         self.budget.spent(outcome.wall_time_s)
-        if outcome.status != "crash":
+        if outcome.status != Status.CRASH:
             self.crashes = []
             return
         self.crashes.append(crash_signature(outcome.error_line))

@@ -65,12 +65,13 @@ def replay(truth: TrialTruth, control: Any, text: Callable[[], str]) -> tuple[Ou
             wall,
         )
     throughput = steady_throughput(records, control.rule.warmup, truth.samples_per_step)
-    extra = {"pruned": True} if stopped == "pruned" else {}
     if throughput is None:
         return Outcome(
             status="crash", error_line="no steady-state steps", wall_time_s=elapsed, **common
         ), elapsed
-    return Outcome(status="ok", throughput=throughput, wall_time_s=elapsed, extra=extra, **common), elapsed
+    return Outcome(
+        status="ok", throughput=throughput, wall_time_s=elapsed, pruned=stopped == "pruned", **common
+    ), elapsed
 
 
 class TruthExecutor:

@@ -6,7 +6,7 @@ contract and the recipe); the search above it decides, the study only records an
 """
 
 from autotune.study.paths import StudyPaths, prepare_root
-from autotune.study.ranking import choose_best, confirmations, eligible, rank, save_confirmation
+from autotune.study.ranking import Confirmation, choose_best, confirmations, eligible, rank, save_confirmation
 from autotune.study.record import TrialRow, candidate_key, launched_rows, measured_configs, record, rows
 from autotune.study.recovery import recover_interrupted
 from autotune.study.storage import (
@@ -19,6 +19,7 @@ from autotune.study.storage import (
 )
 
 __all__ = [
+    "Confirmation",
     "StudyPaths",
     "TrialRow",
     "candidate_key",

@@ -19,6 +19,7 @@ from optuna.trial import TrialState
 
 from autotune.study.lock import StudyLock
 from autotune.study.record import measured_configs
+from autotune.trial.outcome import Status
 
 LAUNCHING = "launching"
 PENDING_KEY = "pending_key"
@@ -41,7 +42,7 @@ def answered(study: optuna.Study) -> dict[str, tuple[int, dict[str, Any]]]:
     A memory-model skip is not an answer: the model is re-fitted after every trial, so a candidate
     it vetoed early is asked again when proposed again. The scheduler's gate and :func:`claim` use
     this same list, so a claim refused as ``measured`` is always answered by the gate."""
-    return {k: v for k, v in measured_configs(study).items() if v[1].get("status") != "skipped"}
+    return {k: v for k, v in measured_configs(study).items() if v[1].get("status") != Status.SKIPPED}
 
 
 def pending_keys(study: optuna.Study, *, exclude: int | None = None) -> dict[str, int]:

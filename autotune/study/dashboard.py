@@ -31,7 +31,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
 from autotune.study.paths import StudyPaths
-from autotune.study.ranking import choose_best, eligible
+from autotune.study.ranking import Confirmation, choose_best, eligible
 from autotune.study.record import row_of
 
 EXTRA = "pip install 'autotune[dashboard]'"
@@ -55,7 +55,7 @@ def decisions(
     confirmation runs, read from the storage as they are now."""
     rows = [row_of(t) for t in trials if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)]
     confirmed = {
-        int(k.split(":", 1)[1]): v
+        int(k.split(":", 1)[1]): Confirmation.from_attr(v)
         for k, v in study_attrs.items()
         if k.startswith("confirm:") and k.split(":", 1)[1].isdigit() and isinstance(v, dict)
     }
@@ -64,8 +64,8 @@ def decisions(
     eligible(rows, recipe, confirmed, passed_over=passed)
     verdicts: dict[int, str] = {n: "passed over: " + why for n, why in passed.items()}
     for number, c in confirmed.items():
-        if number not in verdicts and c.get("throughput"):
-            verdicts[number] = f"confirmed {c['throughput']:.4g}/s"
+        if number not in verdicts and c.throughput:
+            verdicts[number] = f"confirmed {c.throughput:.4g}/s"
     if best is not None:
         verdicts[best.number] = "exported"
     return (best.number if best is not None else None), verdicts

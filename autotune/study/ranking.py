@@ -8,13 +8,36 @@ short trials of configurations within a few percent of each other are ranked by 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import optuna
 
 from autotune.recipe import Recipe
 from autotune.study.record import TrialRow
-from autotune.trial.outcome import Outcome
+from autotune.trial.outcome import Outcome, Status
+
+
+@dataclass(frozen=True)
+class Confirmation:
+    """A leader's longer confirmation run, as the study keeps it (user attribute ``confirm:<n>``,
+    the run's outcome.json)."""
+
+    status: Status
+    throughput: float | None = None
+    peak_memory_gib: float | None = None
+    steps: int = 0
+    oom_kind: str | None = None
+
+    @classmethod
+    def from_attr(cls, value: dict[str, Any]) -> Confirmation:
+        return cls(
+            Status(value["status"]),
+            value.get("throughput"),
+            value.get("peak_memory_gib"),
+            value.get("steps") or 0,
+            value.get("oom_kind"),
+        )
 
 
 def headroom_limit(recipe: Recipe) -> float | None:
@@ -46,7 +69,7 @@ def rank(rows_: list[TrialRow]) -> list[TrialRow]:
 def eligible(
     rows_: list[TrialRow],
     recipe: Recipe,
-    confirmed: dict[int, dict[str, Any]] | None = None,
+    confirmed: dict[int, Confirmation] | None = None,
     passed_over: dict[int, str] | None = None,
 ) -> tuple[list[TrialRow], list[str]]:
     """Launched ok trials, fastest first, that left ``headroom`` of GPU memory free and, when a
@@ -69,17 +92,12 @@ def eligible(
                 f"peak {row.peak_memory_gib:.1f} GiB is within {recipe.headroom:.0%} of the "
                 f"{capacity:.1f} GiB {what_cap}"
             )
-        elif c is not None and c.get("status") != "ok":
-            kind = f"{c['status']}/{c.get('oom_kind')}" if c.get("oom_kind") else c.get("status")
-            why = f"it died in its longer confirmation run ({kind} after {c.get('steps', 0)} steps)"
-        elif (
-            c is not None
-            and check_peak
-            and c.get("peak_memory_gib") is not None
-            and c["peak_memory_gib"] > limit
-        ):
+        elif c is not None and c.status != Status.OK:
+            kind = f"{c.status}/{c.oom_kind}" if c.oom_kind else c.status
+            why = f"it died in its longer confirmation run ({kind} after {c.steps} steps)"
+        elif c is not None and check_peak and c.peak_memory_gib is not None and c.peak_memory_gib > limit:
             why = (
-                f"its confirmation run peaked at {c['peak_memory_gib']:.1f} GiB, within "
+                f"its confirmation run peaked at {c.peak_memory_gib:.1f} GiB, within "
                 f"{recipe.headroom:.0%} of the {capacity:.1f} GiB {what_cap}"
             )
         if why is None:
@@ -92,7 +110,7 @@ def eligible(
 
 
 def choose_best(
-    rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, dict[str, Any]] | None = None
+    rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, Confirmation] | None = None
 ) -> tuple[TrialRow | None, list[str]]:
     """The configuration to export, with notes on what was passed over and why.
 
@@ -109,24 +127,24 @@ def choose_best(
         if confirmed:
             notes.append(f"trial {candidates[0].number} was not confirmed by a longer run")
         return candidates[0], notes
-    best = max(held, key=lambda r: confirmed[r.number].get("throughput") or 0.0)
+    best = max(held, key=lambda r: confirmed[r.number].throughput or 0.0)
     c = confirmed[best.number]
-    peak = c.get("peak_memory_gib")
+    peak = c.peak_memory_gib
     notes.append(
-        f"trial {best.number} was confirmed by a run of {c.get('steps', 0)} steps: "
-        f"{(c.get('throughput') or 0):.3g} completions/s"
+        f"trial {best.number} was confirmed by a run of {c.steps} steps: "
+        f"{(c.throughput or 0):.3g} completions/s"
         + (f", peak {peak:.1f} GiB" if peak else "")
         + (f" (best of {len(held)} confirmed)" if len(held) > 1 else "")
     )
     return best, notes
 
 
-def confirmations(study: optuna.Study) -> dict[int, dict[str, Any]]:
+def confirmations(study: optuna.Study) -> dict[int, Confirmation]:
     """Outcomes of the longer confirmation runs, by the trial they confirm."""
     out = {}
     for key, value in study.user_attrs.items():
         if key.startswith("confirm:"):
-            out[int(key.split(":", 1)[1])] = value
+            out[int(key.split(":", 1)[1])] = Confirmation.from_attr(value)
     return out
 
 

@@ -24,7 +24,7 @@ from optuna.trial import FrozenTrial, TrialState
 
 from autotune.files import write_json
 from autotune.trial.layout import TrialFiles
-from autotune.trial.outcome import Outcome
+from autotune.trial.outcome import UNINFORMATIVE, Outcome, Status
 
 FEASIBLE, INFEASIBLE = 0.0, 1.0
 CONSTRAINT = "fits"  # Optuna 5 constraint key: > 0 means the trial violated it
@@ -32,14 +32,9 @@ DASHBOARD_CONSTRAINTS = "constraints"  # the system attribute (a list) optuna-da
 # outcome status -> (constraint, Optuna state). Crashes say nothing about the config's memory or
 # speed, so they are FAIL (ignored by the sampler); a hang or timeout is a config to avoid.
 TELL = {
-    "ok": (FEASIBLE, TrialState.COMPLETE),
-    "oom": (INFEASIBLE, TrialState.COMPLETE),
-    "invalid": (INFEASIBLE, TrialState.COMPLETE),
-    "skipped": (INFEASIBLE, TrialState.COMPLETE),
-    "timeout": (INFEASIBLE, TrialState.COMPLETE),
-    "hang": (INFEASIBLE, TrialState.COMPLETE),
-    "crash": (None, TrialState.FAIL),
-    "interrupted": (None, TrialState.FAIL),
+    **{status: (INFEASIBLE, TrialState.COMPLETE) for status in Status if status not in UNINFORMATIVE},
+    Status.OK: (FEASIBLE, TrialState.COMPLETE),
+    **{status: (None, TrialState.FAIL) for status in UNINFORMATIVE},
 }
 
 
@@ -73,7 +68,7 @@ def measured_configs(study: optuna.Study) -> dict[str, tuple[int, dict[str, Any]
     return {
         t.user_attrs["key"]: (t.number, t.user_attrs)
         for t in study.get_trials(deepcopy=False)
-        if t.user_attrs.get("key") and t.user_attrs.get("status") not in (None, "crash", "interrupted")
+        if t.user_attrs.get("key") and t.user_attrs.get("status") not in (None, *UNINFORMATIVE)
     }
 
 
@@ -102,7 +97,7 @@ def record(
     ):
         constraint = (outcome.peak_memory_gib - memory_limit_gib) / memory_limit_gib
     attrs = {
-        "status": outcome.status,
+        "status": outcome.status.value,
         "oom_kind": outcome.oom_kind,
         "throughput": outcome.throughput,
         "peak_memory_gib": outcome.peak_memory_gib,
@@ -113,8 +108,8 @@ def record(
         "candidate": params,
         "reason": outcome.detail,
         "mean_gpu_util": outcome.mean_gpu_util,
-        "predicted_gib": outcome.extra.get("predicted_gib"),
-        "pruned": bool(outcome.extra.get("pruned")),
+        "predicted_gib": outcome.predicted_gib,
+        "pruned": outcome.pruned,
         "diagnosis": low_util_diagnosis(outcome),
     }
     for name, value in attrs.items():
@@ -125,11 +120,11 @@ def record(
         trial.storage.set_trial_system_attr(trial._trial_id, DASHBOARD_CONSTRAINTS, [float(constraint)])
     if trial_dir is not None:
         trial_dir.mkdir(parents=True, exist_ok=True)
-        outcome.extra["launched"] = launched
+        outcome.launched = launched
         if not launched:
             write_json(TrialFiles(trial_dir).params, params)
         outcome.write(TrialFiles(trial_dir).outcome)
-    if outcome.extra.get("pruned"):
+    if outcome.pruned:
         study.tell(trial, state=TrialState.PRUNED)
     elif state == TrialState.COMPLETE:
         study.tell(trial, outcome.throughput if outcome.status == "ok" else 0.0)

@@ -41,7 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.study.paths import StudyPaths
 from autotune.study.record import candidate_key, record
 from autotune.trial.layout import PARAMS, TrialFiles
-from autotune.trial.outcome import Outcome
+from autotune.trial.outcome import Outcome, Status
 from autotune.trial.processes import kill_stale
 
 log = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ def recover_interrupted(study: optuna.Study, paths: StudyPaths, *, sweep: bool =
                 done = Outcome.read(finished)
             except (ValueError, OSError):
                 done = None
-            if done is not None and done.extra.get("launched") and done.status != "interrupted":
+            if done is not None and done.launched and done.status != Status.INTERRUPTED:
                 # the trial ended and its outcome was written; only the telling was cut short
                 try:
                     record(
@@ -266,7 +266,7 @@ def recover_interrupted(study: optuna.Study, paths: StudyPaths, *, sweep: bool =
             detail += " (its leftover processes were killed)"
         if source == "partial" and params:
             detail += f"; only {len(params)} of its parameters had been chosen, so the rest are chosen anew"
-        outcome = Outcome(status="interrupted", detail=detail)
+        outcome = Outcome(status=Status.INTERRUPTED, detail=detail)
         trial_dir.mkdir(parents=True, exist_ok=True)
         outcome.write(TrialFiles(trial_dir).outcome)
         try:

@@ -26,7 +26,7 @@ from autotune.trial.launch import LaunchResult, LaunchSpec, ServiceFailed, launc
 from autotune.trial.layout import TrialFiles
 from autotune.trial.metrics import steady_throughput
 from autotune.trial.monitor import TrialMonitor
-from autotune.trial.outcome import Outcome
+from autotune.trial.outcome import Outcome, Status
 from autotune.trial.telemetry import GpuSampler
 from autotune.trial.utilization import MonitorSummary, phase_times, summarize_file
 from autotune.units import MIB_PER_GIB
@@ -141,46 +141,13 @@ def execute(
     sampler = GpuSampler(trial_dir, gpus, params=params, min_util=recipe.min_util) if monitors_gpus else None
     baseline = baseline_for(gpus) if sampler is not None and gpus else None
     previous_failed = _CLEANUP_FAILED.get(tuple(gpus), False)
-    leftover = leftover_gib(gpus, baseline, previous_failed=previous_failed) if baseline is not None else None
-    if leftover is not None:
-        log.warning(
-            "%s starts with %.1f GiB of GPU memory above the baseline%s",
-            trial_dir.name,
-            leftover,
-            " (the last cleanup gave up)" if previous_failed else "",
-        )
-    seen = 0
-
-    def should_stop() -> str | None:
-        nonlocal seen
-        if ABORT.is_set():
-            raise TrialAborted(f"{trial_dir.name}: the search was stopped")
-        monitor.poll()
-        records = monitor.records
-        for rec in records[seen:]:
-            control.on_step(rec)
-            if sampler is not None and rec.step == control.rule.warmup:
-                sampler.mark("measure")
-        if len(records) == seen:
-            return None
-        seen = len(records)
-        verdict = control.decide(records, monitor.steps)
-        if verdict and sampler is not None:
-            sampler.mark("end")
-            sampler.tick()  # the last look at the tree's memory before it is stopped
-        return verdict
-
+    leftover = gpus_as_found(trial_dir, gpus, baseline, previous_failed)
+    watch = StopCheck(trial_dir, monitor, control, sampler)
     with contextlib.ExitStack() as around:
         try:
             around.enter_context(services)
         except ServiceFailed as exc:
-            status, oom_kind, error_line = classify_failure(exc.returncode, exc.log_text)
-            failed = Outcome(
-                status=status if status in ("oom", "invalid") else "crash",
-                oom_kind=oom_kind,
-                error_line=error_line or str(exc),
-                detail=f"the vLLM server did not start: {exc}",
-            )
+            failed = service_failed(exc)
             note_leftover(failed, leftover, previous_failed)
             return failed
         if sampler is not None:
@@ -189,7 +156,7 @@ def execute(
             result = launch(
                 spec,
                 on_line=monitor.feed,
-                should_stop=should_stop,
+                should_stop=watch,
                 trial_timeout_s=recipe.trial_timeout_s,
                 hang_timeout_s=recipe.hang_timeout_s,
                 activity=monitor.last_activity,
@@ -201,8 +168,7 @@ def execute(
                 else None
             )
     monitor.poll()
-    if summary is None and not monitors_gpus:
-        # a trial that writes its own gpu.csv (the simulator, following its physics)
+    if summary is None and not monitors_gpus:  # a trial that writes its own gpu.csv (the simulator)
         summary = summarize_file(
             files.gpu_csv,
             params=params,
@@ -216,20 +182,80 @@ def execute(
         if outcome.extra.get("low_util"):
             log.info("%s: low GPU utilization: %s", trial_dir.name, summary.diagnosis)
     # on disk before anything slow: a controller killed from here on resumes with this result
-    outcome.extra["launched"] = True
+    outcome.launched = True
     outcome.write(files.outcome)
     if gpus and sampler is not None:
-        reached = wait_for_baseline(
-            gpus, baseline, tolerance_gib=LEFTOVER_TOLERANCE_GIB, pgid=None, trial_dir=trial_dir.parent
-        )
-        _CLEANUP_FAILED[tuple(gpus)] = not reached
+        drain(gpus, baseline, trial_dir)
     return outcome
+
+
+def gpus_as_found(
+    trial_dir: Path, gpus: list[int], baseline: dict[int, float] | None, previous_failed: bool
+) -> float | None:
+    """The memory a predecessor left on this trial's GPUs (see :func:`leftover_gib`), logged."""
+    leftover = leftover_gib(gpus, baseline, previous_failed=previous_failed) if baseline is not None else None
+    if leftover is not None:
+        log.warning(
+            "%s starts with %.1f GiB of GPU memory above the baseline%s",
+            trial_dir.name,
+            leftover,
+            " (the last cleanup gave up)" if previous_failed else "",
+        )
+    return leftover
+
+
+class StopCheck:
+    """The launch's ``should_stop``: feeds each new step to the trial's control and says when the
+    trial is measured or pruned (or raises :class:`TrialAborted` once the whole search stops)."""
+
+    def __init__(
+        self, trial_dir: Path, monitor: TrialMonitor, control: TrialControl, sampler: GpuSampler | None
+    ) -> None:
+        self.trial_dir, self.monitor, self.control, self.sampler = trial_dir, monitor, control, sampler
+        self.seen = 0  # step records already handed to the control
+
+    def __call__(self) -> str | None:
+        if ABORT.is_set():
+            raise TrialAborted(f"{self.trial_dir.name}: the search was stopped")
+        self.monitor.poll()
+        records = self.monitor.records
+        for rec in records[self.seen :]:
+            self.control.on_step(rec)
+            if self.sampler is not None and rec.step == self.control.rule.warmup:
+                self.sampler.mark("measure")
+        if len(records) == self.seen:
+            return None
+        self.seen = len(records)
+        verdict = self.control.decide(records, self.monitor.steps)
+        if verdict and self.sampler is not None:
+            self.sampler.mark("end")
+            self.sampler.tick()  # the last look at the tree's memory before it is stopped
+        return verdict
+
+
+def service_failed(exc: ServiceFailed) -> Outcome:
+    """The outcome of a trial whose vLLM server did not start (it never launched)."""
+    status, oom_kind, error_line = classify_failure(exc.returncode, exc.log_text)
+    return Outcome(
+        status=status if status in (Status.OOM, Status.INVALID) else Status.CRASH,
+        oom_kind=oom_kind,
+        error_line=error_line or str(exc),
+        detail=f"the vLLM server did not start: {exc}",
+    )
+
+
+def drain(gpus: list[int], baseline: dict[int, float] | None, trial_dir: Path) -> None:
+    """Wait for the GPUs to return to their baseline; remember a failure for the next trial."""
+    reached = wait_for_baseline(
+        gpus, baseline, tolerance_gib=LEFTOVER_TOLERANCE_GIB, pgid=None, trial_dir=trial_dir.parent
+    )
+    _CLEANUP_FAILED[tuple(gpus)] = not reached
 
 
 def note_leftover(outcome: Outcome, leftover: float | None, previous_failed: bool) -> None:
     """Record on the outcome what a predecessor left on the GPUs (see :func:`leftover_gib`)."""
     if leftover is not None:
-        outcome.extra["leftover_gib"] = leftover
+        outcome.leftover_gib = leftover
     if previous_failed:
         outcome.extra["previous_cleanup_failed"] = True
 
@@ -299,12 +325,19 @@ def _verdict(
     if throughput and (
         result.stopped in ("measured", "pruned") or (result.stopped is None and result.returncode == 0)
     ):
-        extra: dict[str, Any] = {"pruned": True} if result.stopped == "pruned" else {}
+        extra: dict[str, Any] = {}
         mention = diagnose(result.returncode, result.log_tail, stopped_by_us=True)
         if mention.status == "oom":
             extra["memory_mention"] = mention.error_line
         detail = None if result.stopped else "the trainer finished before all measured steps"
-        return Outcome(status="ok", throughput=throughput, extra=extra, detail=detail, **common)
+        return Outcome(
+            status="ok",
+            throughput=throughput,
+            pruned=result.stopped == "pruned",
+            extra=extra,
+            detail=detail,
+            **common,
+        )
     # a trial we killed ourselves (-9 after SIGTERM was ignored) is not the kernel's OOM killer
     stopped_by_us = result.stopped is not None
     if trial_dir is not None:

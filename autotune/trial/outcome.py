@@ -3,22 +3,46 @@
 :class:`Outcome` is what ``trials/<n>/outcome.json`` holds (fixed contract: ``status``, ``oom_kind``,
 ``throughput``, ``peak_memory_gib``, ``mean_gpu_util``, ``error_line`` at least). Telling failures
 apart from a trial's log is :mod:`autotune.trial.classify`'s job; this module only defines the
-vocabulary (:data:`STATUSES`, :data:`OOM_KINDS`), what each status means for the search
-(:func:`describe`), and reading and writing the file.
+vocabulary (:class:`Status` and its groups, :data:`OOM_KINDS`), what each status means for the
+search (:func:`describe`), and reading and writing the file.
+
+``launched``, ``pruned``, ``predicted_gib`` and ``leftover_gib`` steer the search, so they are fields;
+files written before they were (under ``extra``) are read into the fields.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from autotune.files import write_json
 
-__all__ = ["STATUSES", "OOM_KINDS", "Outcome", "describe"]
+__all__ = ["STATUSES", "OOM_KINDS", "Status", "Outcome", "describe"]
 
-STATUSES = ("ok", "oom", "invalid", "skipped", "timeout", "hang", "crash", "interrupted")
+
+class Status(StrEnum):
+    """How a trial ended. String-valued: outcome.json, Optuna's user attributes and every report
+    hold the plain strings, and a status compares equal to its string."""
+
+    OK = "ok"
+    OOM = "oom"
+    INVALID = "invalid"
+    SKIPPED = "skipped"
+    TIMEOUT = "timeout"
+    HANG = "hang"
+    CRASH = "crash"
+    INTERRUPTED = "interrupted"
+
+
+STATUSES = tuple(s.value for s in Status)
+#: Ended for a reason that says nothing about the configuration: not learned from, not an answer to a
+#: repeat proposal, FAIL to Optuna (a crash is a bug or the environment; an interrupted trial runs again).
+UNINFORMATIVE = frozenset({Status.CRASH, Status.INTERRUPTED})
+#: Decided without running anything (a rule refused it, or the memory model did).
+DECIDED = frozenset({Status.INVALID, Status.SKIPPED})
 OOM_KINDS = ("cuda", "host", "vllm_kv", "vllm_startup")
 
 
@@ -26,7 +50,7 @@ OOM_KINDS = ("cuda", "host", "vllm_kv", "vllm_startup")
 class Outcome:
     """The result of one trial, as written to ``outcome.json``."""
 
-    status: str
+    status: Status
     oom_kind: str | None = None
     throughput: float | None = None  # completions/s steady state
     peak_memory_gib: float | None = None
@@ -37,15 +61,20 @@ class Outcome:
     wall_time_s: float | None = None
     returncode: int | None = None
     detail: str | None = None  # one-line human explanation
+    launched: bool = False  # it ran as a trial (False: decided without a run, or a repeat)
+    pruned: bool = False  # stopped early for being clearly slower than the best
+    predicted_gib: float | None = None  # the planner's predicted peak before it ran
+    leftover_gib: float | None = None  # a predecessor's memory still on the GPUs when it started
     # everything else, e.g. "rejected_metrics" (why reported values were not believed, the first
     # few) and "rejected_metrics_count", "memory_mention" (an OOM text in the log of a run that
-    # succeeded), "leftover_gib" / "previous_cleanup_failed" (a predecessor's memory still on the
-    # GPUs at the start), "log_notes" (a log file capped or not written), "launched", "monitor"
+    # succeeded), "previous_cleanup_failed" (a predecessor's cleanup failed), "log_notes" (a log
+    # file capped or not written), "monitor"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.status not in STATUSES:
             raise ValueError(f"unknown status {self.status!r}; expected one of {', '.join(STATUSES)}")
+        self.status = Status(self.status)
         if self.oom_kind is not None and self.oom_kind not in OOM_KINDS:
             raise ValueError(f"unknown oom_kind {self.oom_kind!r}; expected one of {', '.join(OOM_KINDS)}")
         if self.status != "oom" and self.oom_kind is not None:
@@ -53,17 +82,26 @@ class Outcome:
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
+        out["status"] = self.status.value
         out["step_times"] = [float(t) for t in self.step_times]
         return out
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Outcome:
-        """Read what :meth:`to_json` (or an older/newer writer) produced; unknown keys go to ``extra``."""
+        """Read what :meth:`to_json` (or an older/newer writer) produced; unknown keys go to ``extra``,
+        and the fields an older writer kept under ``extra`` come back as fields."""
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
         unknown = {k: v for k, v in d.items() if k not in known}
         if unknown:
             kwargs["extra"] = {**unknown, **(kwargs.get("extra") or {})}
+        old = dict(kwargs.get("extra") or {})
+        for name in _FORMERLY_EXTRA:
+            if name in old:
+                value = old.pop(name)
+                kwargs.setdefault(name, value)
+        if old != (kwargs.get("extra") or {}):
+            kwargs["extra"] = old
         kwargs.setdefault("step_times", [])
         kwargs["step_times"] = list(kwargs["step_times"] or [])
         if kwargs.get("extra") is None:
@@ -79,6 +117,8 @@ class Outcome:
     def read(cls, path: Path | str) -> Outcome:
         return cls.from_json(json.loads(Path(path).read_text(encoding="utf-8")))
 
+
+_FORMERLY_EXTRA = ("launched", "pruned", "predicted_gib", "leftover_gib")
 
 _DETAILS = {
     ("oom", "cuda"): "GPU memory ran out: this configuration does not fit on the device",

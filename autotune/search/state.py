@@ -1,0 +1,151 @@
+"""What a running search knows and changes, and the one place a finished trial is learned from.
+
+The search loop (``search/loop.py``), the scheduler that runs its trials (``search/parallel.py``) and
+the confirmation runs (``search/confirm.py``) share one :class:`SearchState`, made when the study
+is opened. Every finished trial, whoever ran it (this controller, another one sharing the study, a
+killed controller whose study is resumed, a confirmation run), goes through
+:meth:`SearchState.observe`: the planner's feedback, the best throughput so far and the launch at
+which it last improved beyond the noise are kept in step there, not in copies that can drift.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import optuna
+
+from autotune.candidate.space import Space
+from autotune.progress import Reporter
+from autotune.recipe import Recipe
+from autotune.search.planner import Planner
+from autotune.search.stopping import Stopping
+from autotune.study import StudyPaths, TrialRow, launched_rows
+from autotune.trial.layout import TrialFiles
+from autotune.trial.outcome import STATUSES, UNINFORMATIVE, Outcome, Status
+
+MIN_NOISE = 0.03  # relative run-to-run noise assumed before any run was repeated
+
+#: How an answered configuration is remembered: the first trial that answered it and its attributes.
+Previous = tuple[int, dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class Finished:
+    """A finished trial as the search learns from it, from an outcome or from the study's row."""
+
+    number: int
+    params: dict[str, Any]
+    status: Status
+    oom_kind: str | None = None
+    peak_memory_gib: float | None = None
+    throughput: float | None = None
+    pruned: bool = False
+    launched: bool = True  # False: answered without a run (a repeat): not taught to the planner
+    leftover: bool = False  # started beside a predecessor's memory: its OOM says nothing of itself
+
+    @classmethod
+    def of_outcome(cls, number: int, params: dict[str, Any], outcome: Outcome, *, launched: bool) -> Finished:
+        return cls(
+            number,
+            params,
+            outcome.status,
+            outcome.oom_kind,
+            outcome.peak_memory_gib,
+            outcome.throughput,
+            outcome.pruned,
+            launched,
+            bool(outcome.leftover_gib),
+        )
+
+    @classmethod
+    def of_row(cls, row: TrialRow, leftover: Callable[[int], bool]) -> Finished:
+        """``leftover`` is asked only for an OOM (the only status it changes), as it reads a file."""
+        status = Status(row.status)
+        return cls(
+            row.number,
+            row.params,
+            status,
+            row.oom_kind,
+            row.peak_memory_gib,
+            row.throughput,
+            row.pruned,
+            row.launched,
+            status == Status.OOM and leftover(row.number),
+        )
+
+
+@dataclass
+class SearchState:
+    """One search's state from the moment its study is open: what the scheduler reads and the
+    search's steps change. ``best_value`` is the best unpruned throughput seen; ``improved_at`` the
+    study's launch count when it last rose by more than :data:`MIN_NOISE` (convergence waits its
+    patience from there)."""
+
+    recipe: Recipe
+    paths: StudyPaths
+    space: Space
+    fixed: dict[str, Any]
+    reporter: Reporter
+    planner: Planner | None
+    study: optuna.Study
+    stopping: Stopping
+    best_value: float = 0.0
+    improved_at: int = 0
+
+    def observe(self, done: Finished) -> bool:
+        """Learn from a finished trial; True when it is a new best.
+
+        The planner learns from every launched trial except those that ended for reasons unrelated
+        to the configuration (:data:`UNINFORMATIVE`), with a pruned trial's throughput withheld (it
+        was stopped before it was measured) and whether a predecessor's memory was still on the GPUs.
+        A gain beyond the noise restarts the convergence patience, whoever measured it."""
+        if self.planner is not None and done.launched and done.status not in UNINFORMATIVE:
+            self.planner.observe(
+                done.number,
+                done.params,
+                done.status,
+                done.oom_kind,
+                done.peak_memory_gib,
+                None if done.pruned else done.throughput,
+                leftover=done.leftover,
+            )
+        value = done.throughput or 0.0
+        if done.status != Status.OK or done.pruned or value <= self.best_value:
+            return False
+        if value > self.best_value * (1 + MIN_NOISE):
+            self.improved_at = len(launched_rows(self.study))
+        self.best_value = value
+        return True
+
+    def leftover(self, number: int) -> bool:
+        """Whether trial ``number`` started on GPUs still holding an earlier trial's memory (its
+        outcome.json says so; a folder on another node, or none, says no)."""
+        try:
+            return bool(Outcome.read(TrialFiles(self.paths.trial_dir(number)).outcome).leftover_gib)
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+
+    def observe_row(self, row: TrialRow) -> bool:
+        """:meth:`observe` a trial known only from the study (resumed, or another controller's); one
+        told without an outcome (by another program: no status) teaches nothing."""
+        if row.status not in STATUSES:
+            return False
+        return self.observe(Finished.of_row(row, self.leftover))
+
+
+class TrialSteps(Protocol):
+    """What the scheduler asks of a search for each trial (``search.loop.Search`` implements it)."""
+
+    def gate(
+        self, number: int, params: dict[str, Any], previous: Previous | None
+    ) -> tuple[Outcome | None, float | None]: ...
+
+    def measure(
+        self, trial: optuna.Trial, params: dict[str, Any], launched: int, predicted_gib: float | None
+    ) -> Outcome: ...
+
+    def tell(self, trial: optuna.Trial, params: dict[str, Any], key: str, outcome: Outcome) -> None: ...
+
+    def converged(self, launched: int) -> str | None: ...
