@@ -17,7 +17,8 @@ import pytest
 
 from autotune.candidate import constraints
 from autotune.candidate.space_file import load_space
-from autotune.commands import estimate_candidate, resolve_inputs
+from autotune.commands.estimate import estimate_candidate
+from autotune.commands.inputs import resolve_inputs
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
