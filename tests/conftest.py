@@ -1,8 +1,19 @@
+"""Fixtures and helpers shared by the test modules.
+
+Test modules import helpers from here (``from conftest import ...``), never from one another:
+a helper that two topics need lives in this one place (tests/test_architecture.py checks it).
+"""
+
+import json
 import os
 import sys
+import textwrap
 from pathlib import Path
 
+import pynvml
 import pytest
+
+from autotune.units import GIB
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,3 +63,276 @@ def saved_activation_bytes(module, call) -> int:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         call()
     return sum(saved.values())
+
+
+# --- the bad-input contract: one line, exit 2 ------------------------------------------------
+
+
+def one_line_error(res, *fragments):
+    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
+    err = res.stderr.strip()
+    assert "Traceback" not in res.stderr and len(err.splitlines()) == 1, err
+    assert err.startswith("error:"), err
+    for f in fragments:
+        assert f in err, (f, err)
+
+
+# --- NVML replayed (no GPU on CI) -------------------------------------------------------------
+
+H100_TOTAL_GIB = 79.65  # what nvmlDeviceGetMemoryInfo(h).total reports on an 80 GB H100, in GiB
+
+
+class ReplayNvml:
+    """pynvml's API over recorded per-GPU ``(util %, memory used GiB)`` sequences.
+
+    Each ``nvmlDeviceGetMemoryInfo`` call moves that GPU to its next sample (the sampler reads
+    utilization first, then memory), and the last sample repeats. ``processes`` maps a GPU to pids
+    for ``nvmlDeviceGetComputeRunningProcesses``; ``fail`` maps (gpu, call name) to an NVML error code.
+    """
+
+    def __init__(
+        self,
+        samples: dict[int, list[tuple[float, float]]],
+        *,
+        total_gib: float = H100_TOTAL_GIB,
+        processes: dict[int, list[int]] | None = None,
+        fail: dict[tuple[int, str], int] | None = None,
+        init_error: int | None = None,
+    ) -> None:
+        self.samples = samples
+        self.total_gib = total_gib
+        self.processes = processes or {}
+        self.fail = fail or {}
+        self.init_error = init_error
+        self.cursor = {i: 0 for i in samples}
+        self.inits = self.shutdowns = self.memory_calls = 0
+
+    def _check(self, index: int, name: str) -> None:
+        if (index, name) in self.fail:
+            raise pynvml.NVMLError(self.fail[(index, name)])
+
+    def nvmlInit(self) -> None:
+        if self.init_error is not None:
+            raise pynvml.NVMLError(self.init_error)
+        self.inits += 1
+
+    def nvmlShutdown(self) -> None:
+        self.shutdowns += 1
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.samples)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        if index not in self.samples:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return index
+
+    def current(self, index: int) -> tuple[float, float]:
+        seq = self.samples[index]
+        return seq[min(self.cursor[index], len(seq) - 1)]
+
+    def used_gib(self, index: int) -> float:
+        return self.current(index)[1]
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> pynvml.c_nvmlUtilization_t:
+        self._check(handle, "util")
+        return pynvml.c_nvmlUtilization_t(gpu=int(self.current(handle)[0]), memory=0)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> pynvml.c_nvmlMemory_t:
+        self._check(handle, "memory")
+        self.memory_calls += 1
+        used = int(self.used_gib(handle) * GIB)
+        total = int(self.total_gib * GIB)
+        self.cursor[handle] += 1
+        return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list:
+        return [
+            pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_v2_t(pid=pid, usedGpuMemory=GIB))
+            for pid in self.processes.get(handle, [])
+        ]
+
+
+# --- recorded gpu.csv timelines ---------------------------------------------------------------
+
+# gpu.csv of the write-up 004 run, as GpuSampler writes it (2 GPUs, one sample every 0.5 s)
+SWING_CSV = textwrap.dedent("""\
+    time_s,phase,gpu,util_pct,mem_used_gib,mem_total_gib,host_rss_gib,host_cpu_pct
+    0.000,start,0,0,0.512,79.647,2.100,98.0
+    0.000,start,1,0,0.498,79.647,2.100,98.0
+    5.000,warmup,0,88,40.950,79.647,61.300,240.0
+    5.000,warmup,1,85,40.700,79.647,61.300,240.0
+    10.000,measure,0,87,41.200,79.647,62.400,205.0
+    10.000,measure,1,87,40.900,79.647,62.400,205.0
+    10.500,measure,0,85,41.200,79.647,62.400,205.0
+    10.500,measure,1,87,40.900,79.647,62.400,205.0
+    11.000,measure,0,91,41.200,79.647,62.400,205.0
+    11.000,measure,1,89,40.900,79.647,62.400,205.0
+    11.500,measure,0,85,41.200,79.647,62.400,205.0
+    11.500,measure,1,82,40.900,79.647,62.400,205.0
+    12.000,measure,0,84,41.200,79.647,62.400,205.0
+    12.000,measure,1,86,40.900,79.647,62.400,205.0
+    12.500,measure,0,92,41.200,79.647,62.400,205.0
+    12.500,measure,1,92,40.900,79.647,62.400,205.0
+    13.000,measure,0,6,23.500,79.647,62.400,310.0
+    13.000,measure,1,2,23.100,79.647,62.400,310.0
+    13.500,measure,0,1,23.500,79.647,62.400,310.0
+    13.500,measure,1,5,23.100,79.647,62.400,310.0
+    14.000,measure,0,4,23.500,79.647,62.400,310.0
+    14.000,measure,1,5,23.100,79.647,62.400,310.0
+    14.500,measure,0,72,31.800,79.647,62.400,260.0
+    14.500,measure,1,70,31.200,79.647,62.400,260.0
+    15.000,measure,0,61,31.800,79.647,62.400,260.0
+    15.000,measure,1,61,31.200,79.647,62.400,260.0
+    15.500,measure,0,68,31.800,79.647,62.400,260.0
+    15.500,measure,1,64,31.200,79.647,62.400,260.0
+    16.000,measure,0,71,31.800,79.647,62.400,260.0
+    16.000,measure,1,71,31.200,79.647,62.400,260.0
+    16.500,measure,0,67,31.800,79.647,62.400,260.0
+    16.500,measure,1,65,31.200,79.647,62.400,260.0
+    17.000,measure,0,2,18.400,79.647,63.100,1380.0
+    17.000,measure,1,2,18.100,79.647,63.100,1380.0
+    17.500,measure,0,2,18.400,79.647,63.100,1380.0
+    17.500,measure,1,0,18.100,79.647,63.100,1380.0
+    18.000,measure,0,4,18.400,79.647,63.100,1380.0
+    18.000,measure,1,5,18.100,79.647,63.100,1380.0
+    18.500,measure,0,90,41.200,79.647,62.400,205.0
+    18.500,measure,1,94,40.900,79.647,62.400,205.0
+    19.000,measure,0,87,41.200,79.647,62.400,205.0
+    19.000,measure,1,85,40.900,79.647,62.400,205.0
+    19.500,measure,0,87,41.200,79.647,62.400,205.0
+    19.500,measure,1,90,40.900,79.647,62.400,205.0
+    20.000,measure,0,88,41.200,79.647,62.400,205.0
+    20.000,measure,1,85,40.900,79.647,62.400,205.0
+    20.500,measure,0,92,41.200,79.647,62.400,205.0
+    20.500,measure,1,92,40.900,79.647,62.400,205.0
+    21.000,measure,0,84,41.200,79.647,62.400,205.0
+    21.000,measure,1,84,40.900,79.647,62.400,205.0
+    21.500,measure,0,4,23.500,79.647,62.400,310.0
+    21.500,measure,1,4,23.100,79.647,62.400,310.0
+    22.000,measure,0,6,23.500,79.647,62.400,310.0
+    22.000,measure,1,10,23.100,79.647,62.400,310.0
+    22.500,measure,0,1,23.500,79.647,62.400,310.0
+    22.500,measure,1,3,23.100,79.647,62.400,310.0
+    23.000,measure,0,82,31.800,79.647,62.400,260.0
+    23.000,measure,1,82,31.200,79.647,62.400,260.0
+    23.500,measure,0,82,31.800,79.647,62.400,260.0
+    23.500,measure,1,85,31.200,79.647,62.400,260.0
+    24.000,measure,0,65,31.800,79.647,62.400,260.0
+    24.000,measure,1,64,31.200,79.647,62.400,260.0
+    24.500,measure,0,74,31.800,79.647,62.400,260.0
+    24.500,measure,1,74,31.200,79.647,62.400,260.0
+    25.000,measure,0,57,31.800,79.647,62.400,260.0
+    25.000,measure,1,54,31.200,79.647,62.400,260.0
+    25.500,measure,0,0,18.400,79.647,63.100,1380.0
+    25.500,measure,1,3,18.100,79.647,63.100,1380.0
+    26.000,measure,0,2,18.400,79.647,63.100,1380.0
+    26.000,measure,1,6,18.100,79.647,63.100,1380.0
+    26.500,measure,0,4,18.400,79.647,63.100,1380.0
+    26.500,measure,1,7,18.100,79.647,63.100,1380.0
+""")
+
+# a healthy ZeRO-2 colocated-vLLM step: busy, with a short dip for each weight sync
+BUSY_CSV = textwrap.dedent("""\
+    time_s,phase,gpu,util_pct,mem_used_gib,mem_total_gib,host_rss_gib,host_cpu_pct
+    10.000,measure,0,91,70.100,79.647,12.000,101.0
+    10.500,measure,0,94,70.100,79.647,12.000,101.0
+    11.000,measure,0,95,70.100,79.647,12.000,101.0
+    11.500,measure,0,93,70.100,79.647,12.000,101.0
+    12.000,measure,0,22,70.100,79.647,12.000,101.0
+    12.500,measure,0,18,70.100,79.647,12.000,101.0
+    13.000,measure,0,96,70.100,79.647,12.000,101.0
+    13.500,measure,0,97,70.100,79.647,12.000,101.0
+    14.000,measure,0,95,70.100,79.647,12.000,101.0
+    14.500,measure,0,92,70.100,79.647,12.000,101.0
+    15.000,measure,0,94,70.100,79.647,12.000,101.0
+    15.500,measure,0,90,70.100,79.647,12.000,101.0
+    16.000,measure,0,93,70.100,79.647,12.000,101.0
+    16.500,measure,0,95,70.100,79.647,12.000,101.0
+    17.000,measure,0,96,70.100,79.647,12.000,101.0
+    17.500,measure,0,21,70.100,79.647,12.000,101.0
+    18.000,measure,0,25,70.100,79.647,12.000,101.0
+    18.500,measure,0,94,70.100,79.647,12.000,101.0
+    19.000,measure,0,92,70.100,79.647,12.000,101.0
+    19.500,measure,0,97,70.100,79.647,12.000,101.0
+    20.000,measure,0,95,70.100,79.647,12.000,101.0
+    20.500,measure,0,93,70.100,79.647,12.000,101.0
+    21.000,measure,0,91,70.100,79.647,12.000,101.0
+    21.500,measure,0,96,70.100,79.647,12.000,101.0
+""")
+
+SWIFT_004 = {
+    "zero_stage": 3,
+    "offload": "optimizer+params",
+    "offload_model": True,
+    "offload_optimizer": True,
+    "move_model_batches": 16,
+    "sleep_level": 1,
+    "use_vllm": True,
+    "vllm_gpu_memory_utilization": 0.5,
+    "per_device_train_batch_size": 2,
+}
+
+# --- real TRL trials on CPU, launched as the controller launches them ---------------------------
+
+PROMPT, COMPLETION = 32, 16
+
+
+def run_trial(recipe_factory, tmp_path, params, model="tiny-qwen", **recipe_kw):
+    """Prepare and launch one trial to its end; returns (result, trial_dir, metrics lines)."""
+    from autotune.candidate.space_file import load_space
+    from autotune.hardware import find_gpu_type
+    from autotune.models import resolve_model
+    from autotune.runners.base import TrialContext
+    from autotune.runners.trl import TrlRunner
+    from autotune.trial.launch import launch
+
+    base = dict(
+        model=model,
+        gpus=1,
+        runner="trl",
+        device="cpu",
+        max_prompt_length=PROMPT,
+        max_completion_length=COMPLETION,
+        warmup_steps=1,
+        measure_steps=1,
+    )
+    base.update(recipe_kw)
+    recipe = recipe_factory(**base)
+    context = TrialContext(
+        recipe=recipe,
+        space=load_space(),
+        model=resolve_model(recipe.model),
+        gpu=find_gpu_type(recipe.gpu_type),
+    )
+    runner = TrlRunner(context)
+    runner.check()
+    assert all(rule(params) is None for rule in runner.rules())
+    trial_dir = tmp_path / "trial"
+    spec = runner.prepare(params, trial_dir, 0)
+    result = launch(
+        spec,
+        on_line=lambda stream, line: None,
+        should_stop=lambda: None,
+        trial_timeout_s=240,
+        hang_timeout_s=120,
+        grace_s=5,
+    )
+    metrics_file = trial_dir / "metrics.jsonl"
+    lines = (
+        [json.loads(text) for text in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
+    )
+    return result, trial_dir, lines
+
+
+def params(pd=2, accum=2, gens=2, **kw):
+    return dict(
+        per_device_train_batch_size=pd,
+        gradient_accumulation_steps=accum,
+        num_generations=gens,
+        gradient_checkpointing=True,
+        use_vllm=False,
+        zero_stage=0,
+        offload="none",
+        **kw,
+    )

@@ -187,3 +187,30 @@ def test_no_module_cites_the_founding_design_document():
     """DESIGN.md was never part of the repository: the trial contract is docs/trial-contract.md."""
     citing = sorted(name for name, path in MODULES.items() if "DESIGN.md" in path.read_text())
     assert not citing, f"these modules cite DESIGN.md, which the repository does not hold: {citing}"
+
+
+TESTS = Path(__file__).resolve().parent
+
+
+def imports_of(path: Path) -> set[str]:
+    """The modules one test file imports (module level or inside a function), as written."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+def test_no_test_module_imports_another():
+    """A helper two topics share lives in conftest.py: a test module that imports another one runs
+    (and re-collects) that module's tests from a second place, and ties two topics together."""
+    own = {path.stem for path in TESTS.glob("test_*.py")}
+    crossing = {
+        path.name: sorted(m for m in imports_of(path) if m in own or m.startswith("tests."))
+        for path in sorted(TESTS.glob("*.py"))
+    }
+    crossing = {name: mods for name, mods in crossing.items() if mods}
+    assert not crossing, f"import these helpers from conftest instead: {crossing}"
+    assert {"conftest", "pytest"} <= imports_of(TESTS / "test_vl.py"), "the reader sees no imports"

@@ -5,7 +5,7 @@ import os
 import sys
 
 import pytest
-from conftest import run_cli
+from conftest import one_line_error, run_cli
 
 BASE = [
     "search",
@@ -20,15 +20,6 @@ BASE = [
     "--trials",
     "1",
 ]
-
-
-def one_line_error(res, *fragments):
-    assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
-    err = res.stderr.strip()
-    assert "Traceback" not in res.stderr and len(err.splitlines()) == 1, err
-    assert err.startswith("error:"), err
-    for f in fragments:
-        assert f in err, (f, err)
 
 
 def replace(args, flag, value):

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_cli
 
 from autotune.models import resolve_model
-from tests.conftest import run_cli
 
 
 def _dir(tmp_path, **extra):

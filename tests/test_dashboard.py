@@ -24,6 +24,9 @@ from pathlib import Path
 import pytest
 from conftest import run_cli
 
+from autotune.errors import UsageError
+from autotune.recipe import Recipe
+
 # the README's sim search (README.md, "Quick start"), time-compressed
 README_SEARCH = [
     "search",
@@ -190,3 +193,28 @@ def test_without_the_extra_the_command_names_it(study):
     assert res.returncode == 2, res.stderr
     assert res.stderr.count("\n") == 1 and "Traceback" not in res.stderr, res.stderr
     assert "pip install 'autotune[dashboard]'" in res.stderr
+
+
+# --- moved from test_review_fixes.py: PostgreSQL through the search's driver --------------------------------
+
+
+def test_dashboard_on_postgresql_with_psycopg3_only_is_one_line(tmp_path, monkeypatch):
+    """``postgresql://`` went to SQLAlchemy's default psycopg2 (not installed next to psycopg 3):
+    a ModuleNotFoundError traceback. Through driver_url it is psycopg 3, and a server that is not
+    there is one line."""
+    pytest.importorskip("optuna_dashboard")
+    pytest.importorskip("psycopg")
+    from autotune.study import dashboard, storage
+    from autotune.study.paths import StudyPaths
+
+    monkeypatch.setattr(storage, "importable", lambda name: name == "psycopg")
+    monkeypatch.setattr(dashboard, "_check_address", lambda host, port: None)
+    recipe = Recipe(model="tiny-qwen", gpus=1, storage="postgresql://user:secret@127.0.0.1:9/none")
+    with pytest.raises(UsageError) as caught:
+        dashboard.serve(StudyPaths(tmp_path, "s"), recipe, port=0)
+    text = caught.value.format_message()
+    assert len(text.splitlines()) == 1 and "secret" not in text, text
+    assert "psycopg2" not in text, text
+    monkeypatch.setattr(storage, "importable", lambda name: False)
+    with pytest.raises(UsageError, match="needs a PostgreSQL driver"):
+        dashboard.serve(StudyPaths(tmp_path, "s"), recipe, port=0)

@@ -2,8 +2,9 @@
 
 import json
 
+from conftest import run_cli
+
 from autotune.models import resolve_model
-from tests.conftest import run_cli
 
 H100 = [
     "estimate",

@@ -14,6 +14,7 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import run_cli
 
 from autotune.candidate import constraints
 from autotune.candidate.space_file import load_space
@@ -23,7 +24,6 @@ from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
 from autotune.search.planner import Planner
-from tests.conftest import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SWIFT_SPACE = ROOT / "search_spaces" / "swift.yaml"

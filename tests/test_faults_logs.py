@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
-from test_telemetry import ReplayNvml
+from conftest import ReplayNvml, run_cli
 
 from autotune.recipe import Recipe
 from autotune.trial.cleanup import read_baseline

@@ -17,8 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
-from test_bad_input import one_line_error
+from conftest import one_line_error, run_cli
 
 SIM = [
     "search",

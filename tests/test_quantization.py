@@ -9,6 +9,9 @@ CPU with torch 2.13.
 from __future__ import annotations
 
 import json
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -261,7 +264,7 @@ def test_export_carries_bitsandbytes_config_that_trl_loads(tmp_path):
 def test_real_qlora_grpo_trial_on_cpu(recipe_factory, tmp_path, monkeypatch):
     """A real TRL GRPO run on a bitsandbytes NF4 base with LoRA, launched as the controller does;
     the random full-precision base it quantizes is the shared cache entry, not a copy per trial."""
-    from test_worker import params, run_trial
+    from conftest import params, run_trial
 
     monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))
     result, trial_dir, lines = run_trial(
@@ -275,3 +278,45 @@ def test_real_qlora_grpo_trial_on_cpu(recipe_factory, tmp_path, monkeypatch):
     assert len(lines) >= 3 and all(line["step_time"] > 0 for line in lines)
     spec = json.loads((trial_dir / "trial_spec.json").read_text())
     assert spec["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+
+
+# --- moved from test_review_fixes.py: the quantized shape-only base, built once -----------------------------
+
+
+def test_quantized_base_is_cached_by_content_and_built_once(tmp_path, monkeypatch):
+    pytest.importorskip("torch")
+    import autotune.worker.model as wm
+
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path / "cache"))
+    built = []
+    real = wm._random_model
+
+    def counting(*a, **k):
+        built.append(1)
+        time.sleep(0.2)  # the other threads arrive while the first builds
+        return real(*a, **k)
+
+    monkeypatch.setattr(wm, "_random_model", counting)
+    tiny = resolve_model("tiny-qwen")
+    info = {"name": tiny.name, "config": dict(tiny.config), "source": "card"}
+    out: list[Path] = []
+    threads = [
+        threading.Thread(
+            target=lambda i=i: out.append(
+                wm.write_weights_dir(info, tmp_path / f"trial{i}", "cpu", wm._model_dtype("cpu"))
+            )
+        )
+        for i in range(3)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(out) == 3 and len(set(out)) == 1 and len(built) == 1
+    folder = out[0]
+    assert folder.is_relative_to(tmp_path / "cache") and (folder / "config.json").is_file()
+    assert any(folder.glob("*.safetensors"))
+    assert not any((tmp_path / f"trial{i}").exists() for i in range(3))  # nothing per trial
+    # another card (or dtype) is another entry
+    other = wm.weights_dir_for({**info, "config": {**info["config"], "num_hidden_layers": 1}}, "cpu")
+    assert other != folder and wm.weights_dir_for(info, "cuda") != folder

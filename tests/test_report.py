@@ -123,7 +123,7 @@ def test_the_report_shows_the_low_utilization_trials_and_their_timelines(tmp_pat
     """A study told as the controller tells it (real SQLite, trial folders with gpu.csv): the busy
     winner and a swinging offload trial; the report names the diagnosis and plots both timelines."""
     import optuna
-    from test_utilization_swings import BUSY_CSV, SWING_CSV
+    from conftest import BUSY_CSV, SWING_CSV
 
     from autotune.export.report import report_html
     from autotune.study import StudyPaths, candidate_key, record

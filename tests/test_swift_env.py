@@ -9,8 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
-from test_bad_input import one_line_error
+from conftest import one_line_error, run_cli
 
 from autotune.configs.swift import SwiftVersion
 from autotune.models import resolve_model

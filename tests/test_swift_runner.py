@@ -11,17 +11,21 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
 import yaml
-from conftest import run_cli
-from test_bad_input import one_line_error
+from conftest import one_line_error, run_cli
 
 from autotune import configs as lc
+from autotune.candidate.space_file import load_space
 from autotune.configs.swift import OLDEST, TRIAL_ONLY, SwiftVersion, TrialInputs
+from autotune.errors import UsageError
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
+from autotune.runners.base import TrialContext
 
 
 def recipe(**kw) -> Recipe:
@@ -417,3 +421,100 @@ def test_real_swift_search_on_cpu_meets_real_oom_and_exports_a_command_that_trai
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "'global_step/max_steps': '2/2'" in done.stdout + done.stderr
+
+
+# --- moved from test_review_fixes.py: ports of its own, one model build, no image tokens --------------------
+
+
+SWIFT_PARAMS = {
+    "per_device_train_batch_size": 4,
+    "gradient_accumulation_steps": 2,
+    "num_generations": 8,
+    "zero_stage": 3,
+    "offload": "none",
+    "gradient_checkpointing": True,
+    "use_vllm": False,
+}
+
+
+def swift_runner(**kw):
+    from autotune.configs.swift import SwiftVersion
+    from autotune.runners.swift import SwiftRunner
+
+    recipe = Recipe(
+        **{
+            **dict(
+                model="Qwen2.5-7B-Instruct", gpus=2, gpu_type="A100-80GB", gpu_memory_gib=79.3, runner="swift"
+            ),
+            **kw,
+        }
+    )
+    runner = SwiftRunner(
+        TrialContext(
+            recipe=recipe,
+            space=load_space(lc.swift_space_path()),
+            model=resolve_model(recipe.model),
+            gpu=None,
+        )
+    )
+    # what check() finds on a machine with ms-swift; no swift is run by these tests
+    runner.program, runner.python, runner.version = (
+        Path("/usr/bin/swift"),
+        sys.executable,
+        SwiftVersion(4, 6, 0),
+    )
+    return runner
+
+
+def test_parallel_multi_gpu_swift_trials_rendezvous_on_ports_of_their_own(tmp_path, monkeypatch):
+    from autotune.configs.swift_model import swift_model
+
+    runner = swift_runner()
+    plan = swift_model(runner.context.model, runner.recipe)
+    monkeypatch.setattr(runner, "model_dir", lambda: (plan, str(tmp_path / "model")))
+    monkeypatch.setattr(runner, "prompts", lambda *a: str(tmp_path / "prompts.jsonl"))
+    specs = [runner.prepare(SWIFT_PARAMS, tmp_path / f"t{i}", i) for i in range(2)]
+    ports = [spec.env.get("MASTER_PORT") for spec in specs]
+    assert all(spec.env["NPROC_PER_NODE"] == "2" for spec in specs)
+    assert all(p and p.isdigit() and p != "29500" for p in ports), ports
+    assert ports[0] != ports[1]
+
+
+def test_slot_threads_materialise_the_model_one_at_a_time(tmp_path, monkeypatch):
+    """Each slot thread has its own runner; before the lock all of them saw no done marker and
+    wrote the multi-GB model folder at once."""
+    import autotune.worker.materialise as materialise
+
+    monkeypatch.setenv("AUTOTUNE_CACHE_DIR", str(tmp_path))
+    inside, most, builds = [0], [0], []
+    guard = threading.Lock()
+
+    def fake_run_with(python, args, **kw):
+        with guard:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.3)
+        out = Path(args[args.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        (out / materialise.DONE_FILE).write_text("{}")
+        builds.append(out)
+        with guard:
+            inside[0] -= 1
+        return str(out)
+
+    monkeypatch.setattr(materialise, "run_with", fake_run_with)
+    runners = [swift_runner(model="tiny-qwen") for _ in range(3)]
+    found: list[str] = []
+    threads = [threading.Thread(target=lambda r=r: found.append(r.model_dir()[1])) for r in runners]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(found) == 3 and len(set(found)) == 1
+    assert most[0] == 1 and len(builds) == 1, (most, builds)
+
+
+def test_swift_runner_refuses_image_tokens_in_one_line():
+    with pytest.raises(UsageError, match="swift runner runs text-only trials"):
+        swift_runner(model="Qwen2.5-VL-3B-Instruct", image_tokens=256).check_inputs()
+    swift_runner(model="Qwen2.5-VL-3B-Instruct").check_inputs()  # text prompts on a VL model: fine

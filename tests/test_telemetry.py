@@ -23,6 +23,7 @@ from pathlib import Path
 import psutil
 import pynvml
 import pytest
+from conftest import H100_TOTAL_GIB, ReplayNvml
 
 from autotune.trial.cleanup import read_baseline, wait_for_baseline
 from autotune.trial.diagnosis import diagnose_low_util
@@ -31,81 +32,6 @@ from autotune.trial.outcome import Outcome
 from autotune.trial.processes import owned_by_trial
 from autotune.trial.telemetry import CSV_COLUMNS, GpuReading, GpuSampler, Tick
 from autotune.trial.utilization import phase_times, summarize
-from autotune.units import GIB
-
-H100_TOTAL_GIB = 79.65  # what nvmlDeviceGetMemoryInfo(h).total reports on an 80 GB H100, in GiB
-
-
-class ReplayNvml:
-    """pynvml's API over recorded per-GPU ``(util %, memory used GiB)`` sequences.
-
-    Each ``nvmlDeviceGetMemoryInfo`` call moves that GPU to its next sample (the sampler reads
-    utilization first, then memory), and the last sample repeats. ``processes`` maps a GPU to pids
-    for ``nvmlDeviceGetComputeRunningProcesses``; ``fail`` maps (gpu, call name) to an NVML error code.
-    """
-
-    def __init__(
-        self,
-        samples: dict[int, list[tuple[float, float]]],
-        *,
-        total_gib: float = H100_TOTAL_GIB,
-        processes: dict[int, list[int]] | None = None,
-        fail: dict[tuple[int, str], int] | None = None,
-        init_error: int | None = None,
-    ) -> None:
-        self.samples = samples
-        self.total_gib = total_gib
-        self.processes = processes or {}
-        self.fail = fail or {}
-        self.init_error = init_error
-        self.cursor = {i: 0 for i in samples}
-        self.inits = self.shutdowns = self.memory_calls = 0
-
-    def _check(self, index: int, name: str) -> None:
-        if (index, name) in self.fail:
-            raise pynvml.NVMLError(self.fail[(index, name)])
-
-    def nvmlInit(self) -> None:
-        if self.init_error is not None:
-            raise pynvml.NVMLError(self.init_error)
-        self.inits += 1
-
-    def nvmlShutdown(self) -> None:
-        self.shutdowns += 1
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.samples)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
-        if index not in self.samples:
-            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return index
-
-    def current(self, index: int) -> tuple[float, float]:
-        seq = self.samples[index]
-        return seq[min(self.cursor[index], len(seq) - 1)]
-
-    def used_gib(self, index: int) -> float:
-        return self.current(index)[1]
-
-    def nvmlDeviceGetUtilizationRates(self, handle: int) -> pynvml.c_nvmlUtilization_t:
-        self._check(handle, "util")
-        return pynvml.c_nvmlUtilization_t(gpu=int(self.current(handle)[0]), memory=0)
-
-    def nvmlDeviceGetMemoryInfo(self, handle: int) -> pynvml.c_nvmlMemory_t:
-        self._check(handle, "memory")
-        self.memory_calls += 1
-        used = int(self.used_gib(handle) * GIB)
-        total = int(self.total_gib * GIB)
-        self.cursor[handle] += 1
-        return pynvml.c_nvmlMemory_t(total=total, free=total - used, used=used)
-
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list:
-        return [
-            pynvml.nvmlStructToFriendlyObject(pynvml.c_nvmlProcessInfo_v2_t(pid=pid, usedGpuMemory=GIB))
-            for pid in self.processes.get(handle, [])
-        ]
-
 
 # A busy 2-GPU trial (ZeRO-2, colocated vLLM): model load, warm-up, measured steps, teardown.
 # (phase, [(util %, used GiB) on GPU 0, on GPU 1])

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
-from test_bad_input import one_line_error
+from conftest import ROOT, one_line_error, run_cli
 
 from autotune import configs
 from autotune.candidate import constraints
@@ -492,3 +491,34 @@ def test_a_trainer_that_never_says_its_batch_is_told_what_to_declare(tmp_path):
     outcome = json.loads((tmp_path / "runs" / "nobatch" / "trials" / "0" / "outcome.json").read_text())
     assert outcome["status"] == "crash", (outcome, res.stderr)
     assert "global_batch" in outcome["error_line"] and "samples" in outcome["error_line"]
+
+
+# --- moved from test_review_fixes.py: a rendezvous port per command trial -----------------------------------
+
+
+def test_command_trials_get_master_port_in_env_and_placeholder(recipe_factory, tmp_path):
+    from autotune.export.command import command_sh
+    from autotune.runners.command import CommandRunner
+    from autotune.study.record import TrialRow
+
+    template = (
+        f"{sys.executable} -c pass --nproc {{num_processes}} --master_port {{master_port}} --x {{beta}}"
+    )
+    recipe = recipe_factory(command=template, runner="command", gpus=2)
+    runner = CommandRunner(
+        TrialContext(
+            recipe=recipe,
+            space=load_space(),
+            model=resolve_model(recipe.model),
+            gpu=GpuType("A100-80GB", 79.3, 100.0, 1.0, 32),
+        )
+    )
+    runner.check()  # {master_port} is a known placeholder
+    specs = [runner.prepare({}, tmp_path / f"t{i}", i) for i in range(2)]
+    ports = [spec.env["MASTER_PORT"] for spec in specs]
+    assert ports[0] != ports[1] and all(p.isdigit() for p in ports)
+    for spec, port in zip(specs, ports):
+        assert spec.argv[spec.argv.index("--master_port") + 1] == port  # the same port in both
+    # best/command.sh runs alone on its node: torch's default port
+    script = command_sh({}, recipe, TrialRow(number=0, status="ok", params={}))
+    assert "--master_port 29500" in script

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from test_utilization_swings import SWIFT_004, SWING_CSV
+from conftest import SWIFT_004, SWING_CSV
 
 from autotune.export.summary import summary_md
 from autotune.progress import Reporter

@@ -9,7 +9,7 @@ lengths, image tokens, patches), and one real TRL 1.16 VL GRPO trial runs tiny-q
 from __future__ import annotations
 
 import pytest
-from conftest import saved_activation_bytes
+from conftest import one_line_error, run_cli, saved_activation_bytes
 
 from autotune.candidate.footprint import base_quantization, lora_params, weight_bytes
 from autotune.candidate.memory import estimate
@@ -395,3 +395,63 @@ def test_real_vl_grpo_trial_on_cpu_trains_text_plus_image_tokens(recipe_factory,
         f"VL trial: {per_sequence} tokens/sequence, step times {[m['step_time'] for m in lines]}, "
         f"throughput {2 / lines[-1]['step_time']:.2f} completions/s"
     )
+
+
+# --- moved from test_review_fixes.py: image flags a runner cannot honour or out of range --------------------
+
+
+def test_swift_and_sim_searches_with_image_tokens_are_one_line_errors(tmp_path):
+    one_line_error(
+        run_cli(
+            "search",
+            "--model",
+            "tiny-qwen-vl",
+            "--gpus",
+            "1",
+            "--device",
+            "cpu",
+            "--runner",
+            "swift",
+            "--image-tokens",
+            "64",
+            "--trials",
+            "1",
+            cwd=tmp_path,
+        ),
+        "text-only",
+    )
+    one_line_error(
+        run_cli(
+            "search",
+            "--model",
+            "Qwen2.5-VL-3B-Instruct",
+            "--gpus",
+            "1",
+            "--gpu-type",
+            "H100-80GB",
+            "--runner",
+            "sim",
+            "--image-tokens",
+            "256",
+            "--trials",
+            "1",
+            cwd=tmp_path,
+        ),
+        "--runner sim",
+        "text-only",
+    )
+    assert not (tmp_path / "runs").exists() or not any((tmp_path / "runs").rglob("study.db"))
+
+
+@pytest.mark.parametrize(
+    "flags,needle",
+    [
+        (["--image-tokens", "-3000"], "--image-tokens -3000"),
+        (["--image-tokens", "256", "--images-per-prompt", "-2"], "--images-per-prompt -2"),
+        (["--image-tokens", "256", "--images-per-prompt", "0"], "--images-per-prompt 0"),
+    ],
+)
+def test_negative_image_flags_are_refused(tmp_path, flags, needle):
+    base = ["--model", "Qwen2.5-VL-3B-Instruct", "--gpus", "1", "--gpu-type", "H100-80GB"]
+    one_line_error(run_cli("estimate", *base, *flags, cwd=tmp_path), needle)
+    one_line_error(run_cli("search", *base, "--runner", "sim", "--trials", "1", *flags, cwd=tmp_path), needle)

@@ -8,61 +8,14 @@ two small layers but Qwen's real 151,936-token vocabulary.
 from __future__ import annotations
 
 import ast
-import json
 import re
 
 import pytest
+from conftest import COMPLETION, PROMPT, params, run_trial
 
-from autotune.candidate.space_file import load_space
-from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
-from autotune.runners.base import TrialContext
-from autotune.runners.trl import TrlRunner
-from autotune.trial.launch import launch
 
 pytestmark = pytest.mark.slow
-
-PROMPT, COMPLETION = 32, 16
-
-
-def run_trial(recipe_factory, tmp_path, params, model="tiny-qwen", **recipe_kw):
-    """Prepare and launch one trial to its end; returns (result, trial_dir, metrics lines)."""
-    base = dict(
-        model=model,
-        gpus=1,
-        runner="trl",
-        device="cpu",
-        max_prompt_length=PROMPT,
-        max_completion_length=COMPLETION,
-        warmup_steps=1,
-        measure_steps=1,
-    )
-    base.update(recipe_kw)
-    recipe = recipe_factory(**base)
-    context = TrialContext(
-        recipe=recipe,
-        space=load_space(),
-        model=resolve_model(recipe.model),
-        gpu=find_gpu_type(recipe.gpu_type),
-    )
-    runner = TrlRunner(context)
-    runner.check()
-    assert all(rule(params) is None for rule in runner.rules())
-    trial_dir = tmp_path / "trial"
-    spec = runner.prepare(params, trial_dir, 0)
-    result = launch(
-        spec,
-        on_line=lambda stream, line: None,
-        should_stop=lambda: None,
-        trial_timeout_s=240,
-        hang_timeout_s=120,
-        grace_s=5,
-    )
-    metrics_file = trial_dir / "metrics.jsonl"
-    lines = (
-        [json.loads(text) for text in metrics_file.read_text().splitlines()] if metrics_file.exists() else []
-    )
-    return result, trial_dir, lines
 
 
 def trl_logs(trial_dir):
@@ -72,19 +25,6 @@ def trl_logs(trial_dir):
         if line.startswith("{'loss'"):
             logs.append(ast.literal_eval(line))
     return logs
-
-
-def params(pd=2, accum=2, gens=2, **kw):
-    return dict(
-        per_device_train_batch_size=pd,
-        gradient_accumulation_steps=accum,
-        num_generations=gens,
-        gradient_checkpointing=True,
-        use_vllm=False,
-        zero_stage=0,
-        offload="none",
-        **kw,
-    )
 
 
 def test_real_grpo_trial_on_cpu_writes_metrics(recipe_factory, tmp_path):
