@@ -67,24 +67,11 @@ def _util_series(trial_dir: Path) -> dict[int, tuple[list[float], list[float]]]:
     return series
 
 
-def _figures(
-    paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: TrialRow | None
-) -> list[tuple[str, Any]]:
+def _best_so_far(recipe: Recipe, launched: list[TrialRow]) -> Any:
+    """Best exportable throughput so far, against launched trials and against GPU-hours spent."""
     import plotly.graph_objects as go
 
-    launched = sorted((r for r in all_rows if r.launched), key=lambda r: r.number)
-    predicted = {
-        r.number: _predicted(paths, r) for r in all_rows if r.launched or r.status in ("skipped", "invalid")
-    }
-    cap = (
-        recipe.memory_limit_gib
-        if recipe.device == "cpu" and recipe.memory_limit_gib
-        else recipe.gpu_memory_gib
-    )
     limit = headroom_limit(recipe)
-    figures: list[tuple[str, Any]] = []
-
-    # 1. best so far against trials and against GPU-hours
     best_so_far, hours, value, spent = [], [], 0.0, 0.0
     for r in launched:
         spent += (r.wall_time_s or 0.0) * recipe.gpus / 3600
@@ -118,9 +105,21 @@ def _figures(
         xaxis=dict(title="launched trials"),
         xaxis2=dict(title="GPU-hours spent", overlaying="x", side="top"),
     )
-    figures.append(("best-so-far", fig))
+    return fig
 
-    # 2. throughput against peak memory, every outcome marked
+
+def _throughput_memory(
+    recipe: Recipe, all_rows: list[TrialRow], predicted: dict[int, float | None], best: TrialRow | None
+) -> Any:
+    """Throughput against peak memory, every outcome marked, with the capacity and headroom lines."""
+    import plotly.graph_objects as go
+
+    cap = (
+        recipe.memory_limit_gib
+        if recipe.device == "cpu" and recipe.memory_limit_gib
+        else recipe.gpu_memory_gib
+    )
+    limit = headroom_limit(recipe)
     fig = go.Figure()
     for status, (symbol, color) in MARKERS.items():
         group = [
@@ -164,10 +163,13 @@ def _figures(
         xaxis_title="peak GiB per GPU",
         yaxis_title="completions/s",
     )
-    figures.append(("throughput-memory", fig))
+    return fig
 
-    # 3. the OOM boundary: micro-batch against ZeRO stage / offload, and against the vLLM fraction
-    tried = [r for r in all_rows if r.launched or r.status == "skipped"]
+
+def _oom_boundary(tried: list[TrialRow]) -> Any:
+    """Where memory runs out: micro-batch against ZeRO stage and offload."""
+    import plotly.graph_objects as go
+
     fig = go.Figure()
     for status, (symbol, color) in MARKERS.items():
         group = [r for r in tried if r.status == status]
@@ -187,30 +189,41 @@ def _figures(
         xaxis=dict(title="per_device_train_batch_size", type="log"),
         yaxis=dict(title="", categoryorder="array", categoryarray=[f"ZeRO {z} / {o}" for z, o in REGIMES]),
     )
-    figures.append(("oom-boundary", fig))
-    with_vllm = [r for r in tried if r.params.get("use_vllm") and r.params.get("vllm_gpu_memory_utilization")]
-    if with_vllm:
-        fig = go.Figure()
-        for status, (symbol, color) in MARKERS.items():
-            group = [r for r in with_vllm if r.status == status]
-            if group:
-                fig.add_trace(
-                    go.Scatter(
-                        x=[r.params.get("per_device_train_batch_size") for r in group],
-                        y=[r.params.get("vllm_gpu_memory_utilization") for r in group],
-                        mode="markers",
-                        name=status,
-                        marker=dict(symbol=symbol, color=color, size=11),
-                    )
-                )
-        fig.update_layout(
-            title="Where memory runs out: micro-batch by vLLM memory fraction",
-            xaxis=dict(title="per_device_train_batch_size", type="log"),
-            yaxis=dict(title="vllm_gpu_memory_utilization"),
-        )
-        figures.append(("oom-boundary-vllm", fig))
+    return fig
 
-    # 4. GPU utilization over time: the winner and every low-utilization trial
+
+def _oom_boundary_vllm(tried: list[TrialRow]) -> Any | None:
+    """Where memory runs out: micro-batch against the vLLM memory fraction; None without vLLM trials."""
+    import plotly.graph_objects as go
+
+    with_vllm = [r for r in tried if r.params.get("use_vllm") and r.params.get("vllm_gpu_memory_utilization")]
+    if not with_vllm:
+        return None
+    fig = go.Figure()
+    for status, (symbol, color) in MARKERS.items():
+        group = [r for r in with_vllm if r.status == status]
+        if group:
+            fig.add_trace(
+                go.Scatter(
+                    x=[r.params.get("per_device_train_batch_size") for r in group],
+                    y=[r.params.get("vllm_gpu_memory_utilization") for r in group],
+                    mode="markers",
+                    name=status,
+                    marker=dict(symbol=symbol, color=color, size=11),
+                )
+            )
+    fig.update_layout(
+        title="Where memory runs out: micro-batch by vLLM memory fraction",
+        xaxis=dict(title="per_device_train_batch_size", type="log"),
+        yaxis=dict(title="vllm_gpu_memory_utilization"),
+    )
+    return fig
+
+
+def _utilization(paths: StudyPaths, recipe: Recipe, launched: list[TrialRow], best: TrialRow | None) -> Any:
+    """GPU utilization over time: the winner and up to four low-utilization trials."""
+    import plotly.graph_objects as go
+
     watch = ([best] if best is not None else []) + [
         r for r in launched if r.diagnosis and (best is None or r.number != best.number)
     ][:4]
@@ -227,9 +240,13 @@ def _figures(
         xaxis_title="seconds since launch",
         yaxis=dict(title="utilization %", range=[0, 105]),
     )
-    figures.append(("utilization", fig))
+    return fig
 
-    # 5. the memory model: prediction against measurement
+
+def _memory_model(launched: list[TrialRow], predicted: dict[int, float | None]) -> Any:
+    """The memory model checked: each trial's prediction (made before it ran) against its measurement."""
+    import plotly.graph_objects as go
+
     pairs = [
         (p, r.peak_memory_gib, r)
         for r in launched
@@ -267,7 +284,28 @@ def _figures(
         xaxis_title="predicted GiB per GPU",
         yaxis_title="measured GiB per GPU",
     )
-    figures.append(("memory-model", fig))
+    return fig
+
+
+def _figures(
+    paths: StudyPaths, recipe: Recipe, all_rows: list[TrialRow], best: TrialRow | None
+) -> list[tuple[str, Any]]:
+    """The report's figures in page order, each named for its section id."""
+    launched = sorted((r for r in all_rows if r.launched), key=lambda r: r.number)
+    predicted = {
+        r.number: _predicted(paths, r) for r in all_rows if r.launched or r.status in ("skipped", "invalid")
+    }
+    tried = [r for r in all_rows if r.launched or r.status == "skipped"]
+    figures: list[tuple[str, Any]] = [
+        ("best-so-far", _best_so_far(recipe, launched)),
+        ("throughput-memory", _throughput_memory(recipe, all_rows, predicted, best)),
+        ("oom-boundary", _oom_boundary(tried)),
+    ]
+    vllm = _oom_boundary_vllm(tried)
+    if vllm is not None:
+        figures.append(("oom-boundary-vllm", vllm))
+    figures.append(("utilization", _utilization(paths, recipe, launched, best)))
+    figures.append(("memory-model", _memory_model(launched, predicted)))
     return figures
 
 
