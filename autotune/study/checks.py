@@ -65,6 +65,7 @@ def check_database(paths: StudyPaths, recipe: Recipe, *, must_exist: bool = Fals
         state = "empty (0 bytes)"
     else:
         check_integrity(db, url)
+        check_folder(paths, recipe, db)
         return
     held = held_trials(paths)
     best = paths.best.is_dir() and any(paths.best.iterdir())
@@ -104,6 +105,42 @@ def check_integrity(db: Path, url: str) -> None:
     if found and found != ["ok"]:
         log.debug("integrity check of %s: %s", db, "; ".join(map(str, found)))
         raise _damaged_line(db, url, "database disk image is malformed")
+
+
+def stored_names(db: Path) -> list[str]:
+    """The studies a SQLite file holds, less the locks (``<study>:lock:<what>``), read-only."""
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
+        try:
+            found = [row[0] for row in conn.execute("SELECT study_name FROM studies")]
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:  # no tables yet, locked: Optuna will say what it is
+        log.debug("could not list the studies in %s: %s", db, exc)
+        return []
+    return sorted(n for n in found if ":lock:" not in n)
+
+
+def check_folder(paths: StudyPaths, recipe: Recipe, db: Path) -> None:
+    """Refuse a study folder whose database (or recipe) was made under another name.
+
+    A renamed or copied folder still holds the study under its first name; opening it under the
+    folder's name would create a second study in the same file, numbered from 0, whose trials write
+    over trials/0, trials/1 ... and whose export over best/. The study's own record decides.
+    """
+    names = stored_names(db)
+    recorded = names[0] if len(names) == 1 else None
+    if names and paths.name not in names:
+        recorded = recorded or ", ".join(names)
+    elif recipe.name and recipe.name != paths.name and not names:
+        recorded = recipe.name
+    else:
+        return
+    raise UsageError(
+        f"{paths.root} holds study '{recorded}', not '{paths.name}' (the folder was renamed or "
+        f"copied): give it its name back (mv {paths.root} {paths.runs_dir / recorded.split(', ')[0]}), "
+        "or use the copy from another --runs-dir under that name; nothing was changed"
+    )
 
 
 def _damaged_line(db: Path | None, url: str, what: str) -> UsageError:

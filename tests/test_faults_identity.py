@@ -1,0 +1,78 @@
+"""Issue 22: a study's identity, concurrent commands and damaged trial files.
+
+Every test works on a real sim study (SQLite, trial folders, best/) and runs the real CLI in
+subprocesses: one line and exit 2 for what cannot be done, nothing the user has is overwritten.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import run_cli
+from test_bad_input import one_line_error
+from test_faults_study import SIM, snapshot
+
+
+@pytest.fixture(scope="module")
+def made_study(tmp_path_factory) -> Path:
+    """A finished two-trial sim study named ``base`` with best/ exported, made once."""
+    base = tmp_path_factory.mktemp("made")
+    res = run_cli(*SIM, "--trials", "2", "--name", "base", cwd=base)
+    assert res.returncode == 0, res.stderr
+    return base / "runs"
+
+
+@pytest.fixture
+def runs(made_study, tmp_path) -> Path:
+    shutil.copytree(made_study, tmp_path / "runs")
+    return tmp_path / "runs"
+
+
+def studies_in(db: Path) -> list[str]:
+    conn = sqlite3.connect(db)
+    try:
+        return sorted(r[0] for r in conn.execute("SELECT study_name FROM studies") if ":lock:" not in r[0])
+    finally:
+        conn.close()
+
+
+# -- 1: one study, however its folder is spelled, renamed or copied ---------------------------------
+def test_a_trailing_slash_resumes_the_same_study(runs):
+    res = run_cli("resume", "base/", "--trials", "3", cwd=runs.parent)
+    assert res.returncode == 0, res.stderr
+    assert studies_in(runs / "base" / "study.db") == ["base"]
+    launched = json.loads(run_cli("show", "base/", "--json", cwd=runs.parent).stdout)
+    assert sorted(r["number"] for r in launched) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("how", ["renamed", "copied"])
+def test_a_renamed_or_copied_study_folder_is_refused_and_left_as_it_was(runs, how):
+    (shutil.move if how == "renamed" else shutil.copytree)(runs / "base", runs / "other")
+    before = snapshot(runs / "other")
+    for args in (
+        ["resume", "other"],
+        ["resume", "other", "--trials", "4"],
+        ["show", "other"],
+        ["export", "other"],
+    ):
+        res = run_cli(*args, cwd=runs.parent)
+        one_line_error(res, "holds study 'base', not 'other'", "renamed or copied", "mv ")
+    assert snapshot(runs / "other") == before
+    assert studies_in(runs / "other" / "study.db") == ["base"]
+
+
+@pytest.mark.parametrize(
+    "name, fragment",
+    [("a" * 300, "at most 100"), ("-x", "not starting with '-'"), ("runs/base", "is a path")],
+)
+def test_a_study_name_that_is_no_folder_name_is_refused_before_anything_is_written(tmp_path, name, fragment):
+    res = run_cli(*SIM, "--trials", "1", "--name", name, cwd=tmp_path)
+    one_line_error(res, fragment)
+    assert not (tmp_path / "runs").exists()
