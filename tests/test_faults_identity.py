@@ -76,3 +76,25 @@ def test_a_study_name_that_is_no_folder_name_is_refused_before_anything_is_writt
     res = run_cli(*SIM, "--trials", "1", "--name", name, cwd=tmp_path)
     one_line_error(res, fragment)
     assert not (tmp_path / "runs").exists()
+
+
+# -- 15: files follow the umask, as any other new file ---------------------------------------------
+@pytest.mark.parametrize("umask", [0o002])
+def test_files_a_search_writes_follow_the_umask(tmp_path, umask):
+    res = subprocess.run(
+        [sys.executable, "-c", f"import os, sys; os.umask({umask}); from autotune.cli import main; main()"]
+        + [*SIM, "--trials", "1", "--name", "m"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    root = tmp_path / "runs" / "m"
+    for path in (
+        root / "recipe.yaml",
+        root / "report.html",
+        root / "trials/0/outcome.json",
+        root / "trials/0/params.json",
+    ):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
