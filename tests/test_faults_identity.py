@@ -98,3 +98,21 @@ def test_files_a_search_writes_follow_the_umask(tmp_path, umask):
         root / "trials/0/params.json",
     ):
         assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask, path
+
+
+# -- 10: a damaged trial file is said in one line and the trial is unknown, never fatal ------------
+@pytest.mark.parametrize("damage", ['"extra": "x"', "cut short"])
+def test_a_damaged_outcome_json_is_one_line_in_report_resume_and_show(runs, damage):
+    outcome = runs / "base" / "trials" / "0" / "outcome.json"
+    if damage == "cut short":
+        outcome.write_text(outcome.read_text()[:40])
+    else:
+        outcome.write_text(json.dumps({**json.loads(outcome.read_text()), "extra": "x"}))
+    for args in (["report", "base"], ["resume", "base", "--trials", "3"], ["show", "base"]):
+        res = run_cli(*args, cwd=runs.parent)
+        assert res.returncode == 0, (args, res.stderr)
+        assert "Traceback" not in res.stderr, res.stderr
+        said = [line for line in res.stderr.splitlines() if "outcome.json is damaged" in line]
+        assert len(said) <= 1 and (said or args[0] == "show"), res.stderr
+    launched = json.loads(run_cli("show", "base", "--json", cwd=runs.parent).stdout)
+    assert sorted(r["number"] for r in launched) == [0, 1, 2]

@@ -14,7 +14,6 @@ from pathlib import Path
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
 
-
 NAME_MAX = 100  # a folder name, and the prefix of lock study names: well under NAME_MAX of filesystems
 NAME_RE = re.compile(r"[A-Za-z0-9._][A-Za-z0-9._-]*")
 
