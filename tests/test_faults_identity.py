@@ -116,3 +116,26 @@ def test_a_damaged_outcome_json_is_one_line_in_report_resume_and_show(runs, dama
         assert len(said) <= 1 and (said or args[0] == "show"), res.stderr
     launched = json.loads(run_cli("show", "base", "--json", cwd=runs.parent).stdout)
     assert sorted(r["number"] for r in launched) == [0, 1, 2]
+
+
+def start_cli(*args, cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "autotune", *map(str, args)],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+# -- 9: exports at the same moment take turns ------------------------------------------------------
+def test_exports_at_the_same_moment_all_succeed_and_leave_no_temp_folder(runs):
+    before = (runs / "base" / "best" / "params.json").read_text()
+    procs = [start_cli("export", "base", cwd=runs.parent) for _ in range(12)]
+    results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
+    for p in procs:
+        p.stdout.close()
+        p.stderr.close()
+    assert [rc for rc, _ in results] == [0] * 12, [err for _, err in results if err][:1]
+    assert not list((runs / "base").glob(".best.tmp-*"))
+    assert (runs / "base" / "best" / "params.json").read_text() == before
