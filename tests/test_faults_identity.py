@@ -139,3 +139,24 @@ def test_exports_at_the_same_moment_all_succeed_and_leave_no_temp_folder(runs):
     assert [rc for rc, _ in results] == [0] * 12, [err for _, err in results if err][:1]
     assert not list((runs / "base").glob(".best.tmp-*"))
     assert (runs / "base" / "best" / "params.json").read_text() == before
+
+
+# -- 8: the same new study started twice at the same moment ----------------------------------------
+def test_two_searches_of_one_new_study_started_together_share_it(tmp_path):
+    procs = [start_cli(*SIM, "--trials", "2", "--name", "twin", cwd=tmp_path) for _ in range(3)]
+    results = [(p.wait(timeout=600), p.stderr.read()) for p in procs]
+    for p in procs:
+        p.stdout.close()
+        p.stderr.close()
+    assert [rc for rc, _ in results] == [0, 0, 0], [err for _, err in results if err][:1]
+    assert all("Traceback" not in err and "alembic" not in err for _, err in results)
+    db = tmp_path / "runs" / "twin" / "study.db"
+    assert studies_in(db) == ["twin"]
+    conn = sqlite3.connect(db)
+    try:  # --trials is the study's total, whichever controller launched them
+        launched = conn.execute(
+            "SELECT COUNT(*) FROM trial_user_attributes WHERE key = 'launched' AND value_json = 'true'"
+        ).fetchone()[0]
+    finally:
+        conn.close()
+    assert launched == 2

@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,6 +24,7 @@ import optuna
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
 from autotune.study.checks import check_database, sqlite_file, storage_error
+from autotune.study.outage import PatientStorage, creation_race, outage_limit_s
 from autotune.study.paths import StudyPaths
 from autotune.study.recovery import RetryInterrupted
 
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 15  # how often a running trial says its controller is alive
 GRACE_FACTOR = 4  # missed heartbeats before another controller takes the trial over
+CREATION_TRIES = 10
 POSTGRES_EXTRA = "pip install 'autotune[postgres]'"
 IDENTITY_ATTR = "recipe_identity"  # study user attribute: what every controller must agree on
 RECIPE_ATTR = "recipe"  # the whole recipe and the space's text: another node can adopt the study
@@ -87,20 +90,30 @@ def make_storage(url: str, *, heartbeat: bool, paths: StudyPaths | None = None) 
     controller that looks (:class:`RetryInterrupted`, Optuna's RetryFailedTrialCallback for us)."""
     engine: dict[str, Any] = {}
     if url.startswith("sqlite"):
-        engine["connect_args"] = {"timeout": 60}  # several controllers and threads write one file
+        # several controllers and threads write one file; a lock held longer is an outage (outage.py)
+        engine["connect_args"] = {"timeout": min(60.0, max(1.0, outage_limit_s()))}
     elif url.startswith("postgres"):
         engine["connect_args"] = {"connect_timeout": 10}
         engine["pool_pre_ping"] = True
-    if not heartbeat:
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine)
-    interval = heartbeat_s()
-    return optuna.storages.RDBStorage(
-        url,
-        engine_kwargs=engine,
-        heartbeat_interval=interval,
-        grace_period=GRACE_FACTOR * interval,
-        heartbeat_stale_trial_callback=RetryInterrupted(paths),
-    )
+    kwargs: dict[str, Any] = {}
+    if heartbeat:
+        interval = heartbeat_s()
+        kwargs = dict(
+            heartbeat_interval=interval,
+            grace_period=GRACE_FACTOR * interval,
+            heartbeat_stale_trial_callback=RetryInterrupted(paths),
+        )
+    for attempt in range(CREATION_TRIES):
+        try:
+            storage = PatientStorage(url, engine_kwargs=engine, **kwargs)
+            break
+        except Exception as exc:  # two controllers creating a new database's tables at one moment
+            if attempt + 1 == CREATION_TRIES or not creation_race(exc):
+                raise
+            log.debug("the storage's tables were being created by another controller; again", exc_info=True)
+            time.sleep(0.2 * (attempt + 1))
+    storage.url_for_messages = redact(url)
+    return storage
 
 
 def _open_storage(paths: StudyPaths, recipe: Recipe, *, heartbeat: bool) -> optuna.storages.RDBStorage:
