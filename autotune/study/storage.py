@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 HEARTBEAT_S = 15  # how often a running trial says its controller is alive
 GRACE_FACTOR = 4  # missed heartbeats before another controller takes the trial over
 CREATION_TRIES = 10
+SQLITE_BUSY_S = 10.0
 POSTGRES_EXTRA = "pip install 'autotune[postgres]'"
 IDENTITY_ATTR = "recipe_identity"  # study user attribute: what every controller must agree on
 RECIPE_ATTR = "recipe"  # the whole recipe and the space's text: another node can adopt the study
@@ -90,8 +91,9 @@ def make_storage(url: str, *, heartbeat: bool, paths: StudyPaths | None = None) 
     controller that looks (:class:`RetryInterrupted`, Optuna's RetryFailedTrialCallback for us)."""
     engine: dict[str, Any] = {}
     if url.startswith("sqlite"):
-        # several controllers and threads write one file; a lock held longer is an outage (outage.py)
-        engine["connect_args"] = {"timeout": min(60.0, max(1.0, outage_limit_s()))}
+        # several controllers and threads write one file: SQLite itself waits this long for a lock,
+        # then a lock held longer is an outage, waited out with a line saying so (outage.py)
+        engine["connect_args"] = {"timeout": min(SQLITE_BUSY_S, max(1.0, outage_limit_s()))}
     elif url.startswith("postgres"):
         engine["connect_args"] = {"connect_timeout": 10}
         engine["pool_pre_ping"] = True
