@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import signal
 import sys
 import threading
@@ -210,6 +211,11 @@ def recipe_from_flags(kw: dict[str, Any]) -> Recipe:
         from autotune.study.paths import study_name
 
         kw["name"] = study_name(kw["name"], "--name")
+    if kw.get("seed") is not None and not 0 <= kw["seed"] < 2**32:
+        raise UsageError(f"--seed {kw['seed']}: give a whole number from 0 to {2**32 - 1}")
+    scale = kw.get("sim_time_scale")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise UsageError(f"--sim-time-scale {scale}: give a positive number of wall seconds, e.g. 0.002")
     if kw.get("headroom") is not None and not 0 <= kw["headroom"] < 1:
         raise UsageError("--headroom is a fraction of GPU memory between 0 and 1, e.g. 0.05")
     if kw.get("min_util") is not None and not 0 <= kw["min_util"] <= 1:
