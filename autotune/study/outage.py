@@ -178,11 +178,12 @@ def _patient(name: str) -> Callable[..., Any]:
     return call
 
 
-# every call that reads or writes the database; the heartbeat and what touches no database are not
+# every call that reads or writes the database, with the private ones Optuna's cache calls directly;
+# the heartbeat and what touches no database are not
 WAITED = sorted(
     {n for n in dir(optuna.storages.BaseStorage) if not n.startswith("_")}
     - {"remove_session", "check_trial_is_updatable"}
-    | {"_get_stale_trial_ids"}
+    | {"_get_stale_trial_ids", "_get_trials", "_create_new_trial", "_get_best_trial_id", "_set_trial_param"}
 )
 for _name in WAITED:
     setattr(PatientStorage, _name, _patient(_name))
