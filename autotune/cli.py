@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import re
+import math
 import signal
 import sys
 import threading
@@ -207,9 +207,15 @@ def recipe_from_flags(kw: dict[str, Any]) -> Recipe:
         raise UsageError("--lora-rank must be at least 1 (leave it out for full fine-tuning)")
     if kw.get("beta") is not None and kw["beta"] < 0:
         raise UsageError("--beta is a KL coefficient and cannot be negative")
-    name = kw.get("name")
-    if name and (name in (".", "..") or not re.fullmatch(r"[A-Za-z0-9._-]+", name)):
-        raise UsageError(f"--name {name!r}: use letters, digits, '.', '_' and '-' only (it names a folder)")
+    if kw.get("name"):
+        from autotune.study.paths import study_name
+
+        kw["name"] = study_name(kw["name"], "--name")
+    if kw.get("seed") is not None and not 0 <= kw["seed"] < 2**32:
+        raise UsageError(f"--seed {kw['seed']}: give a whole number from 0 to {2**32 - 1}")
+    scale = kw.get("sim_time_scale")
+    if scale is not None and not (math.isfinite(scale) and scale > 0):
+        raise UsageError(f"--sim-time-scale {scale}: give a positive number of wall seconds, e.g. 0.002")
     if kw.get("headroom") is not None and not 0 <= kw["headroom"] < 1:
         raise UsageError("--headroom is a fraction of GPU memory between 0 and 1, e.g. 0.05")
     if kw.get("min_util") is not None and not 0 <= kw["min_util"] <= 1:

@@ -4,6 +4,10 @@
 a controller killed in the middle of a write must leave the old file or the new one, never a torn
 one. Every writer of those files goes through here. A full disk leaves no temporary file behind
 and is reported against the file that was being written.
+
+The temporary file is created private (``mkstemp`` makes it 0600); before it takes the file's name
+it gets the mode any other new file would get under the user's umask, since people share runs
+folders (a group-readable report.html stays group-readable).
 """
 
 from __future__ import annotations
@@ -16,6 +20,20 @@ from pathlib import Path
 from typing import Any
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where Linux says it (/proc), since threads
+    write files concurrently; elsewhere set and restored at once."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def write_text(path: Path | str, text: str) -> None:
     """Write ``text`` to ``path`` atomically: a temporary file in the same folder, then rename."""
     path = Path(path)
@@ -23,6 +41,7 @@ def write_text(path: Path | str, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            os.fchmod(fh.fileno(), 0o666 & ~current_umask())
             fh.write(text)
         os.replace(tmp, path)
     except BaseException as exc:

@@ -8,7 +8,7 @@ different training setup is caught instead of silently mixing incomparable trial
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -230,6 +230,12 @@ class Recipe:
             ) from None
         if not isinstance(data, dict) or "model" not in data:
             raise UsageError(f"{path} is not an autotune recipe")
+        wrong = recipe_problem(data)
+        if wrong:
+            raise UsageError(
+                f"{path}: {wrong}: restore the file from a backup, or run autotune search with the "
+                "study's original flags and --name to write it again"
+            )
         return cls.from_dict(data)
 
     def identity(self) -> dict[str, Any]:
@@ -245,6 +251,31 @@ class Recipe:
         if params.get("use_vllm") and params.get("vllm_mode") == "server":
             return max(self.gpus - int(params.get("vllm_tensor_parallel_size", 1)), 0)
         return self.gpus
+
+
+def recipe_problem(data: dict[str, Any]) -> str | None:
+    """What is wrong with a recipe.yaml's contents (a key removed, a value of the wrong type), or
+    None. The type each field takes is its default's: a hand-edited file fails here, in one line,
+    not as a TypeError deep in a search."""
+    for f in fields(Recipe):
+        required = f.default is MISSING and f.default_factory is MISSING
+        if f.name not in data:
+            if required:
+                return f"'{f.name}' is missing"
+            continue
+        value = data[f.name]
+        default = f.default if f.default is not MISSING else (None if required else f.default_factory())
+        if value is None and not required and default is None:
+            continue
+        expected = type(default) if default is not None else {"model": str, "gpus": int}.get(f.name)
+        if expected is None:
+            continue
+        ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+        if expected is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
+            return f"'{f.name}' is {value!r}, not of type {expected.__name__}"
+    return None
 
 
 def parse_duration(text: str | None) -> float | None:

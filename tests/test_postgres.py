@@ -46,6 +46,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SERVER: dict = {}  # how the module's server is stopped and started again (the outage test)
+
+
 @pytest.fixture(scope="module")
 def postgres_url():
     """A PostgreSQL server of its own for this module: postgresql://postgres@127.0.0.1:PORT/postgres."""
@@ -87,6 +90,7 @@ def postgres_url():
     )
     if started.returncode != 0:
         pytest.fail(f"pg_ctl start failed: {started.stdout}{started.stderr}")
+    SERVER.update(pg_ctl=[*prefix, pg_ctl, "-D", str(data)], options=started.args[-6:-2])
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
@@ -392,3 +396,36 @@ def test_a_node_killed_inside_ask_and_its_unstamped_lock_are_taken_over(postgres
     after = study.get_trials(deepcopy=False)
     assert after[trial.number].state == TrialState.FAIL
     assert [t.user_attrs.get("retry_of") for t in after if t.state == TrialState.WAITING] == [trial.number]
+
+
+def test_a_server_restart_mid_search_is_waited_out_with_a_line(postgres_url, tmp_path):
+    """Issue 22, item 6: PostgreSQL stopped for 8 s and started again while a search runs. The
+    controller died within seconds (InvalidatePoolError); it now waits, says so, and finishes."""
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen(
+        _search(postgres_url, "restart", runs, "--trials", "4", "--sim-time-scale", "0.01"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "AUTOTUNE_STORAGE_OUTAGE_S": "120"},
+    )
+    deadline = time.monotonic() + 300
+    while not list(runs.glob("restart/trials/*/outcome.json")):
+        assert proc.poll() is None and time.monotonic() < deadline, "the search ended before a trial did"
+        time.sleep(0.05)
+    stop = subprocess.run(
+        [*SERVER["pg_ctl"], "-m", "fast", "stop"], capture_output=True, text=True, timeout=120
+    )
+    assert stop.returncode == 0, stop.stderr
+    time.sleep(8)
+    start = subprocess.run(
+        [*SERVER["pg_ctl"], *SERVER["options"], "-w", "start"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert start.returncode == 0, start.stdout + start.stderr
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err, err
+    assert "is unreachable" in err and "is back after" in err, err

@@ -27,12 +27,15 @@ def _line_of(node: yaml.Node | None) -> int:
 
 def load_space(path: str | Path | None = None) -> Space:
     """Load and validate a space file. Errors are one line: ``file:line: key: what is allowed``."""
-    path = Path(path) if path else default_space_path()
+    path = (Path(path).expanduser() if path else default_space_path()).resolve()  # resume runs elsewhere
     text, root, data = _read(path)
 
     def fail(node: yaml.Node | None, message: str) -> UsageError:
         return UsageError(f"{path}:{_line_of(node)}: {message}")
 
+    duplicate = _duplicate_key(root)
+    if duplicate:
+        raise fail(*duplicate)
     if not isinstance(data, dict) or not isinstance(data.get("parameters"), dict) or not data["parameters"]:
         raise fail(root, "a space needs a non-empty 'parameters:' mapping")
     pnodes = {k.value: v for k, v in _mapping(root).items()}.get("parameters")
@@ -47,6 +50,9 @@ def load_space(path: str | Path | None = None) -> Space:
                 raise fail(
                     knode, f"{param.name}.requires {dep}={value!r} but {dep} is {params[dep].allowed()}"
                 )
+    cycle = _requires_cycle(params)
+    if cycle:
+        raise fail(nodes.get(cycle[0], (None, None))[0], f"requires form a circle: {' -> '.join(cycle)}")
     batch = None
     if "global_batch" in data:
         bnode = {k.value: (k, v) for k, v in _mapping(root).items()}.get("global_batch", (None, None))
@@ -194,6 +200,42 @@ def _load_batch(spec: Any, nodes: tuple[Any, Any], params: dict[str, Param], fai
         generations=generations,
         declared=True,
     )
+
+
+def _requires_cycle(params: dict[str, Param]) -> list[str]:
+    """A chain of ``requires`` that comes back to where it started (no candidate satisfies it)."""
+    for start in params:
+        todo = [(dep, [start, dep]) for dep in params[start].requires]
+        seen: set[str] = set()
+        while todo:
+            dep, chain = todo.pop()
+            if dep == start:
+                return chain
+            if dep in seen or dep not in params:
+                continue
+            seen.add(dep)
+            todo.extend((d, [*chain, d]) for d in params[dep].requires)
+    return []
+
+
+def _duplicate_key(node: yaml.Node | None) -> tuple[yaml.Node, str] | None:
+    """The first key written twice in one mapping (YAML loaders keep the last one silently)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: dict[Any, yaml.Node] = {}
+        for key, value in node.value:
+            if getattr(key, "value", None) in seen:
+                first = seen[key.value]
+                return key, f"'{key.value}' is written twice (first at line {first.start_mark.line + 1})"
+            seen[getattr(key, "value", id(key))] = key
+            found = _duplicate_key(value)
+            if found:
+                return found
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            found = _duplicate_key(item)
+            if found:
+                return found
+    return None
 
 
 def _mapping(node: yaml.Node | None) -> dict:

@@ -14,5 +14,5 @@ decides can be read and tested apart from how it is printed:
 
 A study folder that lost a part (recipe.yaml, study.db) is named as such and refused before
 anything is written, and a damaged database or a full disk met while a command runs ends it with
-one line (:func:`autotune.study.storage.plain_failures`), never a traceback.
+one line (:func:`autotune.study.checks.plain_failures`), never a traceback.
 """

@@ -80,4 +80,10 @@ def context_for(recipe: Recipe) -> TrialContext:
     except UsageError:
         gpu = unlisted_gpu(recipe.gpu_type, recipe.gpu_memory_gib)
     space = load_space(recipe.space or None)
+    if recipe.space_digest and space.digest != recipe.space_digest:
+        raise UsageError(
+            f"the search space {space.path} is not the one this study was started with (its digest "
+            f"{space.digest} differs from {recipe.space_digest}): restore that file, or start a new "
+            "study with another --name"
+        )
     return TrialContext(recipe=recipe, space=space, model=resolve_model(recipe.model), gpu=gpu)

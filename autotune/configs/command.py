@@ -8,6 +8,7 @@ ships is what the trials ran.
 
 from __future__ import annotations
 
+import re
 import shlex
 import string
 from pathlib import Path
@@ -114,15 +115,24 @@ def fill(tokens: list[str], values: dict[str, Any]) -> list[str]:
     return [filler.format(token, **values) for token in tokens]
 
 
+MAX_SPEC_WIDTH = 4096  # an argv string may be 128 KiB (MAX_ARG_STRLEN); a filled value far less
+
+
 def check_specs(tokens: list[str], samples: dict[str, list[Any]]) -> None:
     """Refuse, before any trial, a format spec that cannot write one of a placeholder's values
     (``{offload:03d}`` on 'none'), rather than crash in the middle of the search."""
     for token in tokens:
         for name, spec, _ in placeholders(token):
+            widest = max((int(n) for n in re.findall(r"\d+", spec)), default=0)
+            if widest > MAX_SPEC_WIDTH:  # 1e11 is a MemoryError, 140000 an argv the kernel refuses
+                raise UsageError(
+                    f"--command placeholder {{{name}:{spec}}}: a width or precision of {widest} is more "
+                    f"than an argument can hold (at most {MAX_SPEC_WIDTH}): fix the format spec"
+                )
             for value in samples.get(name, []) if spec else []:
                 try:
                     format(value, spec)
-                except (ValueError, TypeError) as exc:
+                except (ValueError, TypeError, OverflowError, MemoryError) as exc:
                     raise UsageError(
                         f"--command placeholder {{{name}:{spec}}} cannot write "
                         f"{name}={format_value(value)} ({exc}): fix the format spec or write {{{name}}}"

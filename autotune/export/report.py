@@ -20,7 +20,7 @@ from autotune.study import StudyPaths, choose_best, confirmations, rows
 from autotune.study.ranking import headroom_limit
 from autotune.study.record import TrialRow
 from autotune.trial.layout import TrialFiles
-from autotune.trial.outcome import Outcome
+from autotune.trial.outcome import read_outcome
 from autotune.trial.utilization import read_ticks
 
 REPORT_HTML = "report.html"
@@ -48,10 +48,8 @@ def _regime(params: dict[str, Any]) -> str:
 
 
 def _predicted(paths: StudyPaths, row: TrialRow) -> float | None:
-    try:
-        value = Outcome.read(TrialFiles(paths.trial_dir(row.number)).outcome).predicted_gib
-    except (OSError, ValueError, TypeError):
-        return None
+    outcome = read_outcome(TrialFiles(paths.trial_dir(row.number)).outcome)  # damaged: said once, unknown
+    value = outcome.predicted_gib if outcome is not None else None
     return float(value) if isinstance(value, (int, float)) else None
 
 

@@ -8,11 +8,13 @@ existing folder keeps every file that is not autotune's: ``--out`` may name any 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import optuna
@@ -104,8 +106,25 @@ def _swap_in(final: Path, files: dict[str, tuple[str, bool]]) -> None:
     autotune's own stale files go (a ds_config.json the new configuration does not use). Nothing
     else in the folder is touched. Leftover temp folders of an earlier crash are cleared first.
     A write that fails (a full disk) happens before anything is moved: the temp folder goes and
-    ``final`` is left as it was.
+    ``final`` is left as it was. Two exports at once (a search's and the user's) take turns on a
+    lock of the parent folder, so neither clears the other's temp folder as a leftover.
     """
+    with _folder_lock(final.parent):
+        _swap_locked(final, files)
+
+
+@contextmanager
+def _folder_lock(folder: Path) -> Iterator[None]:
+    """An exclusive flock on the folder itself: no lock file is left in a folder the user owns."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+def _swap_locked(final: Path, files: dict[str, tuple[str, bool]]) -> None:
     parent = final.parent
     for stale in parent.glob(f".{final.name}.tmp-*"):
         if stale.is_dir():

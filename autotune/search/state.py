@@ -23,7 +23,7 @@ from autotune.search.planner import Planner
 from autotune.search.stopping import Stopping
 from autotune.study import StudyPaths, TrialRow, launched_rows
 from autotune.trial.layout import TrialFiles
-from autotune.trial.outcome import STATUSES, UNINFORMATIVE, Outcome, Status
+from autotune.trial.outcome import STATUSES, UNINFORMATIVE, Outcome, Status, read_outcome
 
 MIN_NOISE = 0.03  # relative run-to-run noise assumed before any run was repeated
 
@@ -122,10 +122,8 @@ class SearchState:
     def leftover(self, number: int) -> bool:
         """Whether trial ``number`` started on GPUs still holding an earlier trial's memory (its
         outcome.json says so; a folder on another node, or none, says no)."""
-        try:
-            return bool(Outcome.read(TrialFiles(self.paths.trial_dir(number)).outcome).leftover_gib)
-        except (OSError, ValueError, KeyError, TypeError):
-            return False
+        done = read_outcome(TrialFiles(self.paths.trial_dir(number)).outcome)  # damaged: one line, says no
+        return done is not None and bool(done.leftover_gib)
 
     def observe_row(self, row: TrialRow) -> bool:
         """:meth:`observe` a trial known only from the study (resumed, or another controller's); one

@@ -5,18 +5,12 @@ can be killed at any moment and continued. This package imports only lower layer
 contract and the recipe); the search above it decides, the study only records and ranks.
 """
 
+from autotune.study.checks import check_database, held_trials, plain_failures
 from autotune.study.paths import StudyPaths, prepare_root
 from autotune.study.ranking import Confirmation, choose_best, confirmations, eligible, rank, save_confirmation
 from autotune.study.record import TrialRow, candidate_key, launched_rows, measured_configs, record, rows
 from autotune.study.recovery import recover_interrupted
-from autotune.study.storage import (
-    check_database,
-    check_storage,
-    held_trials,
-    load_existing,
-    open_study,
-    plain_failures,
-)
+from autotune.study.storage import check_storage, load_existing, open_study
 
 __all__ = [
     "Confirmation",

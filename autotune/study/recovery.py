@@ -41,7 +41,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.study.paths import StudyPaths
 from autotune.study.record import candidate_key, record
 from autotune.trial.layout import PARAMS, TrialFiles
-from autotune.trial.outcome import Outcome, Status
+from autotune.trial.outcome import Outcome, Status, read_outcome
 from autotune.trial.processes import kill_stale
 
 log = logging.getLogger(__name__)
@@ -239,10 +239,7 @@ def recover_interrupted(study: optuna.Study, paths: StudyPaths, *, sweep: bool =
         params, source = interrupted_candidate(trial, trial_dir)
         finished = TrialFiles(trial_dir).outcome
         if finished.exists():
-            try:
-                done = Outcome.read(finished)
-            except (ValueError, OSError):
-                done = None
+            done = read_outcome(finished)  # a damaged file: said in one line, the trial runs again
             if done is not None and done.launched and done.status != Status.INTERRUPTED:
                 # the trial ended and its outcome was written; only the telling was cut short
                 try:

@@ -1,12 +1,9 @@
 """Opening the Optuna study behind a search: SQLite in the study folder, or any RDB URL.
 
 The sampler and pruner are the search's business and are handed in; the study only knows where
-its trials are stored and turns every storage failure into one line the user can act on.
-
-A damaged study must never be misread. A missing or empty SQLite file next to trial folders is not
-a new study: opening it would create a fresh database and start a search over the old trials/ and
-best/, so it is refused before anything is opened (SQLite creates the file on connect). A file
-SQLite cannot read is called damaged, with how to salvage it; it is never deleted or rewritten.
+its trials are stored and turns every storage failure into one line the user can act on. What is
+checked before anything is opened (a missing, empty, damaged or misnamed database) lives in
+:mod:`autotune.study.checks`; waiting out a storage outage in :mod:`autotune.study.outage`.
 """
 
 from __future__ import annotations
@@ -16,178 +13,27 @@ import json
 import logging
 import os
 import re
-import sqlite3
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import click
 import optuna
 
-from autotune.errors import SQLITE_FULL, UsageError, causes, disk_full, no_space
+from autotune.errors import UsageError
 from autotune.recipe import Recipe
+from autotune.study.checks import check_database, sqlite_file, storage_error
+from autotune.study.outage import PatientStorage, creation_race, outage_limit_s
 from autotune.study.paths import StudyPaths
 from autotune.study.recovery import RetryInterrupted
 
 log = logging.getLogger(__name__)
 
-# what sqlite3 says when the file's pages are not a database (any more)
-DAMAGED = (
-    "database disk image is malformed",
-    "file is not a database",
-    "file is encrypted or is not a database",
-    "malformed database schema",
-)
-
-
-def sqlite_file(url: str) -> Path | None:
-    """The file behind a ``sqlite:///`` URL, or None for other databases and in-memory SQLite."""
-    prefix = "sqlite:///"
-    if not url.startswith(prefix) or url[len(prefix) :] in ("", ":memory:"):
-        return None
-    return Path(url[len(prefix) :].split("?", 1)[0])
-
-
-def held_trials(paths: StudyPaths) -> int:
-    """How many trial folders the study folder holds (what a new database would be started over)."""
-    trials = paths.root / "trials"
-    return sum(1 for p in trials.iterdir() if p.name.isdigit()) if trials.is_dir() else 0
-
-
-def check_database(paths: StudyPaths, recipe: Recipe, *, must_exist: bool = False) -> None:
-    """Refuse a study whose SQLite file is missing or empty while it holds trials.
-
-    With ``must_exist`` (show, export, verify) a study with no database at all is refused too,
-    rather than created empty by opening it.
-    """
-    url = paths.storage_url(recipe)
-    db = sqlite_file(url)
-    if db is None:
-        return
-    if not db.exists():
-        state = "missing"
-    elif db.is_file() and db.stat().st_size == 0:
-        state = "empty (0 bytes)"
-    else:
-        check_integrity(db, url)
-        return
-    held = held_trials(paths)
-    best = paths.best.is_dir() and any(paths.best.iterdir())
-    if held or best:
-        what = f"{paths.root / 'trials'} holds {held} trials" if held else f"{paths.best} holds an export"
-        raise UsageError(
-            f"the study database {db} is {state} while {what}: restore {db.name} from a backup, "
-            f"or start a new study with another --name (nothing was changed)"
-        )
-    if must_exist:
-        raise UsageError(
-            f"study '{paths.name}' has no trials yet: its database {db} is {state} "
-            f"(run autotune resume {paths.name} to start it)"
-        )
-
-
-def check_integrity(db: Path, url: str) -> None:
-    """Refuse a SQLite file with damaged pages before anything is written next to it.
-
-    SQLite notices a bad page only when it reads it, which may be deep in a search, after the
-    recipe was rewritten and trials were run; ``PRAGMA quick_check`` reads every page now, read-only
-    (a study of thousands of trials takes well under a second). A file that cannot be checked for
-    another reason (locked, unreadable) is left to Optuna, whose error is reported as it comes.
-    """
-    try:
-        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=5)
-        try:
-            found = [row[0] for row in conn.execute("PRAGMA quick_check(3)")]
-        finally:
-            conn.close()
-    except sqlite3.DatabaseError as exc:
-        damaged = damaged_error(exc, url)
-        if damaged is not None:
-            raise damaged from exc
-        log.debug("could not check %s: %s", db, exc)
-        return
-    if found and found != ["ok"]:
-        log.debug("integrity check of %s: %s", db, "; ".join(map(str, found)))
-        raise _damaged_line(db, url, "database disk image is malformed")
-
-
-def _damaged_line(db: Path | None, url: str, what: str) -> UsageError:
-    if db is None:
-        return UsageError(
-            f"the study storage {url} is damaged (sqlite: {what}): copy it aside and repair it, "
-            f"or start a new study with another --name"
-        )
-    n = db.name
-    return UsageError(
-        f"the study database {db} is damaged (sqlite: {what}): copy it aside and salvage the copy "
-        f"(in {db.parent}: cp {n} {n}.bak; sqlite3 {n}.bak .recover | sqlite3 {n}.new; "
-        f"mv {n}.new {n}), or start a new study with another --name; nothing was deleted"
-    )
-
-
-def damaged_error(exc: BaseException, url: str) -> UsageError | None:
-    """The one line for a database SQLite cannot read, or None when ``exc`` is something else."""
-    for err in causes(exc):
-        text = str(err)
-        hit = next((m for m in DAMAGED if m in text), None)
-        if hit is None:
-            continue
-        return _damaged_line(sqlite_file(url), url, hit)
-    return None
-
-
-def _storage_error(url: str, exc: Exception, hint: str = "") -> UsageError:
-    damaged = damaged_error(exc, url)
-    if damaged is not None:
-        return damaged
-    full, _ = no_space(exc)
-    if full:
-        return disk_full(sqlite_file(url) or url, "use --runs-dir on a disk with room")
-    if isinstance(exc, optuna.exceptions.StorageInternalError):
-        return UsageError(f"cannot open storage {url}: {exc}".splitlines()[0])
-    if isinstance(exc, (ImportError, ValueError)):
-        return UsageError(f"cannot open storage {url}: {exc}".splitlines()[0])
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    return UsageError(f"cannot open storage {url}: {exc.__class__.__name__}: {first}{hint}")
-
-
-@contextmanager
-def plain_failures(
-    paths: StudyPaths, recipe: Recipe | None, fix: str, where: object | None = None
-) -> Iterator[None]:
-    """Turn a damaged database or a full disk met anywhere inside into one line, not a traceback.
-
-    SQLite reports a bad page only when it reads that page, and a disk fills up at any write, so
-    these come from deep inside a search or an export, wrapped by Optuna and SQLAlchemy. ``fix``
-    says how to get past a full disk for this command; ``where`` names what was being written when
-    the error does not (default: the file in the error, or the study's database or folder).
-    """
-    try:
-        yield
-    except click.ClickException:
-        raise
-    except Exception as exc:
-        url = paths.storage_url(recipe) if recipe is not None else f"sqlite:///{paths.db}"
-        damaged = damaged_error(exc, url)
-        if damaged is not None:
-            log.debug("damaged storage", exc_info=True)
-            raise damaged from exc
-        full, name = no_space(exc)
-        if full:
-            log.debug("disk full", exc_info=True)
-            if where is None:
-                where = paths.root
-                if name and ".tmp" not in Path(name).name:
-                    where = name
-                elif any(SQLITE_FULL in str(e) for e in causes(exc)):
-                    where = sqlite_file(url) or url
-            raise disk_full(where, fix) from exc
-        raise
-
-
 HEARTBEAT_S = 15  # how often a running trial says its controller is alive
 GRACE_FACTOR = 4  # missed heartbeats before another controller takes the trial over
+CREATION_TRIES = 10
+SQLITE_BUSY_S = 10.0
 POSTGRES_EXTRA = "pip install 'autotune[postgres]'"
 IDENTITY_ATTR = "recipe_identity"  # study user attribute: what every controller must agree on
 RECIPE_ATTR = "recipe"  # the whole recipe and the space's text: another node can adopt the study
@@ -245,20 +91,31 @@ def make_storage(url: str, *, heartbeat: bool, paths: StudyPaths | None = None) 
     controller that looks (:class:`RetryInterrupted`, Optuna's RetryFailedTrialCallback for us)."""
     engine: dict[str, Any] = {}
     if url.startswith("sqlite"):
-        engine["connect_args"] = {"timeout": 60}  # several controllers and threads write one file
+        # several controllers and threads write one file: SQLite itself waits this long for a lock,
+        # then a lock held longer is an outage, waited out with a line saying so (outage.py)
+        engine["connect_args"] = {"timeout": min(SQLITE_BUSY_S, max(1.0, outage_limit_s()))}
     elif url.startswith("postgres"):
         engine["connect_args"] = {"connect_timeout": 10}
         engine["pool_pre_ping"] = True
-    if not heartbeat:
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine)
-    interval = heartbeat_s()
-    return optuna.storages.RDBStorage(
-        url,
-        engine_kwargs=engine,
-        heartbeat_interval=interval,
-        grace_period=GRACE_FACTOR * interval,
-        heartbeat_stale_trial_callback=RetryInterrupted(paths),
-    )
+    kwargs: dict[str, Any] = {}
+    if heartbeat:
+        interval = heartbeat_s()
+        kwargs = dict(
+            heartbeat_interval=interval,
+            grace_period=GRACE_FACTOR * interval,
+            heartbeat_stale_trial_callback=RetryInterrupted(paths),
+        )
+    for attempt in range(CREATION_TRIES):
+        try:
+            storage = PatientStorage(url, engine_kwargs=engine, **kwargs)
+            break
+        except Exception as exc:  # two controllers creating a new database's tables at one moment
+            if attempt + 1 == CREATION_TRIES or not creation_race(exc):
+                raise
+            log.debug("the storage's tables were being created by another controller; again", exc_info=True)
+            time.sleep(0.2 * (attempt + 1))
+    storage.url_for_messages = redact(url)
+    return storage
 
 
 def _open_storage(paths: StudyPaths, recipe: Recipe, *, heartbeat: bool) -> optuna.storages.RDBStorage:
@@ -268,7 +125,7 @@ def _open_storage(paths: StudyPaths, recipe: Recipe, *, heartbeat: bool) -> optu
         with warnings_quiet():
             return make_storage(real, heartbeat=heartbeat, paths=paths)
     except optuna.exceptions.StorageInternalError as exc:
-        raise _storage_error(url, exc) from None
+        raise storage_error(url, exc) from None
     except Exception as exc:  # sqlalchemy errors: bad URL, server down, permissions
         if sqlite_file(url) is None and "connect" in str(exc).lower():
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else exc.__class__.__name__
@@ -276,7 +133,7 @@ def _open_storage(paths: StudyPaths, recipe: Recipe, *, heartbeat: bool) -> optu
                 f"cannot reach the study storage {redact(url)} ({first[:200]}): check the host, "
                 f"port, user and database, and that the server runs"
             ) from None
-        raise _storage_error(redact(url), exc, " (check --storage)") from None
+        raise storage_error(redact(url), exc, " (check --storage)") from None
 
 
 @contextmanager
@@ -336,7 +193,7 @@ def check_storage(paths: StudyPaths, recipe: Recipe) -> None:
     except KeyError:
         return
     except Exception as exc:
-        raise _storage_error(redact(recipe.storage), exc, " (check --storage)") from None
+        raise storage_error(redact(recipe.storage), exc, " (check --storage)") from None
     theirs = storage.get_study_user_attrs(study_id).get(IDENTITY_ATTR)
     differ = identity_differences(identity_of(recipe), theirs or {})
     if differ:
@@ -373,9 +230,9 @@ def open_study(
             load_if_exists=True,
         )
     except optuna.exceptions.StorageInternalError as exc:
-        raise _storage_error(url, exc) from None
+        raise storage_error(url, exc) from None
     except Exception as exc:  # sqlalchemy errors: bad URL, server down, permissions
-        raise _storage_error(redact(url), exc, " (check --storage)") from None
+        raise storage_error(redact(url), exc, " (check --storage)") from None
     check_identity(study, recipe, url)
     return study
 
@@ -395,7 +252,7 @@ def adopt_shared_study(paths: StudyPaths, url: str) -> None:
             f"no study '{paths.name}' in {redact(url)}: check --storage and the study name"
         ) from None
     except Exception as exc:
-        raise _storage_error(redact(url), exc, " (check --storage)") from None
+        raise storage_error(redact(url), exc, " (check --storage)") from None
     data = attrs.get(RECIPE_ATTR)
     if not isinstance(data, dict):
         raise UsageError(
@@ -427,4 +284,4 @@ def load_existing(paths: StudyPaths, recipe: Recipe) -> optuna.Study:
     except KeyError:
         raise UsageError(f"study '{paths.name}' has no trials in {redact(url)} yet") from None
     except Exception as exc:  # sqlalchemy errors: server down, permissions, a damaged file
-        raise _storage_error(redact(url), exc) from None
+        raise storage_error(redact(url), exc) from None

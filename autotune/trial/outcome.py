@@ -13,6 +13,7 @@ files written before they were (under ``extra``) are read into the fields.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
@@ -20,7 +21,9 @@ from typing import Any
 
 from autotune.files import write_json
 
-__all__ = ["STATUSES", "OOM_KINDS", "Status", "Outcome", "describe"]
+__all__ = ["STATUSES", "OOM_KINDS", "Status", "Outcome", "describe", "read_outcome"]
+
+log = logging.getLogger(__name__)
 
 
 class Status(StrEnum):
@@ -89,7 +92,14 @@ class Outcome:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> Outcome:
         """Read what :meth:`to_json` (or an older/newer writer) produced; unknown keys go to ``extra``,
-        and the fields an older writer kept under ``extra`` come back as fields."""
+        and the fields an older writer kept under ``extra`` come back as fields.
+
+        A field of the wrong type (a hand-edited or damaged file) is a ValueError naming it, here,
+        rather than an AttributeError wherever the value is used later."""
+        if not isinstance(d, dict):
+            raise ValueError(f"not a JSON object but {type(d).__name__}")
+        if d.get("extra") is not None and not isinstance(d["extra"], dict):
+            raise ValueError("extra: is of the wrong type")
         known = {f.name for f in fields(cls)}
         kwargs = {k: v for k, v in d.items() if k in known}
         unknown = {k: v for k, v in d.items() if k not in known}
@@ -106,6 +116,7 @@ class Outcome:
         kwargs["step_times"] = list(kwargs["step_times"] or [])
         if kwargs.get("extra") is None:
             kwargs["extra"] = {}
+        _check_types(kwargs)  # after the move out of ``extra``: an old file's fields are checked too
         return cls(**kwargs)
 
     def write(self, path: Path | str) -> None:
@@ -119,6 +130,49 @@ class Outcome:
 
 
 _FORMERLY_EXTRA = ("launched", "pruned", "predicted_gib", "leftover_gib")
+
+_NUMBERS = ("throughput", "peak_memory_gib", "mean_gpu_util", "wall_time_s", "predicted_gib", "leftover_gib")
+_TEXTS = ("error_line", "detail", "oom_kind")
+
+
+def _check_types(d: dict[str, Any]) -> None:
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    wrong = [k for k in _NUMBERS if d.get(k) is not None and not number(d[k])]
+    wrong += [k for k in _TEXTS if d.get(k) is not None and not isinstance(d[k], str)]
+    wrong += [k for k in ("steps", "returncode") if d.get(k) is not None and not isinstance(d[k], int)]
+    wrong += [k for k in ("launched", "pruned") if d.get(k) is not None and not isinstance(d[k], bool)]
+    if not isinstance(d.get("status"), str):
+        wrong.append("status")
+    if d.get("extra") is not None and not isinstance(d["extra"], dict):
+        wrong.append("extra")
+    times = d.get("step_times")
+    if times is not None and not (isinstance(times, list) and all(number(t) for t in times)):
+        wrong.append("step_times")
+    if wrong:
+        raise ValueError(f"{', '.join(wrong)}: {'is' if len(wrong) == 1 else 'are'} of the wrong type")
+
+
+_warned: set[str] = set()
+
+
+def read_outcome(path: Path | str) -> Outcome | None:
+    """A trial's outcome.json, or None when it is missing or damaged: the trial is then unknown.
+
+    A damaged file (cut short, hand-edited, a field of the wrong type) is said once per process in
+    one warning line and is never fatal: report, resume and show go on without that trial's file.
+    """
+    try:
+        return Outcome.read(path)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, TypeError) as exc:
+        if str(path) not in _warned:
+            _warned.add(str(path))
+            log.warning("%s is damaged (%s): that trial is treated as unknown", path, str(exc)[:200])
+        return None
+
 
 _DETAILS = {
     ("oom", "cuda"): "GPU memory ran out: this configuration does not fit on the device",
