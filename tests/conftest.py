@@ -4,6 +4,7 @@ Test modules import helpers from here (``from conftest import ...``), never from
 a helper that two topics need lives in this one place (tests/test_architecture.py checks it).
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -336,3 +337,30 @@ def params(pd=2, accum=2, gens=2, **kw):
         offload="none",
         **kw,
     )
+
+
+# a quick sim search (the faults tests make real studies with it)
+SIM = [
+    "search",
+    "--model",
+    "Qwen2.5-7B-Instruct",
+    "--gpus",
+    "4",
+    "--runner",
+    "sim",
+    "--gpu-type",
+    "A100-80GB",
+    "--sim-time-scale",
+    "0.0005",
+    "--confirm",
+    "0",
+]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under ``root`` with a digest of its bytes: what 'nothing changed' means."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }

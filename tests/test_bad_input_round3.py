@@ -7,9 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, run_cli
-from test_bad_input import one_line_error
-from test_faults_study import SIM
+from conftest import ROOT, SIM, one_line_error, run_cli
 
 SPACE = ROOT / "autotune" / "spaces" / "grpo.yaml"
 

@@ -15,9 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
-from test_bad_input import one_line_error
-from test_faults_study import SIM, snapshot
+from conftest import SIM, one_line_error, run_cli, snapshot
 
 
 @pytest.fixture(scope="module")

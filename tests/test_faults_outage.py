@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import run_cli
-from test_faults_study import SIM
+from conftest import SIM, run_cli
 
 
 def search_holding_a_lock(tmp_path: Path, hold_s: float, limit_s: float | None) -> tuple[int, str]:

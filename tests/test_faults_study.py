@@ -7,7 +7,6 @@ one line that names the fix, exit 2, no traceback, and nothing the user has is d
 
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import shutil
@@ -17,32 +16,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import one_line_error, run_cli
-
-SIM = [
-    "search",
-    "--model",
-    "Qwen2.5-7B-Instruct",
-    "--gpus",
-    "4",
-    "--runner",
-    "sim",
-    "--gpu-type",
-    "A100-80GB",
-    "--sim-time-scale",
-    "0.0005",
-    "--confirm",
-    "0",
-]
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    """Every file under ``root`` with a digest of its bytes: what 'nothing changed' means."""
-    return {
-        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(root.rglob("*"))
-        if p.is_file()
-    }
+from conftest import SIM, one_line_error, run_cli, snapshot
 
 
 @pytest.fixture(scope="module")
