@@ -67,7 +67,7 @@ def test_a_stalled_proposer_gets_the_grids_best_open_candidate(tmp_path):
     """After three proposals in a row that needed no launch, the next one is the open candidate of
     the grid (untried, ruled out by nothing) the planner expects fastest, not another random draw."""
     search = make_search(tmp_path, gpus=2, pins={"use_vllm": True, "vllm_mode": "colocate"})
-    study = search.open()
+    study = search.open().study
     study.set_user_attr(SEEDS_ATTR, [])
     pool = search.planner.pool(search.space, search.fixed, search.rules)
     top = pool[0][1]
@@ -77,7 +77,7 @@ def test_a_stalled_proposer_gets_the_grids_best_open_candidate(tmp_path):
         params = search.space.normalize(
             {**search.space.defaults(), **LEAN, "per_device_train_batch_size": 32}
         )
-        search.tell(study, trial, params, candidate_key(params), Outcome(status="skipped", detail="x"), {})
+        search.tell(trial, params, candidate_key(params), Outcome(status="skipped", detail="x"))
     trial = study.ask()
     assert study._storage.get_trial_system_attrs(trial._trial_id).get(PROPOSAL_ATTR) == "pool"
     proposed = {k: trial.params.get(k, v) for k, v in search.fixed.items()} | trial.params
@@ -107,7 +107,7 @@ def test_a_transient_crash_is_run_once_more_later_and_so_is_its_confirmation(tmp
     runs = [r for r in search_rows(search) if r.launched and candidate_key(r.params) == crashed[0]]
     assert [r.status for r in runs] == ["crash", "ok"], runs
     assert candidate_key(result.best.params) == crashed[0]  # the candidate the crash nearly lost
-    assert result.confirmation["status"] == "ok" and len(crashed) == 2
+    assert result.confirmation.status == "ok" and len(crashed) == 2
     assert (tmp_path / "r" / "confirm" / f"{result.best.number}-crashed").is_dir()
 
 
@@ -139,7 +139,7 @@ def test_the_convergence_stop_trusts_only_a_checked_prior(tmp_path):
     pins = {k: v for k, v in LEAN.items() if k != "gradient_checkpointing"}
     for agrees in (False, True):
         search = make_search(tmp_path / str(agrees), gpus=2, pins=pins)
-        study = search.open()
+        study = search.open().study
         planner = search.planner
         planner.improvable = lambda *a, **k: None  # the prior expects nothing better
         measured = [
@@ -150,9 +150,9 @@ def test_the_convergence_stop_trusts_only_a_checked_prior(tmp_path):
         for number, cand in enumerate(measured):
             speed = planner.prior(cand) if agrees else 1.0 / planner.prior(cand)
             planner.observe(number, cand, "ok", None, 10.0, speed)
-        search.best_value = max(s.throughput for s in planner.seen)
-        search.improved_at = 0
-        reason = search.converged(study, 20)
+        search.state.best_value = max(s.throughput for s in planner.seen)
+        search.state.improved_at = 0
+        reason = search.converged(20)
         assert (reason is not None) is agrees, reason
 
 
@@ -172,7 +172,7 @@ def test_a_near_tie_is_decided_by_confirmed_throughput(tmp_path):
     search = make_search(tmp_path, gpus=2, execute=execute, pins=LEAN, trials=6, confirm=1)
     result = search.run()
     assert result.best.params["per_device_train_batch_size"] == 16
-    assert result.confirmation["throughput"] == 105.0
+    assert result.confirmation.throughput == 105.0
 
 
 def test_moving_along_a_knob_while_it_pays_and_not_along_one_that_does_nothing(tmp_path):
@@ -184,7 +184,7 @@ def test_moving_along_a_knob_while_it_pays_and_not_along_one_that_does_nothing(t
 
     pins = {k: v for k, v in LEAN.items() if k != "gradient_checkpointing"}
     search = make_search(tmp_path, gpus=2, pins=pins)
-    study = search.open()
+    study = search.open().study
     planner = search.planner
     base = next(c for _, c in planner.pool(search.space, search.fixed, search.rules))
 

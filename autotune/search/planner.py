@@ -26,7 +26,7 @@ from autotune.candidate.estimate import estimate_for, prior_for
 from autotune.candidate.memory import Estimate
 from autotune.candidate.moves import neighbors
 from autotune.candidate.space import Space
-from autotune.candidate.vector import OFFLOAD_RANK, at_least, distance, memory_vector
+from autotune.candidate.vector import OFFLOAD_RANK, MemoryVector, at_least, distance, memory_vector
 from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
@@ -242,6 +242,11 @@ class Planner:
                 and int(knob(params, "vllm_tensor_parallel_size"))
                 <= int(knob(s.params, "vllm_tensor_parallel_size"))
             )
+        # the TRL knobs by name (a space's declared knobs follow them in the vector)
+        vec, other = (
+            MemoryVector._make(vec[: len(MemoryVector._fields)]),
+            MemoryVector._make(other[: len(MemoryVector._fields)]),
+        )
         if s.oom_kind == "vllm_startup":
             return (
                 colocated
