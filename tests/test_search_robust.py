@@ -139,7 +139,7 @@ def test_the_convergence_stop_trusts_only_a_checked_prior(tmp_path):
     pins = {k: v for k, v in LEAN.items() if k != "gradient_checkpointing"}
     for agrees in (False, True):
         search = make_search(tmp_path / str(agrees), gpus=2, pins=pins)
-        study = search.open().study
+        search.open()
         planner = search.planner
         planner.improvable = lambda *a, **k: None  # the prior expects nothing better
         measured = [
