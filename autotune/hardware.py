@@ -215,7 +215,9 @@ def gpu_subsets(
 def node_devices(node_gpus: int | None, *, need_visible: bool) -> list[int]:
     """The GPU indices this node offers to trials. Real GPUs: ``CUDA_VISIBLE_DEVICES`` when set, else
     NVML's, the first ``--node-gpus`` of them when given. A rehearsal (the simulator, ``--gpu-type``
-    without GPUs): the node ``--node-gpus`` declares, or none known."""
+    without GPUs): the node ``--node-gpus`` declares, or none known. Where neither the environment
+    nor NVML can see the GPUs (a container without NVML), ``--node-gpus`` declares the node too: the
+    user said how many there are, and every runner is told which of them to use."""
     if not need_visible:
         return list(range(node_gpus)) if node_gpus else []
     visible_env = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -223,6 +225,8 @@ def node_devices(node_gpus: int | None, *, need_visible: bool) -> list[int]:
         devices = [int(d) for d in visible_env.split(",") if d.strip().isdigit()]
     else:
         devices = list(range(len(visible_gpus())))
+    if not devices and node_gpus:
+        return list(range(node_gpus))
     return devices[:node_gpus] if node_gpus else devices
 
 

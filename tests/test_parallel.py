@@ -10,6 +10,8 @@ import optuna
 import pytest
 from conftest import run_cli
 
+from autotune.errors import UsageError
+
 SIM = [
     "search",
     "--model",
@@ -200,3 +202,15 @@ def test_cleanup_and_leftovers_look_only_at_the_trials_own_gpus():
     assert leftover_gib([0, 1], baseline, nvml=nvml) is None
     nvml.used_gib[1] = 9.0  # now a real leftover on the trial's own GPU
     assert leftover_gib([0, 1], baseline, nvml=nvml) == pytest.approx(8.5, abs=0.01)
+
+
+def test_node_gpus_declares_the_node_where_nvml_sees_nothing(monkeypatch):
+    """`--parallel 2 --node-gpus 4 --command ...` on a machine without NVML: --node-gpus is the node."""
+    from autotune import hardware
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(hardware, "visible_gpus", lambda: [])
+    assert hardware.plan_slots(2, 2, 4, need_visible=True) == [[0, 1], [2, 3]]
+    assert hardware.plan_slots(2, None, 4, need_visible=True) == [[0, 1], [2, 3]]
+    with pytest.raises(UsageError, match="give --node-gpus M"):  # nothing declared: still told what to give
+        hardware.plan_slots(2, 2, None, need_visible=True)

@@ -8,11 +8,13 @@ import pytest
 
 from autotune.candidate import constraints
 from autotune.candidate.space_file import load_space
+from autotune.errors import UsageError
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
 from autotune.runners import TrialContext
 from autotune.runners.sim import SimRunner
+from autotune.search.cures import CURES, toward_feasible
 from autotune.search.planner import Planner, neighbors
 from autotune.sim.landscape import evaluate
 from autotune.study import Confirmation, TrialRow, choose_best
@@ -295,13 +297,13 @@ def test_when_nothing_has_fit_the_next_proposal_walks_from_the_nearest_oom():
         planner.observe(n, params, "oom", "cuda", None)
         tried.add(repr(sorted(params.items())))
     assert planner.predict(near) < planner.predict(big)
-    step = planner.toward_feasible(space, {}, [], tried, lambda c: repr(sorted(c.items())))
+    step = toward_feasible(planner, space, {}, [], tried, lambda c: repr(sorted(c.items())))
     assert step is not None and not planner.verdict(step).skip
-    assert step in neighbors(near, space, {}, recipe)
-    assert planner.predict(step) < planner.predict(near)
+    assert step in neighbors(near, space, {}, recipe) or step in neighbors(big, space, {}, recipe)
+    assert planner.predict(step) < planner.predict(big)
     # once something fits, the local search around the best takes over
     planner.observe(9, step, "ok", None, 40.0, 1.0)
-    assert planner.toward_feasible(space, {}, [], tried, lambda c: repr(sorted(c.items()))) is None
+    assert toward_feasible(planner, space, {}, [], tried, lambda c: repr(sorted(c.items()))) is None
 
 
 def test_a_space_in_the_trainers_own_names_is_judged_by_its_batch():
@@ -327,3 +329,161 @@ def test_ms_swift_sleep_level_is_read_as_vllm_sleep_mode():
     awake = {**BASE, "vllm_gpu_memory_utilization": 0.6, "sleep_level": 0}
     asleep = {**awake, "sleep_level": 1}
     assert planner.raw(asleep).vllm_gib < planner.raw(awake).vllm_gib
+
+
+PPO_SPACE = """
+version: 1
+global_batch:
+  micro_batch: micro_train_batch_size
+  generations: n_samples_per_prompt
+parameters:
+  micro_train_batch_size: {type: int, choices: [1, 2, 4, 8, 16], default: 4}
+  n_samples_per_prompt: {type: int, choices: [1, 2, 4], default: 1}
+  zero_stage: {type: int, choices: [2, 3], default: 2}
+  adam_offload: {type: bool, choices: [false, true], default: false%s}
+  colocate_all_models: {type: bool, choices: [false, true], default: false}
+  gradient_checkpointing: {type: bool, choices: [true, false], default: true}
+"""
+
+
+def ppo_planner(tmp_path, declared="", runner="command"):
+    from autotune.search.knobs import KnobMemory
+
+    path = tmp_path / "ppo.yaml"
+    path.write_text(PPO_SPACE % declared)
+    recipe, model, gpu = setup(runner=runner, gpus=8, gpu="A100-80GB", space=str(path))
+    return Planner(model, recipe, gpu, knobs=KnobMemory.of(load_space(path)))
+
+
+def test_knobs_the_planner_does_not_know_carry_no_dominance(tmp_path):
+    """Seen: a PPO trainer's OOM with adam_offload=false vetoed the best configuration, which has
+    offload on ('needs at least the memory of trial 3'). Over an unknown knob an OOM speaks only for
+    candidates equal in it; a space may declare the knob's direction (memory: down)."""
+    ppo = dict(
+        micro_train_batch_size=4,
+        n_samples_per_prompt=1,
+        zero_stage=2,
+        adam_offload=False,
+        colocate_all_models=False,
+        gradient_checkpointing=True,
+    )
+    planner = ppo_planner(tmp_path)
+    planner.observe(3, ppo, "oom", "cuda", None)
+    assert not planner.verdict({**ppo, "adam_offload": True}).skip
+    assert not planner.verdict({**ppo, "colocate_all_models": True, "micro_train_batch_size": 8}).skip
+    assert "trial 3" in planner.verdict({**ppo, "micro_train_batch_size": 8}).reason  # known: the batch
+    planner.observe(4, {**ppo, "micro_train_batch_size": 1}, "ok", None, 60.0, 1.0)
+    assert not planner.verdict({**ppo, "micro_train_batch_size": 1, "adam_offload": True}).skip
+    # declared: offloading Adam needs less memory, so an OOM with it on dominates it off
+    declared = ppo_planner(tmp_path, ", memory: down")
+    declared.observe(5, {**ppo, "adam_offload": True}, "oom", "cuda", None)
+    assert declared.verdict({**ppo, "adam_offload": False}).skip
+    assert not declared.verdict({**ppo, "adam_offload": True, "micro_train_batch_size": 2}).skip
+    with pytest.raises(UsageError, match="memory is 'more'; allowed: up"):
+        ppo_planner(tmp_path, ", memory: more")
+
+
+def test_a_model_that_does_not_know_the_trainer_does_not_veto_until_calibrated(tmp_path):
+    """Seen: the model predicted 37 GiB where the PPO trainer peaked at 72. One measured peak of a
+    --command trainer is no calibration; the simulator (a trainer the model describes) is."""
+    big = {**BASE, "per_device_train_batch_size": 32, "zero_stage": 0, "gradient_checkpointing": False}
+    for runner, vetoes in (("sim", True), ("command", False)):
+        recipe, model, gpu = setup(runner=runner)
+        planner = Planner(model, recipe, gpu)
+        planner.observe(1, BASE, "ok", None, planner.predict(BASE) * 1.9, 1.0)
+        assert planner.verdict(big).skip is vetoes, runner
+
+
+def test_an_unmeasured_peak_at_the_edge_is_not_exported(tmp_path, recipe_factory):
+    """Seen: a trainer that logs no memory, no NVML: a configuration within 3% of capacity was
+    exported as if measured and died later. Without a peak, an OOM of a configuration that needs no
+    more memory by every known knob says this one is at the edge; the export passes it over."""
+    from autotune.search.headroom import unmeasured_risks
+    from autotune.study.ranking import eligible
+
+    ppo = dict(
+        micro_train_batch_size=8,
+        n_samples_per_prompt=1,
+        zero_stage=2,
+        adam_offload=True,
+        colocate_all_models=False,
+        gradient_checkpointing=True,
+    )
+    planner = ppo_planner(tmp_path)
+    planner.observe(1, ppo, "ok", None, None, 9.0)  # no peak: the trainer logs none
+    planner.observe(2, {**ppo, "micro_train_batch_size": 4}, "ok", None, None, 6.0)
+    assert unmeasured_risks(planner) == {}
+    planner.observe(3, {**ppo, "adam_offload": False}, "oom", "cuda", None)  # same batch, one unknown knob
+    risks = unmeasured_risks(planner)
+    assert set(risks) == {"1"} and "trial 3" in risks["1"]
+    rows_ = [
+        TrialRow(1, ppo, "ok", throughput=9.0, at_risk=risks["1"]),
+        TrialRow(2, {**ppo, "micro_train_batch_size": 4}, "ok", throughput=6.0),
+    ]
+    chosen, notes = eligible(rows_, planner.recipe)
+    assert [r.number for r in chosen] == [2]
+    assert any("peak was not measured and trial 3" in n for n in notes), notes
+    # a measured peak is judged by the measurement, not by the neighbours
+    planner.observe(4, {**ppo, "zero_stage": 3}, "ok", None, 50.0, 8.0)
+    assert "4" not in unmeasured_risks(planner)
+
+
+@pytest.mark.parametrize(
+    "kind, cured",
+    [
+        (
+            "vllm_kv",
+            lambda c, o: (
+                c["vllm_gpu_memory_utilization"] > o["vllm_gpu_memory_utilization"]
+                or (c["vllm_enable_sleep_mode"] and not o["vllm_enable_sleep_mode"])
+                or c["vllm_tensor_parallel_size"] > o["vllm_tensor_parallel_size"]
+            ),
+        ),
+        (
+            "vllm_startup",
+            lambda c, o: (
+                c["vllm_gpu_memory_utilization"] < o["vllm_gpu_memory_utilization"]
+                or c["zero_stage"] > o["zero_stage"]
+                or c["offload"] != o["offload"]
+            ),
+        ),
+        (
+            "cuda",
+            lambda c, o: (
+                c["per_device_train_batch_size"] < o["per_device_train_batch_size"]
+                or (c["gradient_checkpointing"] and not o["gradient_checkpointing"])
+                or c["offload"] != o["offload"]
+                or c["zero_stage"] > o["zero_stage"]
+            ),
+        ),
+    ],
+)
+def test_the_walk_toward_feasibility_follows_each_failures_cure(kind, cured):
+    """Seen on 8 x 24 GB: KV-cache OOMs walked to smaller vLLM fractions (less memory by the model,
+    and exactly what makes the KV cache fail again). Each kind has its own cure."""
+    recipe, model, gpu = setup(model="Qwen2.5-14B", gpus=4, gpu="L40S")
+    space = load_space()
+    planner = Planner(model, recipe, gpu)
+    oom = space.normalize(
+        {
+            **space.defaults(),
+            **BASE,
+            "per_device_train_batch_size": 4,
+            "zero_stage": 2,
+            "gradient_checkpointing": False,
+            "vllm_gpu_memory_utilization": 0.5,
+            "vllm_tensor_parallel_size": 1,
+        }
+    )
+    planner.observe(0, oom, "oom", kind, None)
+
+    def key(c):
+        return repr(sorted(c.items()))
+
+    tried = {key(oom)}
+    cure_knobs = set(CURES[kind]) | {"gradient_accumulation_steps"}
+    for _ in range(4):  # every step from it is a cure of its kind, and nothing else
+        step = toward_feasible(planner, space, {}, [], tried, key)
+        assert step is not None and cured(step, oom), (kind, step)
+        assert {k for k in step if step[k] != oom.get(k)} <= cure_knobs, (kind, step)
+        tried.add(key(step))

@@ -522,3 +522,20 @@ def test_command_trials_get_master_port_in_env_and_placeholder(recipe_factory, t
     # best/command.sh runs alone on its node: torch's default port
     script = command_sh({}, recipe, TrialRow(number=0, status="ok", params={}))
     assert "--master_port 29500" in script
+
+
+def test_grpo_group_rule_is_grpo_only(recipe_factory, tmp_path):
+    """A PPO space whose `generations:` mapping names n_samples_per_prompt [1, 2, 4] is accepted:
+    one sample a prompt is PPO's most common setting; GRPO's at-least-2 stays on num_generations."""
+    text = (
+        SPACE.read_text().replace("choices: [4, 8]", "choices: [1, 2, 4]").replace("default: 4", "default: 1")
+    )
+    ppo = tmp_path / "ppo.yaml"
+    ppo.write_text(text)
+    space = load_space(ppo)
+    recipe = recipe_factory(gpus=2, global_batch=32)
+    cand = constraints.derive({"micro_train_batch_size": 2, "n_samples_per_prompt": 1}, recipe, space)
+    assert constraints.violations(cand, recipe, space=space) == []
+    valid, _ = constraints.valid_combinations(space, recipe, {"grad_accum": 0})
+    assert {c["n_samples_per_prompt"] for c in valid} == {1, 2, 4}
+    assert "at least 2" in constraints.violations({"num_generations": 1}, recipe)[0]  # TRL's GRPO

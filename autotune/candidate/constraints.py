@@ -163,7 +163,8 @@ def violations(
     """
     out: list[str] = []
     batch = batch_of(params, recipe, space)
-    gens = _int(params, batch.generations if batch and batch.generations else "num_generations", None)
+    gens_name = batch.generations if batch and batch.generations else "num_generations"
+    gens = _int(params, gens_name, None)
     dp = recipe.dp_gpus(params)
     use_vllm = bool(knob(params, "use_vllm"))
     mode = knob(params, "vllm_mode")
@@ -199,7 +200,9 @@ def violations(
         elif gens is not None and gens >= 2 and generation_batch % gens:
             name = "num_generations" if trl else batch.generations
             out.append(f"generation batch {generation_batch} (= {how}) is not divisible by {name} {gens}")
-    if gens is not None and gens < 2:
+    # GRPO's rule: a group of one has no baseline. It belongs to GRPO trainers (TRL's and ms-swift's
+    # num_generations), not to a space in its own names, whose trainer may be PPO (1 sample a prompt)
+    if gens is not None and gens < 2 and gens_name == "num_generations":
         out.append("num_generations must be at least 2 (GRPO needs 2 completions per prompt)")
     if offload not in ("none", "optimizer", "optimizer+params"):
         out.append(f"offload '{offload}' is not none, optimizer or optimizer+params")

@@ -43,6 +43,7 @@ class Param:
     default: Any = None
     requires: dict[str, Any] = field(default_factory=dict)
     help: str = ""
+    memory: str | None = None  # up | down | none: how a larger value moves GPU memory (None: unknown)
 
     def distribution(self) -> optuna.distributions.BaseDistribution:
         if self.choices is not None:

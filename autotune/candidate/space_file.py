@@ -16,7 +16,7 @@ from autotune.candidate.batch import GlobalBatch
 from autotune.candidate.space import TYPES, Param, Space, default_space_path, type_ok
 from autotune.errors import UsageError
 
-PARAM_KEYS = {"type", "choices", "low", "high", "step", "log", "default", "requires", "help"}
+PARAM_KEYS = {"type", "choices", "low", "high", "step", "log", "default", "requires", "help", "memory"}
 BATCH_KEYS = ("micro_batch", "accumulation", "per", "generations")
 BATCH_PER = ("gpu", "all")
 
@@ -116,6 +116,12 @@ def _load_param(name: Any, spec: Any, nodes: dict[str, Any], fail: Any) -> Param
     requires = spec.get("requires") or {}
     if not isinstance(requires, dict):
         raise fail(fields_.get("requires"), f"{name}.requires must map parameter names to values")
+    memory = spec.get("memory")
+    if memory is not None and memory not in ("up", "down", "none"):
+        raise fail(
+            fields_.get("memory", knode),
+            f"{name}.memory is {memory!r}; allowed: up (a larger value needs more memory), down, none",
+        )
     param = Param(
         name=str(name),
         type=ptype,
@@ -127,6 +133,7 @@ def _load_param(name: Any, spec: Any, nodes: dict[str, Any], fail: Any) -> Param
         default=spec.get("default"),
         requires=dict(requires),
         help=str(spec.get("help", "")),
+        memory=memory,
     )
     if param.default is None:
         raise fail(knode, f"{name}: needs a 'default' (used when it is not searched)")

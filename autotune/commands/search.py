@@ -88,7 +88,9 @@ def finish_lines(recipe: Recipe, paths: StudyPaths, result: SearchResult) -> Non
             print(result.stopped_reason)
         return
     peak = (
-        f", peak {best.peak_memory_gib:.1f}/{recipe.gpu_memory_gib:.1f} GiB" if best.peak_memory_gib else ""
+        f", peak {best.peak_memory_gib:.1f}/{recipe.gpu_memory_gib:.1f} GiB"
+        if best.peak_memory_gib
+        else ", peak not measured"
     )
     print(f"best: trial {best.number}: {best.throughput:.4g} completions/s{peak}")
     c = result.confirmation

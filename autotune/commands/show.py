@@ -108,7 +108,9 @@ def render_table(shown: Shown) -> None:
             str(r.number),
             status,
             f"{r.throughput:.4g}" if r.throughput else "-",
-            f"{r.peak_memory_gib:.1f}" if r.peak_memory_gib else "-",
+            f"{r.peak_memory_gib:.1f}"
+            if r.peak_memory_gib
+            else ("unmeasured" if r.status == Status.OK else "-"),
             f"{pred:.1f}" if pred else "-",
             shown.verdicts[r.number][:70],
             tail[:200],

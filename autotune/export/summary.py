@@ -114,7 +114,12 @@ def _choice_section(best: TrialRow, recipe: Recipe, params: dict[str, Any], capa
             f"headroom {recipe.headroom:.0%}, i.e. at most {capacity * (1 - recipe.headroom):.1f} GiB)."
         )
     else:
-        lines.append(f"Peak memory not measured (capacity {capacity:g} GiB, headroom {recipe.headroom:.0%}).")
+        lines.append(
+            f"**Peak memory not measured** (the trainer logged none and NVML saw no GPU; capacity "
+            f"{capacity:g} GiB, headroom {recipe.headroom:.0%}): headroom was judged by the calibrated "
+            "memory model with its margin and by the out-of-memory trials beside it, not by a "
+            "measurement; watch the first steps of the real run."
+        )
     try:
         space = space_of(recipe)
         per_step = completions_per_step(

@@ -14,6 +14,7 @@ from autotune.candidate import constraints
 from autotune.recipe import Recipe
 from autotune.runners.base import on_gpus
 from autotune.search.state import MIN_NOISE, Finished, SearchState
+from autotune.search.transient import transient_error
 from autotune.study import (
     Confirmation,
     StudyPaths,
@@ -60,8 +61,8 @@ def confirm(
     """Confirm leaders by longer runs, only as many as it takes to separate them from the noise.
 
     The fastest eligible trial is confirmed first. A runner-up is confirmed too only while its
-    short-trial throughput, plus the noise, could still beat the best confirmed throughput, up to
-    ``recipe.confirm`` leaders that held (a few more runs are allowed for casualties). A candidate
+    short-trial throughput, plus twice the noise, could still beat the best confirmed throughput
+    (a near-tie is decided by confirmed throughput), up to ``recipe.confirm`` + 2 runs. A candidate
     that is ahead of every confirmed one is always confirmed, so a resumed search that found a
     better configuration exports it. Each run is admitted only if its own expected length fits the
     time budget, and the study's clock is saved after each. With several GPU ``slots`` the leaders
@@ -92,11 +93,13 @@ def confirm(
         held = [c for c in done.values() if held_up(c)]
         best = max((c.throughput or 0.0 for c in held), default=0.0)
         spread = noise(all_rows, done)
-        todo = [r for r in candidates if r.number not in done and (r.throughput or 0) * (1 + spread) > best]
+        # a near-tie is decided by confirmed throughput: a short trial can be lucky (or unlucky) by
+        # the noise, and so can the one it is compared with, hence twice the noise
+        todo = [
+            r for r in candidates if r.number not in done and (r.throughput or 0) * (1 + 2 * spread) > best
+        ]
         if not todo:
             break
-        if len(held) >= recipe.confirm and (todo[0].throughput or 0) <= best:
-            break  # enough leaders held, and this one is not ahead of them
         # with several GPU slots, the leaders still needed are confirmed at once, one per slot
         wanted = max(1, min(len(slots), recipe.confirm - len(held), recipe.confirm + 2 - runs))
         batch = []
@@ -139,12 +142,28 @@ def confirm(
 def run_one(
     row: TrialRow, gpus: list[int] | None, recipe: Recipe, paths: StudyPaths, execute: Callable[..., Outcome]
 ) -> Outcome:
-    """One confirmation run, on ``gpus`` (a parallel slot) or the default GPUs."""
+    """One confirmation run, on ``gpus`` (a parallel slot) or the default GPUs. A run that dies of
+    a known transient error (an NCCL watchdog timeout) is run once more, its first folder kept
+    beside it as ``<n>-crashed``: such a crash says nothing about the candidate."""
     trial_dir = paths.confirm_dir(row.number)
-    control = TrialControl(
-        StopRule.confirming(recipe), None, constraints.samples_per_step(row.params, recipe), purpose="confirm"
-    )
-    with on_gpus(gpus):
-        outcome = execute(row.params, trial_dir, CONFIRM_NUMBER_OFFSET + row.number, control)
-    outcome.write(TrialFiles(trial_dir).outcome)
+    for attempt in range(2):
+        control = TrialControl(
+            StopRule.confirming(recipe),
+            None,
+            constraints.samples_per_step(row.params, recipe),
+            purpose="confirm",
+        )
+        with on_gpus(gpus):
+            outcome = execute(row.params, trial_dir, CONFIRM_NUMBER_OFFSET + row.number, control)
+        outcome.write(TrialFiles(trial_dir).outcome)
+        if (
+            attempt
+            or outcome.status != Status.CRASH
+            or not transient_error(outcome.error_line, outcome.detail)
+        ):
+            break
+        kept = trial_dir.with_name(f"{trial_dir.name}-crashed")
+        if kept.exists():
+            break  # an earlier session's: keep both, do not overwrite
+        trial_dir.rename(kept)
     return outcome

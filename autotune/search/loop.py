@@ -30,13 +30,18 @@ from autotune.hardware import plan_slots
 from autotune.progress import Reporter, short_params
 from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
+from autotune.search import candidates
 from autotune.search.confirm import confirm, noise
+from autotune.search.headroom import unmeasured_risks
+from autotune.search.knobs import KnobMemory
 from autotune.search.parallel import Scheduler, answered  # noqa: F401  (answered: tests import it from here)
 from autotune.search.planner import Planner
-from autotune.search.policy import PolicySampler, make_tpe
+from autotune.search.policy import PolicySampler, make_tpe, tried
+from autotune.search.prior_check import neighbourhood_measured, prior_agrees
 from autotune.search.pruning import BelowBestPruner
 from autotune.search.state import Finished, Previous, SearchState
 from autotune.search.stopping import Budget, Stopping
+from autotune.search.transient import Reruns
 from autotune.study import (
     StudyPaths,
     candidate_key,
@@ -51,6 +56,7 @@ from autotune.study import (
 )
 from autotune.study.lock import StudyLock
 from autotune.study.ranking import Confirmation
+from autotune.study.record import AT_RISK_ATTR
 from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.outcome import Outcome, Status
 
@@ -119,7 +125,13 @@ class Search:
             self.valid, _ = constraints.valid_combinations(self.space, recipe, self.fixed, self.rules)
         self.execute: Executor = execute or self.runner.run
         self.planner = (
-            Planner(context.model, recipe, context.gpu, use_model=recipe.device != "cpu")
+            Planner(
+                context.model,
+                recipe,
+                context.gpu,
+                use_model=recipe.device != "cpu",
+                knobs=KnobMemory.of(self.space),
+            )
             if use_planner
             else None
         )
@@ -232,9 +244,13 @@ class Search:
         if launched - state.improved_at < PATIENCE:
             return None
         pool = self.planner.pool(self.space, self.fixed, self.rules)
-        measured = set(measured_configs(state.study))
-        if self.planner.improvable(pool, measured, candidate_key, state.best_value, spread):
+        done = set(measured_configs(state.study))
+        if self.planner.improvable(pool, done, candidate_key, state.best_value, spread):
             return None
+        if not prior_agrees(self.planner, spread) and not neighbourhood_measured(
+            self.planner, self.space, self.fixed, self.rules, done, candidate_key
+        ):
+            return None  # an unchecked prior's "nothing better" is no reason to stop
         return (
             f"stopped after {launched} trials: converged, no untried candidate is expected to beat "
             f"the best {state.best_value:.3g} completions/s by more than the noise ({spread:.0%})"
@@ -262,6 +278,10 @@ class Search:
             ),
             self.paths.name,
         )
+        if self.planner is not None:
+            planner, pool = self.planner, self.planner.pool(self.space, self.fixed, self.rules)
+            stopping.exhausted = lambda: candidates.exhausted(planner, pool, tried(study), candidate_key)
+        self.reruns = Reruns()  # transient crashes waiting for their one re-run
         state = SearchState(
             self.recipe, self.paths, self.space, self.fixed, self.reporter, self.planner, study, stopping
         )
@@ -337,11 +357,18 @@ class Search:
             return
         state.study.set_user_attr("elapsed_s", round(state.stopping.budget.elapsed(), 1))
         new_best = state.observe(Finished.of_outcome(trial.number, params, outcome, launched=True))
+        risks = unmeasured_risks(self.planner) if self.planner is not None else {}
+        if risks != (state.study.user_attrs.get(AT_RISK_ATTR) or {}):
+            state.study.set_user_attr(AT_RISK_ATTR, risks)
         self.reporter.trial_finished(trial.number, outcome)
+        fine = [s.params for s in self.planner.seen if s.status == Status.OK] if self.planner else []
+        again = self.reruns.after(state.study, trial.number, key, params, outcome, fine)
+        if again:
+            self.reporter.message(again)
         self.refresh_report(state.study)
         if new_best:
             export_study(state.study, self.recipe, self.paths.best)
-        self.stopping.finished(outcome, trial_dir)
+        state.stopping.finished(outcome, trial_dir)
 
     def memory_limit(self) -> float | None:
         """Peak memory an exportable config may reach: headroom below the GPU's memory, or on CPU

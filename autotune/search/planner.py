@@ -30,6 +30,7 @@ from autotune.candidate.vector import OFFLOAD_RANK, MemoryVector, at_least, dist
 from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
+from autotune.search.knobs import KnobMemory
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,7 @@ class Planner:
     _turn: int = 0  # which knob the local search moves next
     rel_error: float = 0.25  # typical |measured - predicted| / measured after calibration
     _pool: list[tuple[float, dict[str, Any]]] | None = None
+    knobs: KnobMemory = field(default_factory=KnobMemory)  # which knobs' memory effect is known
 
     # -- predictions ------------------------------------------------------------------------
     def raw(self, params: dict[str, Any]) -> Estimate:
@@ -105,9 +107,22 @@ class Planner:
         self.seen.append(Seen(number, dict(params), status, oom_kind, peak_gib, throughput, leftover))
         self.calibrate()
 
-    def vector(self, params: dict[str, Any]) -> MemoryVector:
+    def vector(self, params: dict[str, Any]) -> tuple[float, ...]:
+        """The memory vector over TRL's names, then the knobs whose direction a space declares."""
+        extra, _ = self.knobs.split(params)
         params = constraints.as_trl(params, self.recipe)
-        return memory_vector(params, self.recipe.dp_gpus(params))
+        return memory_vector(params, self.recipe.dp_gpus(params)) + extra
+
+    @property
+    def model_trusted(self) -> bool:
+        """Whether the memory model may veto: once a measured peak anchors it for a trainer it
+        describes (autotune's TRL worker, ms-swift, the simulator); for a trainer it does not know
+        (a --command template, which may keep four models or quantize) only once several of that
+        trainer's own peaks have calibrated it and it predicts them well."""
+        peaks = [s for s in self.seen if s.status == "ok" and s.peak_gib]
+        if self.recipe.runner != "command":
+            return bool(peaks)
+        return len(peaks) >= 3 and self.rel_error <= 0.15
 
     def calibrate(self) -> None:
         """Per-part corrections fitted to every measured peak.
@@ -159,7 +174,14 @@ class Planner:
         vec = self.vector(params)
         predicted = self.predict(params) if self.use_model else None
         fits_surely = next(
-            (s for s in self.seen if s.status == "ok" and at_least(self.vector(s.params), vec)), None
+            (
+                s
+                for s in self.seen
+                if s.status == "ok"
+                and at_least(self.vector(s.params), vec)
+                and self.knobs.same_unknown(s.params, params)
+            ),
+            None,
         )
         if fits_surely is not None:
             return Verdict(False, None, predicted)
@@ -173,7 +195,7 @@ class Planner:
         # the model only vetoes once a measured peak has anchored it: an uncalibrated model that
         # is wrong for this trainer (a --command trainer with its own tricks) must not veto
         # every candidate before a single trial has run
-        if predicted is None or not self.calibrated:
+        if predicted is None or not self.model_trusted:
             return Verdict(False, None, predicted)
         cap = self.recipe.gpu_memory_gib
         margin = max(self.margin, 2 * self.rel_error)
@@ -193,7 +215,7 @@ class Planner:
             )
         return Verdict(False, None, predicted)
 
-    def _dominates_oom(self, params: dict[str, Any], vec: MemoryVector, s: Seen) -> bool:
+    def _dominates_oom(self, params: dict[str, Any], vec: tuple[float, ...], s: Seen) -> bool:
         """Whether ``params`` needs at least what OOM trial ``s`` needed, in the knobs its kind of
         failure depends on (each a different resource):
 
@@ -205,6 +227,8 @@ class Planner:
           data-parallel size that shards it) fails too; the batch does not matter;
         - host: host RAM, which on GPUs holds offloaded states (CPU trials: every knob).
         """
+        if not self.knobs.same_unknown(params, s.params):
+            return False  # a knob whose effect on memory is unknown differs: the OOM says nothing
         other = self.vector(s.params)
         colocated = bool(params.get("use_vllm")) and knob(params, "vllm_mode") == "colocate"
         fraction = float(params.get("vllm_gpu_memory_utilization", 0) or 0)
@@ -218,6 +242,11 @@ class Planner:
                 and int(knob(params, "vllm_tensor_parallel_size"))
                 <= int(knob(s.params, "vllm_tensor_parallel_size"))
             )
+        # the TRL knobs by name (a space's declared knobs follow them in the vector)
+        vec, other = (
+            MemoryVector._make(vec[: len(MemoryVector._fields)]),
+            MemoryVector._make(other[: len(MemoryVector._fields)]),
+        )
         if s.oom_kind == "vllm_startup":
             return (
                 colocated
@@ -249,8 +278,10 @@ class Planner:
         rules: Iterable[Callable[[dict[str, Any]], str | None]],
         tried: set[str],
         key: Callable[[dict[str, Any]], str],
+        flat: set[str] | frozenset[str] = frozenset(),
     ) -> dict[str, Any] | None:
-        """The untried neighbour of the incumbent the planner would run, best prior first."""
+        """The untried neighbour of the incumbent the planner would run, best prior first; knobs
+        measured to change nothing (``flat``) get no turn of their own."""
         options = [
             c
             for c in neighbors(incumbent, space, fixed, self.recipe, rules)
@@ -260,7 +291,9 @@ class Planner:
             return None
         # take the knobs in turn, so that a prior that is wrong about one knob (say, the cost of
         # recomputation) cannot keep the search away from that direction for the whole night
-        knobs = [n for n in space.params if n not in fixed]
+        knobs = [n for n in space.params if n not in fixed and n not in flat] or [
+            n for n in space.params if n not in fixed
+        ]
         for _ in range(len(knobs)):
             knob = knobs[self._turn % len(knobs)]
             self._turn += 1
@@ -268,40 +301,6 @@ class Planner:
             if group:
                 return max(group, key=self.expected_throughput)
         return max(options, key=self.expected_throughput)
-
-    def toward_feasible(
-        self,
-        space: Space,
-        fixed: dict[str, Any],
-        rules: Iterable[Callable[[dict[str, Any]], str | None]],
-        tried: set[str],
-        key: Callable[[dict[str, Any]], str],
-    ) -> dict[str, Any] | None:
-        """While nothing has fit yet: one step from the OOM closest to fitting toward less memory.
-
-        On tight hardware the seeds can all die, and TPE learns nothing from a wall of OOMs. The
-        OOM the model predicts smallest is nearest the boundary; of its untried, undominated
-        neighbours, the fastest one the model expects to fit with headroom is next, and when none
-        is expected to fit, the one that frees the most memory (offload, ZeRO stage, sleep, the
-        vLLM fraction, the batch: whichever the model says gives most)."""
-        if not self.use_model or any(s.status == "ok" for s in self.seen):
-            return None
-        ooms = [s for s in self.seen if s.status == "oom" and not s.leftover]
-        if not ooms:
-            return None
-        closest = min(ooms, key=lambda s: self.predict(s.params))
-        options = [
-            c
-            for c in neighbors(closest.params, space, fixed, self.recipe, rules)
-            if key(c) not in tried and not self.verdict(c).skip
-        ]
-        if not options:
-            return None
-        limit = self.recipe.gpu_memory_gib * (1 - self.recipe.headroom)
-        fitting = [c for c in options if self.predict(c) <= limit]
-        if fitting:
-            return max(fitting, key=self.expected_throughput)
-        return min(options, key=self.predict)
 
     def expected_throughput(self, params: dict[str, Any]) -> float:
         """The speed prior corrected by what was measured nearby: prior x the mean

@@ -10,10 +10,12 @@ sample it:
    spread over ZeRO stages (:func:`seed_candidates`); without a usable model (CPU trials),
    hand-written starting points that find the memory boundary at once.
 2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial
-   so far (:meth:`Planner.next_local`); while nothing has fit, a step from the OOM nearest the
-   boundary toward less memory (:meth:`Planner.toward_feasible`).
-3. **A random valid candidate** after three invalid proposals in a row: TPE learns infeasible
-   regions, but slowly when most of the space is infeasible.
+   so far (:meth:`Planner.next_local`, going on along a knob while it pays); while nothing has
+   fit, a step from every OOM along its kind's cure (:mod:`autotune.search.cures`).
+3. **The best open candidate of the grid** after three proposals in a row that needed no launch
+   (invalid, a repeat, skipped): the proposers can circle forever around what is ruled out while
+   candidates no failure dominates are left (:mod:`autotune.search.candidates`); without a planner,
+   a random valid candidate.
 4. Otherwise **TPE** (multivariate, reading each trial's ``fits`` constraint).
 
 A trial that already carries ``fixed_params`` (an interrupted trial queued again on resume) is
@@ -35,15 +37,17 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.candidate import constraints
 from autotune.candidate.space import Space
 from autotune.recipe import Recipe
+from autotune.search import candidates, cures
+from autotune.search.momentum import flat_knobs, keep_going
 from autotune.search.planner import Planner
 from autotune.study import candidate_key, choose_best, measured_configs, rows
 from autotune.study.claims import pending_keys
 from autotune.study.recovery import claim_owner
 
-PROPOSAL_ATTR = "autotune:proposal"  # trial system attribute: seed | local | valid
+PROPOSAL_ATTR = "autotune:proposal"  # trial system attribute: seed | local | pool | valid
 SEEDS_ATTR = "seeds"  # study user attribute: the seed candidates, in order
 LOCAL_EVERY = 3  # of every three proposals, two are local (after the seeds)
-INVALID_STREAK = 3  # invalid proposals in a row before a random valid one
+STALL_STREAK = 3  # proposals in a row that needed no launch before the grid's best open candidate
 
 Rules = Sequence[Callable[[dict[str, Any]], "str | None"]]
 
@@ -123,7 +127,7 @@ class PolicySampler(BaseSampler):
         self.planner = planner
         self.rng = random.Random(recipe.seed)
         self.asked = 0  # proposals in this session: the local-search rhythm counts them
-        self.invalid_streak = 0
+        self.stall = 0  # proposals in a row that needed no launch (invalid, a repeat, skipped)
 
     # -- Optuna's sampler interface: TPE does the sampling --------------------------------------
     def infer_relative_search_space(
@@ -163,13 +167,12 @@ class PolicySampler(BaseSampler):
     def after_trial(
         self, study: optuna.Study, trial: FrozenTrial, state: TrialState, values: Sequence[float] | None
     ) -> None:
-        refused = trial.user_attrs.get("status") == "invalid" and not trial.user_attrs.get("launched")
-        self.invalid_streak = self.invalid_streak + 1 if refused else 0
+        self.stall = 0 if trial.user_attrs.get("launched") else self.stall + 1
         self._tpe.after_trial(study, trial, state, values)
 
     # -- the policy -----------------------------------------------------------------------------
     def propose(self, study: optuna.Study, trial: FrozenTrial) -> tuple[str, dict[str, Any]] | None:
-        """('seed' | 'local' | 'valid', candidate), or None to let TPE sample this trial."""
+        """('seed' | 'local' | 'pool' | 'valid', candidate), or None to let TPE sample this trial."""
         turn = self.asked
         self.asked += 1
         if trial.system_attrs.get("fixed_params"):
@@ -180,7 +183,12 @@ class PolicySampler(BaseSampler):
         local = self.local(study) if turn % LOCAL_EVERY != 0 else None
         if local is not None:
             return "local", local
-        if self.invalid_streak >= INVALID_STREAK:
+        if self.stall >= STALL_STREAK:
+            if self.planner is not None:
+                pool = self.planner.pool(self.space, self.fixed, self.rules)
+                cand = candidates.next_open(self.planner, pool, tried(study), candidate_key)
+                if cand is not None:
+                    return "pool", cand
             valid = self.random_valid(study)
             if valid is not None:
                 return "valid", valid
@@ -203,11 +211,20 @@ class PolicySampler(BaseSampler):
             return None
         best, _ = choose_best(rows(study), self.recipe)
         if best is None:  # nothing fits yet: walk from the nearest OOM
-            return self.planner.toward_feasible(
-                self.space, self.fixed, self.rules, tried(study), candidate_key
+            return cures.toward_feasible(
+                self.planner, self.space, self.fixed, self.rules, tried(study), candidate_key
             )
+        done = tried(study)
+        incumbent = next((s for s in self.planner.seen if s.number == best.number), None)
+        if incumbent is not None:  # along the knob that made the incumbent, while it pays
+            onward = keep_going(
+                self.planner, incumbent, self.space, self.fixed, self.rules, done, candidate_key
+            )
+            if onward is not None:
+                return onward
+        flat = flat_knobs(self.planner, [n for n in self.space.params if n not in self.fixed])
         return self.planner.next_local(
-            best.params, self.space, self.fixed, self.rules, tried(study), candidate_key
+            best.params, self.space, self.fixed, self.rules, done, candidate_key, flat
         )
 
     def random_valid(self, study: optuna.Study) -> dict[str, Any] | None:

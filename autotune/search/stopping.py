@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from autotune.errors import SearchStopped
@@ -15,7 +16,8 @@ from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import Outcome, Status
 
 SAME_CRASH_LIMIT = 3  # the same crash this many times in a row ends the search
-UNLAUNCHED_LIMIT = 300  # proposals in a row that need no launch: the space is exhausted
+UNLAUNCHED_LIMIT = 300  # proposals in a row that need no launch, where the grid cannot be checked
+STALL_CHECK = 10  # proposals in a row that need no launch before the grid is checked for open candidates
 
 
 def crash_signature(error_line: str | None) -> str:
@@ -55,11 +57,28 @@ class Stopping:
         self.study_name = study_name
         self.unlaunched = 0
         self.crashes: list[str] = []
+        # whether no untried candidate is left that nothing rules out (the planner's grid), when known
+        self.exhausted: Callable[[], bool] | None = None
+        self._checked_at = -1
 
     def reason(self) -> tuple[str, str] | None:
         """(reason, message for the user) when no further candidate should be proposed."""
         if self.budget.exceeded():
             return "time budget reached", "stopping: the next trial would exceed --time-budget"
+        if self.exhausted is not None:
+            if self.unlaunched >= STALL_CHECK and self._checked_at != self.unlaunched:
+                self._checked_at = self.unlaunched  # once per stalled proposal, not per poll
+                if self.exhausted():
+                    return "space exhausted", (
+                        "stopping: every untried candidate of the space is invalid or ruled out by a "
+                        "measured failure or the calibrated memory model; the space is exhausted"
+                    )
+            if self.unlaunched < UNLAUNCHED_LIMIT:
+                return None
+            return "proposals stalled", (
+                f"stopping: the last {UNLAUNCHED_LIMIT} proposals were all invalid, skipped or already "
+                "measured, although untried candidates are left"
+            )
         if self.unlaunched >= UNLAUNCHED_LIMIT:
             return "space exhausted", (
                 f"stopping: the last {UNLAUNCHED_LIMIT} proposals were all invalid, "

@@ -87,7 +87,9 @@ def eligible(
             break
         why = None
         c = confirmed.get(row.number)
-        if check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
+        if check_peak and row.peak_memory_gib is None and row.at_risk:
+            why = f"its peak was not measured and {row.at_risk}"
+        elif check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
             why = (
                 f"peak {row.peak_memory_gib:.1f} GiB is within {recipe.headroom:.0%} of the "
                 f"{capacity:.1f} GiB {what_cap}"

@@ -55,6 +55,7 @@ class TrialRow:
     pruned: bool = False  # stopped early for being clearly slower than the best
     mean_gpu_util: float | None = None  # over the measured steps, a fraction
     diagnosis: str | None = None  # the low-utilization diagnosis of a trial that ran ok, or None
+    at_risk: str | None = None  # its peak was not measured and the search judges it near capacity: why
 
 
 def candidate_key(params: dict[str, Any]) -> str:
@@ -166,10 +167,17 @@ def launched_rows(study: optuna.Study) -> list[FrozenTrial]:
     return [t for t in study.get_trials(deepcopy=False) if t.user_attrs.get("launched")]
 
 
+AT_RISK_ATTR = "at_risk"  # study user attribute: {trial number: why its unmeasured peak is near capacity}
+
+
 def rows(study: optuna.Study) -> list[TrialRow]:
     """All finished or interrupted trials, as the reports want them."""
-    return [
+    risky = study.user_attrs.get(AT_RISK_ATTR) or {}
+    out = [
         row_of(t)
         for t in study.get_trials(deepcopy=False)
         if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
     ]
+    for row in out:
+        row.at_risk = risky.get(str(row.number))
+    return out

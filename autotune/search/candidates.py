@@ -1,0 +1,56 @@
+"""The untried candidates nothing rules out: where stalled proposals go, and when the space is spent.
+
+TPE, random valid proposals and the local walk can all keep proposing what is invalid, already
+measured or skipped (a tight card after a few vLLM failures: hundreds of such proposals in a row)
+while candidates that no measured failure dominates sit untouched in the grid. Exhaustion is
+therefore decided over the grid itself (the planner's pool: every valid candidate of the space), and
+a stalled proposer is handed the best expected of the open ones instead of being asked again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from autotune.search.planner import Planner
+
+LOOK_AHEAD = 24  # open candidates (in prior order) among which the best expected one is chosen
+
+Pool = list[tuple[float, dict[str, Any]]]
+
+
+def open_candidates(
+    planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict[str, Any]], str]
+) -> Iterator[dict[str, Any]]:
+    """Untried candidates of the pool that no measured failure and no calibrated prediction rules
+    out, in the order of the speed prior (lazily: the verdict is the costly part)."""
+    for _prior, cand in pool:
+        if key(cand) in tried:
+            continue
+        if not planner.verdict(cand).skip:
+            yield cand
+
+
+def next_open(
+    planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict[str, Any]], str]
+) -> dict[str, Any] | None:
+    """The open candidate to run next: of the first :data:`LOOK_AHEAD` by prior, the one with the
+    best expected throughput (the prior corrected by what was measured nearby), preferring those
+    the model expects to fit with the recipe's headroom; None when nothing is left open."""
+    ahead: list[dict[str, Any]] = []
+    for cand in open_candidates(planner, pool, tried, key):
+        ahead.append(cand)
+        if len(ahead) >= LOOK_AHEAD:
+            break
+    if not ahead:
+        return None
+    if planner.use_model and planner.model_trusted:
+        limit = planner.recipe.gpu_memory_gib * (1 - planner.recipe.headroom)
+        fitting = [c for c in ahead if planner.predict(c) <= limit]
+        ahead = fitting or ahead
+    return max(ahead, key=planner.expected_throughput)
+
+
+def exhausted(planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict[str, Any]], str]) -> bool:
+    """Whether no untried candidate is left that nothing rules out."""
+    return next(open_candidates(planner, pool, tried, key), None) is None

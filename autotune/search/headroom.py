@@ -1,0 +1,43 @@
+"""Headroom without a measured peak: when a trainer logs no memory and NVML cannot see the GPUs.
+
+A trial that ran fine but whose peak nobody measured may sit a few percent under capacity and die
+later in the real run, when the allocator's creep reaches it. Its headroom is judged instead by what
+the search knows: a measured out-of-memory of a configuration that needs no more memory by every knob
+whose effect is known (then this one is at the edge), or the calibrated memory model's prediction
+with its margin (only where the model is trusted for this trainer). What is judged at risk is passed
+over by the export (``study.ranking.eligible``) with the reason, and summary.md and ``show`` say that
+the peak was not measured.
+"""
+
+from __future__ import annotations
+
+from autotune.candidate.vector import at_least
+from autotune.search.planner import Planner
+
+
+def unmeasured_risks(planner: Planner) -> dict[str, str]:
+    """{trial number: why} for successful trials without a measured peak that may not keep headroom."""
+    recipe = planner.recipe
+    limit = recipe.gpu_memory_gib * (1 - recipe.headroom)
+    ooms = [s for s in planner.seen if s.status == "oom" and s.oom_kind == "cuda" and not s.leftover]
+    out: dict[str, str] = {}
+    for s in planner.seen:
+        if s.status != "ok" or s.peak_gib is not None:
+            continue
+        vec = planner.vector(s.params)
+        edge = next((o for o in ooms if at_least(vec, planner.vector(o.params))), None)
+        if edge is not None:
+            out[str(s.number)] = (
+                f"trial {edge.number}, which needs no more memory by every knob whose effect is known, "
+                "ran out of memory"
+            )
+            continue
+        if planner.use_model and planner.model_trusted:
+            predicted = planner.predict(s.params)
+            margin = max(planner.margin, 2 * planner.rel_error)
+            if predicted * (1 + margin) > limit:
+                out[str(s.number)] = (
+                    f"the calibrated model predicts {predicted:.1f} GiB (+{margin:.0%} margin), above the "
+                    f"{limit:.1f} GiB headroom limit"
+                )
+    return out

@@ -1,0 +1,102 @@
+"""Which knobs' effect on memory the planner knows, and in which direction.
+
+Dominance (a candidate that needs at least the memory of a measured OOM fails too) is only sound over
+knobs whose direction is known. TRL's names are known to the memory model (``planner.memory_vector``),
+ms-swift's extra ones are listed here, and a space in a trainer's own names may declare each
+parameter's direction with ``memory: up | down | none`` (up: a larger value needs more GPU memory;
+down: less; none: memory does not depend on it). Over every other knob nothing is known, so an OOM
+speaks only for candidates equal to it there: a PPO trainer's ``adam_offload=true`` is not dominated
+by an OOM measured with ``adam_offload=false``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from autotune.candidate.space import Space
+
+# the names planner.memory_vector reads (TRL's), each with its direction built in
+TRL_KNOWN = frozenset(
+    {
+        "per_device_train_batch_size",
+        "gradient_accumulation_steps",
+        "num_generations",
+        "steps_per_generation",
+        "generation_batch_size",
+        "zero_stage",
+        "offload",
+        "gradient_checkpointing",
+        "use_vllm",
+        "vllm_mode",
+    }
+)
+# read by memory_vector only for vLLM colocated with the trainer (use_vllm, vllm_mode colocate)
+VLLM_COLOCATED = frozenset(
+    {"vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_tensor_parallel_size"}
+)
+# ms-swift's own knobs (autotune/spaces/swift.yaml)
+BUILTIN = {
+    "offload_optimizer": "down",
+    "offload_model": "down",
+    "sleep_level": "down",
+    "deepspeed_config": "none",
+}
+DIRECTIONS = ("up", "down", "none")
+
+
+@dataclass(frozen=True)
+class KnobMemory:
+    """The memory direction of each knob of one space (declared, or known by name)."""
+
+    declared: dict[str, str] = field(default_factory=dict)
+    known_names: frozenset[str] = frozenset()  # the space's batch mapping (read as TRL's batch)
+    choices: dict[str, tuple] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, space: Space | None) -> KnobMemory:
+        if space is None:
+            return cls()
+        batch = space.batch
+        names = (
+            {n for n in (batch.micro_batch, batch.accumulation, batch.generations) if n} if batch else set()
+        )
+        return cls(
+            {n: p.memory for n, p in space.params.items() if p.memory},
+            frozenset(names),
+            {n: tuple(p.choices) for n, p in space.params.items() if p.choices is not None},
+        )
+
+    def direction(self, name: str, params: dict[str, Any]) -> str | None:
+        """up / down / none, or None when the knob's effect on memory is unknown."""
+        if name in self.declared:
+            return self.declared[name]
+        if name in TRL_KNOWN or name in self.known_names:
+            return "none"  # counted by memory_vector already
+        if name in VLLM_COLOCATED:
+            colocated = bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"
+            return "none" if colocated or params.get("use_vllm") is False else None
+        return BUILTIN.get(name)
+
+    def split(self, params: dict[str, Any]) -> tuple[tuple[float, ...], tuple[tuple[str, str], ...]]:
+        """(components for knobs with a declared or built-in direction, oriented so that larger is
+        more memory; the values of knobs whose effect is unknown)."""
+        extra: list[float] = []
+        unknown: list[tuple[str, str]] = []
+        for name in sorted(params):
+            way = self.direction(name, params)
+            if way == "none":
+                continue
+            if way is None:
+                unknown.append((name, repr(params[name])))
+                continue
+            value = params[name]
+            if name in self.choices and not isinstance(value, int | float):
+                value = self.choices[name].index(value) if value in self.choices[name] else 0
+            number = float(value or 0)
+            extra.append(number if way == "up" else -number)
+        return tuple(extra), tuple(unknown)
+
+    def same_unknown(self, a: dict[str, Any], b: dict[str, Any]) -> bool:
+        """Whether two candidates agree in every knob whose effect on memory is unknown."""
+        return self.split(a)[1] == self.split(b)[1]

@@ -1,0 +1,87 @@
+"""Keep moving along a knob while it pays; spend little on knobs measured to change nothing.
+
+The local search takes the knobs in turn, one step each, which is slow on a trainer whose speed keeps
+growing with one knob (the micro-batch, 1..32): half its trials go to knobs that do nothing. When the
+incumbent beat a measured trial that differs from it in one knob only, the next step goes on along
+that knob in the same direction, unless the memory measured on the way (the slope between the two
+peaks) says the next value will not keep the headroom. A knob whose one-knob pairs of measurements all
+differ by less than the noise is measured to have no effect: the local search passes it over.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from autotune.candidate import constraints
+from autotune.candidate.space import Space
+from autotune.search.planner import Planner, Seen
+
+FLAT = 0.05  # |log throughput ratio| under which a one-knob pair shows no effect
+MIN_GAIN = 0.03  # the incumbent must beat the trial it moved from by this much to keep going
+
+
+def one_knob_pairs(ok: list[Seen], names: Iterable[str]) -> list[tuple[str, Seen, Seen]]:
+    """(knob, a, b) for measured successes that differ in exactly that searched knob."""
+    names = set(names)
+    out = []
+    for i, a in enumerate(ok):
+        for b in ok[i + 1 :]:
+            differ = [k for k in names if a.params.get(k) != b.params.get(k)]
+            if len(differ) == 1:
+                out.append((differ[0], a, b))
+    return out
+
+
+def flat_knobs(planner: Planner, names: Iterable[str]) -> set[str]:
+    """Knobs whose every measured one-knob pair (at least two) changed throughput by less than FLAT."""
+    ok = [s for s in planner.seen if s.status == "ok" and s.throughput]
+    effects: dict[str, list[float]] = {}
+    for knob, a, b in one_knob_pairs(ok, names):
+        effects.setdefault(knob, []).append(abs(math.log((a.throughput or 1) / (b.throughput or 1))))
+    return {k for k, v in effects.items() if len(v) >= 2 and max(v) < FLAT}
+
+
+def keep_going(
+    planner: Planner,
+    incumbent: Seen,
+    space: Space,
+    fixed: dict[str, Any],
+    rules: Iterable[Callable[[dict[str, Any]], str | None]],
+    tried: set[str],
+    key: Callable[[dict[str, Any]], str],
+) -> dict[str, Any] | None:
+    """The next value along the knob that made the incumbent, if it is untried, valid, not ruled
+    out and, by the measured memory slope, expected to keep the headroom."""
+    names = [n for n in space.params if n not in fixed]
+    ok = [s for s in planner.seen if s.status == "ok" and s.throughput and s is not incumbent]
+    limit = planner.recipe.gpu_memory_gib * (1 - planner.recipe.headroom)
+    best: tuple[float, dict[str, Any]] | None = None
+    for knob, a, b in one_knob_pairs([incumbent, *ok], names):
+        if a is not incumbent:
+            continue
+        gain = (incumbent.throughput or 0) / (b.throughput or 1) - 1
+        param = space.params[knob]
+        if gain < MIN_GAIN or param.choices is None or len(param.choices) < 3:
+            continue
+        choices = list(param.choices)
+        here, there = incumbent.params.get(knob), b.params.get(knob)
+        if here not in choices or there not in choices:
+            continue
+        step = choices.index(here) - choices.index(there)
+        nxt = choices.index(here) + (1 if step > 0 else -1)
+        if not 0 <= nxt < len(choices):
+            continue
+        cand = space.normalize(constraints.derive({**incumbent.params, knob: choices[nxt]}, planner.recipe))
+        if key(cand) in tried or constraints.violations(cand, planner.recipe, rules):
+            continue
+        if incumbent.peak_gib and b.peak_gib:  # the memory slope measured on the way
+            span = abs(step)
+            if incumbent.peak_gib + (incumbent.peak_gib - b.peak_gib) / span > limit:
+                continue
+        if planner.verdict(cand).skip:
+            continue
+        if best is None or gain > best[0]:
+            best = (gain, cand)
+    return best[1] if best else None

@@ -1,0 +1,54 @@
+"""Whether the speed prior has been checked against what was measured.
+
+The convergence stop ("no untried candidate is expected to beat the best") reads the prior: a prior
+that is wrong about one knob (recomputation's cost, a trainer whose speed grows with its batch) makes
+every candidate in that direction look hopeless, and the search stops at 80% of what was there. So the
+stop trusts the prior only once its ranking of the measured trials agrees with the measurements:
+of the pairs of successful trials whose measured throughputs differ by more than the noise, nearly
+all must be ordered the same way by the prior. Without that, the stop waits until the promising
+region has been measured: every neighbour of the incumbent (one or two knobs away) tried or ruled out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from itertools import combinations
+from typing import Any
+
+from autotune.candidate.moves import neighbors
+from autotune.candidate.space import Space
+from autotune.search.planner import Planner
+
+MIN_PAIRS = 3  # pairs told apart by measurement before the prior's ranking counts as checked
+AGREEMENT = 0.8  # share of those pairs the prior must order as measured
+
+
+def prior_agrees(planner: Planner, noise: float) -> bool:
+    """Whether the prior orders the measured successful trials as the measurements do."""
+    ok = [(planner.prior(s.params), s.throughput) for s in planner.seen if s.status == "ok" and s.throughput]
+    agree = total = 0
+    for (pa, ma), (pb, mb) in combinations(ok, 2):
+        if max(ma, mb) <= min(ma, mb) * (1 + 2 * noise):
+            continue  # within the noise: says nothing about the order
+        total += 1
+        agree += (pa - pb) * (ma - mb) > 0
+    return total >= MIN_PAIRS and agree >= AGREEMENT * total
+
+
+def neighbourhood_measured(
+    planner: Planner,
+    space: Space,
+    fixed: dict[str, Any],
+    rules: Iterable[Callable[[dict[str, Any]], str | None]],
+    tried: set[str],
+    key: Callable[[dict[str, Any]], str],
+) -> bool:
+    """Whether every neighbour of the fastest measured trial is tried or ruled out."""
+    ok = [s for s in planner.seen if s.status == "ok" and s.throughput]
+    if not ok:
+        return False
+    best = max(ok, key=lambda s: s.throughput or 0.0)
+    return all(
+        key(c) in tried or planner.verdict(c).skip
+        for c in neighbors(best.params, space, fixed, planner.recipe, rules)
+    )

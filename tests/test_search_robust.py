@@ -1,0 +1,209 @@
+"""The search on landscapes it was not tuned to (issue 19): exhaustion decided over the grid, a
+stalled proposer handed the grid's best open candidate, cures per failure kind, transient crashes."""
+
+import optuna
+
+from autotune.candidate.space_file import load_space
+from autotune.hardware import find_gpu_type
+from autotune.models import resolve_model
+from autotune.progress import Reporter
+from autotune.recipe import Recipe
+from autotune.runners import TrialContext
+from autotune.search import candidates
+from autotune.search.loop import Search
+from autotune.search.policy import PROPOSAL_ATTR, SEEDS_ATTR, tried
+from autotune.study import StudyPaths, candidate_key
+from autotune.trial.outcome import Outcome
+
+LEAN = {
+    "zero_stage": 3,
+    "offload": "optimizer+params",
+    "gradient_checkpointing": True,
+    "use_vllm": False,
+    "gradient_accumulation_steps": 1,
+    "num_generations": 8,
+}
+
+
+def make_search(tmp_path, model="Qwen3-8B", gpus=8, gpu_name="RTX-4090", execute=None, **kw):
+    gpu = find_gpu_type(gpu_name)
+    recipe = Recipe(
+        model=model, gpus=gpus, gpu_type=gpu.name, gpu_memory_gib=gpu.memory_gib, runner="sim", name="r", **kw
+    )
+    context = TrialContext(recipe, load_space(), resolve_model(recipe.model), gpu)
+    return Search(
+        recipe,
+        StudyPaths(tmp_path, "r"),
+        context,
+        Reporter(recipe.trials),
+        execute=execute,
+        storage=optuna.storages.InMemoryStorage(),
+        report=False,
+    )
+
+
+def test_a_stall_is_not_exhaustion_the_grid_decides(tmp_path):
+    """Seen: 385 proposals in a row invalid, skipped or repeats, then 'space exhausted' and nothing
+    exported, with candidates no OOM dominates left untried. A stall proves nothing; the grid does."""
+    pinned = make_search(tmp_path, pins=LEAN)  # one knob left: the micro-batch
+    pinned.open()
+    pool = pinned.planner.pool(pinned.space, pinned.fixed, pinned.rules)
+    assert {c["per_device_train_batch_size"] for _, c in pool} == {1, 2, 4, 8, 16, 32}
+    pinned.planner.observe(1, pool[0][1], "oom", "cuda", None)  # the largest batch (the prior's first)
+    assert pool[0][1]["per_device_train_batch_size"] == 32
+    pinned.stopping.unlaunched = 400
+    stop = pinned.stopping.reason()
+    assert stop is None or stop[0] != "space exhausted", stop
+    assert not candidates.exhausted(pinned.planner, pool, set(), candidate_key)
+    # an OOM at its leanest value rules every candidate out: now it is exhausted
+    lean = min((c for _, c in pool), key=lambda c: c["per_device_train_batch_size"])
+    pinned.planner.observe(1, lean, "oom", "cuda", None)
+    assert candidates.exhausted(pinned.planner, pool, set(), candidate_key)
+    pinned.stopping.unlaunched = 10  # judged after a few stalled proposals, not after 300
+    assert pinned.stopping.reason()[0] == "space exhausted"
+
+
+def test_a_stalled_proposer_gets_the_grids_best_open_candidate(tmp_path):
+    """After three proposals in a row that needed no launch, the next one is the open candidate of
+    the grid (untried, ruled out by nothing) the planner expects fastest, not another random draw."""
+    search = make_search(tmp_path, gpus=2, pins={"use_vllm": True, "vllm_mode": "colocate"})
+    study = search.open().study
+    study.set_user_attr(SEEDS_ATTR, [])
+    pool = search.planner.pool(search.space, search.fixed, search.rules)
+    top = pool[0][1]
+    search.planner.observe(90, top, "oom", "vllm_startup", None)  # rules out the prior's favourites
+    for _ in range(3):
+        trial = study.ask()
+        params = search.space.normalize(
+            {**search.space.defaults(), **LEAN, "per_device_train_batch_size": 32}
+        )
+        search.tell(trial, params, candidate_key(params), Outcome(status="skipped", detail="x"))
+    trial = study.ask()
+    assert study._storage.get_trial_system_attrs(trial._trial_id).get(PROPOSAL_ATTR) == "pool"
+    proposed = {k: trial.params.get(k, v) for k, v in search.fixed.items()} | trial.params
+    expected = candidates.next_open(search.planner, pool, tried(study), candidate_key)
+    assert not search.planner.verdict(expected).skip
+    assert all(proposed[k] == expected[k] for k in trial.params)
+
+
+NCCL = "terminate called after throwing an instance of 'c10::DistBackendError'"
+
+
+def test_a_transient_crash_is_run_once_more_later_and_so_is_its_confirmation(tmp_path):
+    """Seen: the best candidate died of an NCCL watchdog timeout and was never re-run; a
+    confirmation that crashed so dropped its candidate."""
+    crashed: list[str] = []
+
+    def execute(params, trial_dir, number, control):
+        key = candidate_key(params)
+        if not crashed or (control.purpose == "confirm" and len(crashed) == 1):
+            crashed.append(key)
+            return Outcome(status="crash", error_line=NCCL, wall_time_s=1.0)
+        speed = 10.0 + params["per_device_train_batch_size"] + (50.0 if key == crashed[0] else 0.0)
+        return Outcome(status="ok", throughput=speed, peak_memory_gib=10.0, steps=5, wall_time_s=1.0)
+
+    search = make_search(tmp_path, gpus=2, execute=execute, pins=LEAN, trials=4, confirm=1)
+    result = search.run()
+    runs = [r for r in search_rows(search) if r.launched and candidate_key(r.params) == crashed[0]]
+    assert [r.status for r in runs] == ["crash", "ok"], runs
+    assert candidate_key(result.best.params) == crashed[0]  # the candidate the crash nearly lost
+    assert result.confirmation.status == "ok" and len(crashed) == 2
+    assert (tmp_path / "r" / "confirm" / f"{result.best.number}-crashed").is_dir()
+
+
+def search_rows(search):
+    from autotune.study import rows
+
+    return rows(optuna.load_study(study_name="r", storage=search.storage))
+
+
+def test_three_identical_crashes_still_stop_a_broken_command(tmp_path):
+    from autotune.errors import SearchStopped
+
+    def execute(params, trial_dir, number, control):
+        return Outcome(status="crash", error_line=NCCL, wall_time_s=1.0)
+
+    search = make_search(tmp_path, gpus=2, execute=execute, pins=LEAN, trials=10)
+    try:
+        search.run()
+    except SearchStopped as exc:
+        assert "the same crash 3 times in a row" in str(exc)
+    else:
+        raise AssertionError("a command that always crashes was not stopped")
+
+
+def test_the_convergence_stop_trusts_only_a_checked_prior(tmp_path):
+    """Seen: QLoRA 7B stopped 'converged' at 82% because the prior said checkpointing cost too
+    much; it never tried the larger batches with checkpointing. The prior's word ends the search
+    only where its ranking of the measured trials agrees with the measurements."""
+    pins = {k: v for k, v in LEAN.items() if k != "gradient_checkpointing"}
+    for agrees in (False, True):
+        search = make_search(tmp_path / str(agrees), gpus=2, pins=pins)
+        search.open()
+        planner = search.planner
+        planner.improvable = lambda *a, **k: None  # the prior expects nothing better
+        measured = [
+            c
+            for _, c in planner.pool(search.space, search.fixed, search.rules)
+            if not c["gradient_checkpointing"]
+        ]
+        for number, cand in enumerate(measured):
+            speed = planner.prior(cand) if agrees else 1.0 / planner.prior(cand)
+            planner.observe(number, cand, "ok", None, 10.0, speed)
+        search.state.best_value = max(s.throughput for s in planner.seen)
+        search.state.improved_at = 0
+        reason = search.converged(20)
+        assert (reason is not None) is agrees, reason
+
+
+def test_a_near_tie_is_decided_by_confirmed_throughput(tmp_path):
+    """Seen: with 8% step-time noise a short trial 6% lucky won over its equal. The runner-up
+    within the noise is confirmed too, and the confirmed throughputs decide."""
+    short = {32: 106.0, 16: 100.0, 8: 60.0, 4: 50.0}  # batch 32 lucky, batch 16 unlucky
+    long = {32: 103.0, 16: 105.0, 8: 60.0, 4: 50.0}
+
+    def execute(params, trial_dir, number, control):
+        batch = params["per_device_train_batch_size"]
+        table = long if control.purpose == "confirm" else short
+        if batch not in table:
+            return Outcome(status="oom", oom_kind="cuda", error_line="CUDA out of memory", wall_time_s=1.0)
+        return Outcome(status="ok", throughput=table[batch], peak_memory_gib=10.0, steps=5, wall_time_s=1.0)
+
+    search = make_search(tmp_path, gpus=2, execute=execute, pins=LEAN, trials=6, confirm=1)
+    result = search.run()
+    assert result.best.params["per_device_train_batch_size"] == 16
+    assert result.confirmation.throughput == 105.0
+
+
+def test_moving_along_a_knob_while_it_pays_and_not_along_one_that_does_nothing(tmp_path):
+    """Seen: speed grows with the micro-batch (OOM above 16); after 8 trials the search exported
+    micro 8, half its trials on a knob that changes nothing. The next step continues along the knob
+    that made the incumbent unless the measured memory slope says it will not fit; a knob measured
+    to change nothing gets no turn."""
+    from autotune.search.momentum import flat_knobs, keep_going
+
+    pins = {k: v for k, v in LEAN.items() if k != "gradient_checkpointing"}
+    search = make_search(tmp_path, gpus=2, pins=pins)
+    study = search.open().study
+    planner = search.planner
+    base = next(c for _, c in planner.pool(search.space, search.fixed, search.rules))
+
+    def cand(batch, gc=True):
+        return {**base, "per_device_train_batch_size": batch, "gradient_checkpointing": gc}
+
+    planner.observe(1, cand(4), "ok", None, 6.0, 4.0)
+    planner.observe(2, cand(8), "ok", None, 8.0, 7.0)
+    args = (search.space, search.fixed, search.rules, tried(study), candidate_key)
+    assert keep_going(planner, planner.seen[1], *args)["per_device_train_batch_size"] == 16
+    # a slope that will not keep the headroom (peaks 6 -> 18: 16 would need 30 of 21.2 GiB)
+    planner.seen[1].peak_gib = 18.0
+    assert keep_going(planner, planner.seen[1], *args) is None
+    # checkpointing measured twice to change nothing: no turn of its own
+    planner.observe(3, cand(4, gc=False), "ok", None, 6.0, 4.05)
+    planner.observe(4, cand(8, gc=False), "ok", None, 8.0, 6.9)
+    assert flat_knobs(planner, ["per_device_train_batch_size", "gradient_checkpointing"]) == {
+        "gradient_checkpointing"
+    }
+    for _ in range(3):  # every turn moves the batch; none is spent on checkpointing alone
+        step = planner.next_local(cand(8), *args, flat={"gradient_checkpointing"})
+        assert step is not None and step["per_device_train_batch_size"] != 8
