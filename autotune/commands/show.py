@@ -15,6 +15,7 @@ from autotune.commands.opening import ROOM_FOR_STUDY, open_named
 from autotune.progress import short_params
 from autotune.recipe import Recipe
 from autotune.study import TrialRow, plain_failures, rank, rows
+from autotune.study.incidents import incidents, long_run_failures
 from autotune.study.ranking import choose_best, confirmations, eligible
 from autotune.trial.outcome import DECIDED, Status
 
@@ -53,9 +54,10 @@ def show_study(name: str, runs_dir: Path, as_json: bool) -> None:
 def trials_of(name: str, recipe: Recipe, study: optuna.Study) -> Shown:
     all_rows = rows(study)
     done = confirmations(study)
-    best, _ = choose_best(all_rows, recipe, done)
+    failed = long_run_failures(study)
+    best, _ = choose_best(all_rows, recipe, done, failed)
     passed: dict[int, str] = {}
-    eligible(all_rows, recipe, done, passed_over=passed)
+    eligible(all_rows, recipe, done, passed_over=passed, failed_long=failed)
 
     def verdict(r: TrialRow) -> str:
         if best is not None and r.number == best.number:
@@ -115,6 +117,8 @@ def render_table(shown: Shown) -> None:
         )
     console = Console(width=200)
     console.print(table)
+    for inc in incidents(study):  # what a long run met that no short trial saw
+        console.print(f"production run {inc.line()}", markup=False, highlight=False)
     errors = shown.model_errors()
     if errors:
         console.print(

@@ -193,6 +193,12 @@ class Planner:
             )
         return Verdict(False, None, predicted)
 
+    def needs_at_least(self, params: dict[str, Any], other: dict[str, Any], kind: str) -> bool:
+        """Whether ``params`` needs at least the memory ``other`` needed in the knobs an OOM of
+        ``kind`` depends on: if ``other`` died of it, ``params`` would too (a production run's
+        restart looks for a measured configuration the failed one needs at least as much as)."""
+        return self._dominates_oom(params, self.vector(params), Seen(0, other, "oom", kind, None))
+
     def _dominates_oom(self, params: dict[str, Any], vec: MemoryVector, s: Seen) -> bool:
         """Whether ``params`` needs at least what OOM trial ``s`` needed, in the knobs its kind of
         failure depends on (each a different resource):
