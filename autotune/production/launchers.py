@@ -10,7 +10,8 @@ set to ``--steps``. On top of the trial:
 - TRL and ms-swift save a checkpoint every ``save_steps`` (``--save_strategy steps``) and get
   ``--resume_from_checkpoint`` on a restart;
 - a template trainer saves into ``{trial_dir}`` (the attempt's folder) and reads the newest
-  checkpoint from ``AUTOTUNE_RESUME_FROM``; every trainer gets that variable.
+  checkpoint from ``AUTOTUNE_RESUME_FROM``, and how often to save from ``AUTOTUNE_SAVE_STEPS``;
+  every trainer gets both.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from autotune.runners.base import Runner
 from autotune.trial.launch import LaunchSpec
 
 RESUME_ENV = "AUTOTUNE_RESUME_FROM"
+SAVE_ENV = "AUTOTUNE_SAVE_STEPS"  # how often a template trainer should save
 TRL_SPEC = "trial_spec.json"  # what the trl runner writes for the worker
 
 
@@ -73,6 +75,7 @@ def prepare_attempt(
         if resume is not None:
             argv = set_flag(argv, "--resume_from_checkpoint", str(resume.path))
         spec.argv = argv
+    spec.env[SAVE_ENV] = str(save_steps)
     if resume is not None:
         spec.env[RESUME_ENV] = str(resume.path)
     if memory_limit_gib is not None:
