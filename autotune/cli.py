@@ -338,7 +338,7 @@ def verify(study: str, runs_dir: Path, steps: int) -> None:
 )
 def run_cmd(study: str, runs_dir: Path, steps: int, max_restarts: int, save_steps: int, **kw: Any) -> None:
     """Run the exported configuration; after an OOM, resume on a safer one (docs: README "Run it")."""
-    from autotune.production.start import run_study
+    from autotune.commands.run import run_study
     from autotune.production.supervisor import RunOptions
 
     options = RunOptions(steps, max_restarts, save_steps, kw["memory_limit"])

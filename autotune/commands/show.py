@@ -7,7 +7,7 @@ the memory model's prediction); :func:`render_json` and :func:`render_table` pri
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,6 +31,7 @@ class Shown:
     ranked: list[TrialRow]  # best first
     verdicts: dict[int, str]  # what the export made of each trial: exported, passed over (why), confirmed
     predicted: dict[int, float | None]  # the planner's peak, predicted before each trial ran
+    incidents: list[str] = field(default_factory=list)  # production runs' failures no short trial saw
 
     def model_errors(self) -> list[float]:
         """Relative error of each prediction, over the launched trials that ran ok."""
@@ -76,6 +77,7 @@ def trials_of(name: str, recipe: Recipe, study: optuna.Study) -> Shown:
         ranked=ranked,
         verdicts={r.number: verdict(r) for r in ranked},
         predicted={t.number: t.user_attrs.get("predicted_gib") for t in trials},
+        incidents=[f"production run {inc.line()}" for inc in incidents(study)],
     )
 
 
@@ -117,8 +119,8 @@ def render_table(shown: Shown) -> None:
         )
     console = Console(width=200)
     console.print(table)
-    for inc in incidents(study):  # what a long run met that no short trial saw
-        console.print(f"production run {inc.line()}", markup=False, highlight=False)
+    for line in shown.incidents:  # what a long run met that no short trial saw
+        console.print(line, markup=False, highlight=False)
     errors = shown.model_errors()
     if errors:
         console.print(

@@ -15,11 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from autotune.candidate import constraints
+from autotune.candidate.moves import neighbors
+from autotune.candidate.space import Space
 from autotune.recipe import Recipe
-from autotune.search import constraints
-from autotune.search.moves import neighbors
 from autotune.search.planner import Planner
-from autotune.search.space import Space
 from autotune.study.incidents import Incident
 from autotune.study.record import TrialRow, candidate_key
 

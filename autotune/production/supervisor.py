@@ -21,14 +21,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from autotune.candidate import constraints
+from autotune.candidate.space import Space
 from autotune.files import write_json
 from autotune.production.checkpoints import newest
 from autotune.production.choice import Choice, restart_choice
 from autotune.production.launchers import prepare_attempt
 from autotune.runners.base import Runner
-from autotune.search import constraints
 from autotune.search.planner import Planner
-from autotune.search.space import Space
 from autotune.study.incidents import Incident, incidents, save_incident
 from autotune.study.record import rows as study_rows
 from autotune.trial.control import StopRule, TrialControl

@@ -1,4 +1,4 @@
-"""``autotune run STUDY``: open the study, check the exported configuration, run it (layer of commands)."""
+"""``autotune run STUDY``: open the study, check the exported configuration, run it supervised."""
 
 from __future__ import annotations
 
@@ -6,8 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-from autotune.commands import ROOM_FOR_STUDY, context_for, open_named
+from autotune.commands.inputs import context_for
+from autotune.commands.opening import ROOM_FOR_STUDY, open_named
 from autotune.errors import UsageError
+from autotune.export.layout import PARAMS_JSON
 from autotune.production.supervisor import RunOptions, Supervisor
 from autotune.runners import make_runner
 from autotune.search.planner import Planner
@@ -31,7 +33,7 @@ def run_study(
     if options.memory_limit_gib is not None and options.memory_limit_gib <= 0:
         raise UsageError(f"--memory-limit {options.memory_limit_gib} must be a positive number of GiB")
     paths, recipe, study = open_named(name, runs_dir)
-    params_file = paths.best / "params.json"
+    params_file = paths.best / PARAMS_JSON
     if not params_file.exists():
         raise UsageError(f"{params_file} does not exist: run autotune export {name} first")
     try:
