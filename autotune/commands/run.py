@@ -9,11 +9,13 @@ from pathlib import Path
 from autotune.commands.inputs import context_for
 from autotune.commands.opening import ROOM_FOR_STUDY, open_named
 from autotune.errors import UsageError
+from autotune.export import export_study
 from autotune.export.layout import PARAMS_JSON
 from autotune.production.supervisor import RunOptions, Supervisor
 from autotune.runners import make_runner
 from autotune.search.planner import Planner
 from autotune.study import plain_failures, rows
+from autotune.study.incidents import incidents
 
 
 def run_study(
@@ -60,7 +62,10 @@ def run_study(
                     row.number, row.params, row.status, row.oom_kind, row.peak_memory_gib, row.throughput
                 )
         supervisor = Supervisor(study, recipe, runner, context.space, planner, paths.root / "run")
+        before = len(incidents(study))
         result = supervisor.run(exported, options)
+        if len(incidents(study)) > before:  # best/ and summary.md now say the long run failed
+            export_study(study, recipe, paths.best)
     for line in result.lines:
         print(line, file=sys.stdout if result.finished else sys.stderr)
     return result.exit_code

@@ -119,8 +119,8 @@ def render_table(shown: Shown) -> None:
         )
     console = Console(width=200)
     console.print(table)
-    for line in shown.incidents:  # what a long run met that no short trial saw
-        console.print(line, markup=False, highlight=False)
+    for line in shown.incidents:  # what a long run met that no short trial saw; never wrapped
+        print(line)
     errors = shown.model_errors()
     if errors:
         console.print(

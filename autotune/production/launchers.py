@@ -57,8 +57,7 @@ def prepare_attempt(
     """The LaunchSpec of one attempt of the production run (see the module docstring)."""
     if runner.name == "sim":
         raise UsageError("a --runner sim study simulates GPUs: there is nothing to train in production")
-    runner.steps_needed = steps
-    spec = runner.prepare(params, attempt_dir, number)
+    spec = runner.prepare(params, attempt_dir, number, steps)
     if runner.name == "trl":
         path = attempt_dir / TRL_SPEC
         data = json.loads(path.read_text(encoding="utf-8"))

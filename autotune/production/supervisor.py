@@ -33,6 +33,7 @@ from autotune.study.incidents import Incident, incidents, save_incident
 from autotune.study.record import rows as study_rows
 from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.execute import execute, fresh_trial_dir
+from autotune.trial.layout import METRICS
 from autotune.trial.outcome import Outcome
 from autotune.trial.processes import marked_processes
 
@@ -64,16 +65,17 @@ def default_save_steps(steps: int) -> int:
     return max(1, steps // 20)
 
 
-def last_step(attempt_dir: Path, outcome: Outcome) -> int:
-    """The trainer's last reported optimizer step (its global step, which a resumed run continues)."""
+def failed_step(attempt_dir: Path, outcome: Outcome) -> int:
+    """The optimizer step the attempt died in: one past the last step the trainer reported (its
+    global step, which a resumed run continues), so "OOM at step 8" is resumed from checkpoint-7."""
     step = 0
     try:
-        for line in (attempt_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines():
+        for line in (attempt_dir / METRICS).read_text(encoding="utf-8").splitlines():
             with contextlib.suppress(ValueError, TypeError, AttributeError):
                 step = max(step, int(json.loads(line).get("step") or 0))
     except OSError:
         pass
-    return step or outcome.steps
+    return (step or outcome.steps) + 1
 
 
 class Stop(Exception):
@@ -219,7 +221,7 @@ class Supervisor:
                     kept = newest(self.root)
                     tail = f"; newest checkpoint {kept.path}" if kept else ""
                     return RunResult(True, 0, [f"finished {opts.steps} steps in attempt {number}{tail}"])
-                step = last_step(self.root / "attempts" / str(number), outcome)
+                step = failed_step(self.root / "attempts" / str(number), outcome)
                 status = outcome.status if outcome.status in ("oom", "hang", "timeout") else "crash"
                 choice: Choice | None = None
                 if restarts < opts.max_restarts:

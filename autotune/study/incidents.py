@@ -28,7 +28,7 @@ class Incident:
     attempt: int  # the run attempt that failed (runs/<study>/run/attempts/<n>)
     status: str  # oom | hang | timeout | crash
     oom_kind: str | None
-    step: int  # the last optimizer step the attempt reported
+    step: int  # the optimizer step the attempt died in (one past the last it reported)
     error_line: str | None
     params: dict[str, Any] = field(default_factory=dict)  # the configuration that failed
     resumed_from: str | None = None  # the checkpoint the next attempt resumes from

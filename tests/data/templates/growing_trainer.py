@@ -57,8 +57,11 @@ for step in range(start + 1, a.max_steps + 1):
             if marker is not None:
                 marker.write_text("crashed once")
             raise RuntimeError("NCCL watchdog: connection reset by peer")
-    buf = bytearray(size)  # MemoryError under the cap: the real one, raised by the allocator
-    buf[-1] = 1  # RLIMIT_AS caps address space: the allocation itself is what fails
+    # MemoryError under the cap: the real one, raised by the allocator. bytes(n) is calloc'ed, so
+    # the pages are mapped but never touched: RLIMIT_AS caps address space, so the mapping itself
+    # is what fails, and the step's time is its sleep, not the zeroing of a large buffer (which
+    # made smaller batches look faster per completion and the search's choice depend on noise)
+    buf = bytes(size)
     time.sleep(a.accum * (0.04 + 0.01 * a.batch))  # bigger micro-batches are faster per completion
     del buf
     record = {"step": step, "step_time": time.perf_counter() - began, "samples": a.batch * a.accum}
