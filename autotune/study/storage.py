@@ -12,7 +12,6 @@ SQLite cannot read is called damaged, with how to salvage it; it is never delete
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -27,6 +26,7 @@ import optuna
 
 from autotune.errors import SQLITE_FULL, UsageError, causes, disk_full, no_space
 from autotune.recipe import Recipe
+from autotune.study.identity import identity_differences, identity_of
 from autotune.study.paths import StudyPaths
 from autotune.study.recovery import RetryInterrupted
 
@@ -287,19 +287,6 @@ def warnings_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         yield
-
-
-def identity_of(recipe: Recipe) -> dict[str, Any]:
-    """What controllers joining one study must agree on: the recipe's identity, less the storage
-    URL (each node may reach the same server under another name)."""
-    ident = {k: v for k, v in recipe.identity().items() if k != "storage"}
-    return json.loads(json.dumps(ident, sort_keys=True, default=str))
-
-
-def identity_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    """Identity fields both recipes have and that differ (a field added to autotune later is not a
-    difference: studies started before it must stay resumable)."""
-    return [k for k in sorted(set(mine) & set(theirs)) if mine[k] != theirs[k]]
 
 
 def check_identity(study: optuna.Study, recipe: Recipe, url: str) -> None:
