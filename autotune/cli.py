@@ -329,6 +329,28 @@ def verify(study: str, runs_dir: Path, steps: int) -> None:
         sys.exit(1)
 
 
+@main.command(name="run")
+@click.argument("study")
+@runs_dir_option
+@click.option("--steps", type=int, required=True, help="Optimizer steps of the production run ({max_steps}).")
+@click.option("--max-restarts", type=int, default=3, show_default=True, help="Restarts after failures.")
+@click.option("--save-steps", type=int, default=0, help="Checkpoint every N steps (default: steps/20).")
+@click.option("--memory-limit", type=float, default=None, help="RLIMIT_AS in GiB (default: the study's).")
+@click.option(
+    "--max-completion-length",
+    type=int,
+    default=None,
+    help="This run's completion length (default: the study's).",
+)
+def run_cmd(study: str, runs_dir: Path, steps: int, max_restarts: int, save_steps: int, **kw: Any) -> None:
+    """Run the exported configuration; after an OOM, resume on a safer one (docs: README "Run it")."""
+    from autotune.commands.run import run_study
+    from autotune.production.supervisor import RunOptions
+
+    options = RunOptions(steps, max_restarts, save_steps, kw["memory_limit"])
+    sys.exit(run_study(study, runs_dir, options, max_completion_length=kw["max_completion_length"]))
+
+
 @main.command()
 @recipe_options(("recipe",))
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")

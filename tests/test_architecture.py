@@ -36,7 +36,7 @@ LAYERS: list[tuple[int, tuple[str, ...]]] = [
             "autotune.export",
         ),
     ),
-    (6, ("autotune.search.loop", "autotune.search.confirm")),
+    (6, ("autotune.search.loop", "autotune.search.confirm", "autotune.production")),
     (7, ("autotune.commands", "autotune.doctor")),
     (8, ("autotune.cli", "autotune.__main__")),
 ]

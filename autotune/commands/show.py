@@ -7,7 +7,7 @@ the memory model's prediction); :func:`render_json` and :func:`render_table` pri
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -15,6 +15,7 @@ from autotune.commands.opening import ROOM_FOR_STUDY, open_named
 from autotune.progress import short_params
 from autotune.recipe import Recipe
 from autotune.study import TrialRow, plain_failures, rank, rows
+from autotune.study.incidents import incidents, long_run_failures
 from autotune.study.ranking import choose_best, confirmations, eligible
 from autotune.trial.outcome import DECIDED, Status
 
@@ -30,6 +31,7 @@ class Shown:
     ranked: list[TrialRow]  # best first
     verdicts: dict[int, str]  # what the export made of each trial: exported, passed over (why), confirmed
     predicted: dict[int, float | None]  # the planner's peak, predicted before each trial ran
+    incidents: list[str] = field(default_factory=list)  # production runs' failures no short trial saw
 
     def model_errors(self) -> list[float]:
         """Relative error of each prediction, over the launched trials that ran ok."""
@@ -53,9 +55,10 @@ def show_study(name: str, runs_dir: Path, as_json: bool) -> None:
 def trials_of(name: str, recipe: Recipe, study: optuna.Study) -> Shown:
     all_rows = rows(study)
     done = confirmations(study)
-    best, _ = choose_best(all_rows, recipe, done)
+    failed = long_run_failures(study)
+    best, _ = choose_best(all_rows, recipe, done, failed)
     passed: dict[int, str] = {}
-    eligible(all_rows, recipe, done, passed_over=passed)
+    eligible(all_rows, recipe, done, passed_over=passed, failed_long=failed)
 
     def verdict(r: TrialRow) -> str:
         if best is not None and r.number == best.number:
@@ -74,6 +77,7 @@ def trials_of(name: str, recipe: Recipe, study: optuna.Study) -> Shown:
         ranked=ranked,
         verdicts={r.number: verdict(r) for r in ranked},
         predicted={t.number: t.user_attrs.get("predicted_gib") for t in trials},
+        incidents=[f"production run {inc.line()}" for inc in incidents(study)],
     )
 
 
@@ -117,6 +121,8 @@ def render_table(shown: Shown) -> None:
         )
     console = Console(width=200)
     console.print(table)
+    for line in shown.incidents:  # what a long run met that no short trial saw; never wrapped
+        print(line)
     errors = shown.model_errors()
     if errors:
         console.print(

@@ -17,6 +17,7 @@ import optuna
 from autotune.files import write_text
 from autotune.recipe import Recipe
 from autotune.study import StudyPaths, choose_best, confirmations, rows
+from autotune.study.incidents import long_run_failures
 from autotune.study.ranking import headroom_limit
 from autotune.study.record import TrialRow
 from autotune.trial.layout import TrialFiles
@@ -312,7 +313,7 @@ def report_html(study: optuna.Study, recipe: Recipe, paths: StudyPaths) -> str:
     from plotly.offline import get_plotlyjs
 
     all_rows = rows(study)
-    best, notes = choose_best(all_rows, recipe, confirmations(study))
+    best, notes = choose_best(all_rows, recipe, confirmations(study), long_run_failures(study))
     launched = sum(1 for r in all_rows if r.launched)
     stopped = study.user_attrs.get("stopped")
     esc = html.escape

@@ -37,6 +37,7 @@ from autotune.export.swift import swift_sh
 from autotune.export.trl import grpo_yaml, launch_sh
 from autotune.recipe import Recipe
 from autotune.study import choose_best, confirmations, rows
+from autotune.study.incidents import long_run_failures
 from autotune.study.record import TrialRow
 
 OWN_FILES = frozenset(BEST_FILES)
@@ -45,7 +46,7 @@ OWN_FILES = frozenset(BEST_FILES)
 def export_study(study: optuna.Study, recipe: Recipe, out_dir: Path) -> list[Path]:
     """(Re)write best/ from whatever the study holds now; nothing to write without an ok trial."""
     all_rows = rows(study)
-    best, notes = choose_best(all_rows, recipe, confirmations(study))
+    best, notes = choose_best(all_rows, recipe, confirmations(study), long_run_failures(study))
     if best is None:
         return []
     return write_best(out_dir, best, recipe, all_rows, notes=notes, stopped=study.user_attrs.get("stopped"))

@@ -54,6 +54,7 @@ from autotune.study import (
     recover_interrupted,
     rows,
 )
+from autotune.study.incidents import incidents, long_run_failures
 from autotune.study.lock import StudyLock
 from autotune.study.ranking import Confirmation
 from autotune.study.record import AT_RISK_ATTR
@@ -170,7 +171,7 @@ class Search:
             exported = export_study(study, self.recipe, self.paths.best)
             self.refresh_report(study)
         done = confirmations(study)
-        best, _ = choose_best(rows(study), self.recipe, done)
+        best, _ = choose_best(rows(study), self.recipe, done, long_run_failures(study))
         return SearchResult(
             launched=launched,
             best=best,
@@ -287,6 +288,10 @@ class Search:
         )
         for row in rows(study):
             state.observe_row(row)
+        if self.planner is not None:
+            for inc in incidents(study):  # a production run's OOM: stronger than any short trial
+                if inc.status == "oom":
+                    self.planner.observe(-inc.number, inc.params, "oom", inc.oom_kind, None)
         state.improved_at = len(launched_rows(study))  # a resumed search waits its patience again
         self._state = state
         return state

@@ -187,11 +187,8 @@ class Planner:
             return Verdict(False, None, predicted)
         for s in self.seen:
             if s.status == "oom" and not s.leftover and self._dominates_oom(params, vec, s):
-                return Verdict(
-                    True,
-                    f"needs at least the memory of trial {s.number}, which hit oom/{s.oom_kind}",
-                    predicted,
-                )
+                why = f"needs at least the memory of trial {s.number}, which hit oom/{s.oom_kind}"
+                return Verdict(True, why, predicted)
         # the model only vetoes once a measured peak has anchored it: an uncalibrated model that
         # is wrong for this trainer (a --command trainer with its own tricks) must not veto
         # every candidate before a single trial has run
@@ -214,6 +211,10 @@ class Planner:
                 predicted,
             )
         return Verdict(False, None, predicted)
+
+    def needs_at_least(self, params: dict[str, Any], other: dict[str, Any], kind: str) -> bool:
+        """Whether ``params`` would die of the ``kind`` OOM ``other`` died of (a restart's choice)."""
+        return self._dominates_oom(params, self.vector(params), Seen(0, other, "oom", kind, None))
 
     def _dominates_oom(self, params: dict[str, Any], vec: tuple[float, ...], s: Seen) -> bool:
         """Whether ``params`` needs at least what OOM trial ``s`` needed, in the knobs its kind of

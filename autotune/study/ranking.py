@@ -14,7 +14,7 @@ from typing import Any
 import optuna
 
 from autotune.recipe import Recipe
-from autotune.study.record import TrialRow
+from autotune.study.record import TrialRow, candidate_key
 from autotune.trial.outcome import Outcome, Status
 
 
@@ -71,10 +71,13 @@ def eligible(
     recipe: Recipe,
     confirmed: dict[int, Confirmation] | None = None,
     passed_over: dict[int, str] | None = None,
+    failed_long: dict[str, str] | None = None,
 ) -> tuple[list[TrialRow], list[str]]:
     """Launched ok trials, fastest first, that left ``headroom`` of GPU memory free and, when a
     longer confirmation run was made, survived it with headroom too; plus why others were not.
-    ``passed_over``, when given, receives each passed-over trial's reason by number (for ``show``)."""
+    ``passed_over``, when given, receives each passed-over trial's reason by number (for ``show``);
+    ``failed_long`` holds the configurations a production run lost to OOM or a hang (by candidate key,
+    :func:`autotune.study.incidents.failed_long`): a long run outweighs any short trial."""
     confirmed = confirmed or {}
     notes: list[str] = []
     out: list[TrialRow] = []
@@ -87,7 +90,9 @@ def eligible(
             break
         why = None
         c = confirmed.get(row.number)
-        if check_peak and row.peak_memory_gib is None and row.at_risk:
+        if failed_long and candidate_key(row.params) in failed_long:
+            why = failed_long[candidate_key(row.params)]
+        elif check_peak and row.peak_memory_gib is None and row.at_risk:
             why = f"its peak was not measured and {row.at_risk}"
         elif check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
             why = (
@@ -112,7 +117,10 @@ def eligible(
 
 
 def choose_best(
-    rows_: list[TrialRow], recipe: Recipe, confirmed: dict[int, Confirmation] | None = None
+    rows_: list[TrialRow],
+    recipe: Recipe,
+    confirmed: dict[int, Confirmation] | None = None,
+    failed_long: dict[str, str] | None = None,
 ) -> tuple[TrialRow | None, list[str]]:
     """The configuration to export, with notes on what was passed over and why.
 
@@ -121,7 +129,7 @@ def choose_best(
     a few percent of each other are ranked by noise, nine measured steps much less so.
     """
     confirmed = confirmed or {}
-    candidates, notes = eligible(rows_, recipe, confirmed)
+    candidates, notes = eligible(rows_, recipe, confirmed, failed_long=failed_long)
     if not candidates:
         return None, notes
     held = [r for r in candidates if r.number in confirmed]

@@ -9,7 +9,6 @@ checked before anything is opened (a missing, empty, damaged or misnamed databas
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 import re
@@ -24,6 +23,7 @@ import optuna
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
 from autotune.study.checks import check_database, sqlite_file, storage_error
+from autotune.study.identity import identity_differences, identity_of
 from autotune.study.outage import PatientStorage, creation_race, outage_limit_s
 from autotune.study.paths import StudyPaths
 from autotune.study.recovery import RetryInterrupted
@@ -144,19 +144,6 @@ def warnings_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         yield
-
-
-def identity_of(recipe: Recipe) -> dict[str, Any]:
-    """What controllers joining one study must agree on: the recipe's identity, less the storage
-    URL (each node may reach the same server under another name)."""
-    ident = {k: v for k, v in recipe.identity().items() if k != "storage"}
-    return json.loads(json.dumps(ident, sort_keys=True, default=str))
-
-
-def identity_differences(mine: dict[str, Any], theirs: dict[str, Any]) -> list[str]:
-    """Identity fields both recipes have and that differ (a field added to autotune later is not a
-    difference: studies started before it must stay resumable)."""
-    return [k for k in sorted(set(mine) & set(theirs)) if mine[k] != theirs[k]]
 
 
 def check_identity(study: optuna.Study, recipe: Recipe, url: str) -> None:

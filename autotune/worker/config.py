@@ -63,6 +63,11 @@ def build_grpo_config(spec: dict[str, Any]) -> Any:
         dataloader_num_workers=0,  # prompts are tiny; workers would only add processes to kill
         generation_kwargs=generation,
     )
+    production = spec.get("production")
+    if production:  # `autotune run`: checkpoints in the attempt's folder, every save_steps
+        kwargs.update(
+            output_dir=str(trial_dir), save_strategy="steps", save_steps=int(production["save_steps"])
+        )
     if spec["device"] == "cpu":
         kwargs.update(use_cpu=True, bf16=False)
     return GRPOConfig(**kwargs)

@@ -78,7 +78,8 @@ def run_trial(spec: dict[str, Any]) -> None:
         f"{f' + {images} x {image_tokens} image' if image_tokens else ''} + completion "
         f"{spec['max_completion_length']} tokens, {spec['max_steps']} steps"
     )
-    trainer.train()
+    resume = (spec.get("production") or {}).get("resume_from_checkpoint")
+    trainer.train(resume_from_checkpoint=resume)  # `autotune run` after an OOM: the newest checkpoint
     # tear the process group down before interpreter exit: gloo's threads otherwise race the
     # C++ destructors and a finished trial can die with SIGABRT ("terminate called without an
     # active exception"), which would read as a crash
