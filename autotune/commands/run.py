@@ -13,6 +13,7 @@ from autotune.export import export_study
 from autotune.export.layout import PARAMS_JSON
 from autotune.production.supervisor import RunOptions, Supervisor
 from autotune.runners import make_runner
+from autotune.search.knobs import KnobMemory
 from autotune.search.planner import Planner
 from autotune.study import plain_failures, rows
 from autotune.study.incidents import incidents
@@ -54,7 +55,14 @@ def run_study(
     context = context_for(recipe)
     runner = make_runner(context)
     runner.check()
-    planner = Planner(context.model, recipe, context.gpu, use_model=recipe.device != "cpu")
+    # the same planner the search used: which knobs carry dominance comes from the study's space
+    planner = Planner(
+        context.model,
+        recipe,
+        context.gpu,
+        use_model=recipe.device != "cpu",
+        knobs=KnobMemory.of(context.space),
+    )
     with plain_failures(paths, recipe, ROOM_FOR_STUDY):
         for row in rows(study):
             if row.launched and row.status not in ("crash", "interrupted"):
