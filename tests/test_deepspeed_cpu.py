@@ -9,9 +9,12 @@ trial, so no trial's hang timeout counts a compiler.
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import yaml
@@ -37,9 +40,25 @@ BUILD = (
 )
 
 
+STALE_BATON_S = 20 * 60  # a build takes about 3 minutes idle, 15 on a loaded 2-core machine
+
+
+def clear_stale_batons() -> None:
+    """Remove build locks left by a killed build: torch waits on them for ever otherwise.
+
+    torch's extension builder guards each build folder with a ``lock`` file that a killed build
+    never removes; the next build then waits on it until a test's timeout. A lock older than any
+    real build is such a leftover."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR", Path.home() / ".cache" / "torch_extensions"))
+    for baton in root.glob("**/lock"):
+        if time.time() - baton.stat().st_mtime > STALE_BATON_S:
+            baton.unlink(missing_ok=True)
+
+
 @pytest.fixture(scope="module")
 def deepspeed_ops():
     """cpu_adam and shm_comm JIT-built (or loaded from the cache) once for the whole module."""
+    clear_stale_batons()
     done = subprocess.run([sys.executable, "-c", BUILD], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0 and "built" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
 
