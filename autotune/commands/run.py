@@ -17,6 +17,7 @@ from autotune.search.knobs import KnobMemory
 from autotune.search.planner import Planner
 from autotune.study import plain_failures, rows
 from autotune.study.incidents import incidents
+from autotune.trial.outcome import UNINFORMATIVE
 
 
 def run_study(
@@ -65,7 +66,7 @@ def run_study(
     )
     with plain_failures(paths, recipe, ROOM_FOR_STUDY):
         for row in rows(study):
-            if row.launched and row.status not in ("crash", "interrupted"):
+            if row.launched and row.status not in UNINFORMATIVE:
                 planner.observe(
                     row.number, row.params, row.status, row.oom_kind, row.peak_memory_gib, row.throughput
                 )
@@ -73,7 +74,12 @@ def run_study(
         before = len(incidents(study))
         result = supervisor.run(exported, options)
         if len(incidents(study)) > before:  # best/ and summary.md now say the long run failed
-            export_study(study, recipe, paths.best)
+            if not export_study(study, recipe, paths.best):
+                # nothing measured is left to export: best/ is the user's, kept, but no longer right
+                result.lines.append(
+                    f"{paths.best} still holds the configuration that failed: no other configuration "
+                    f"{name} measured ran ok; autotune resume {name} measures more"
+                )
     for line in result.lines:
         print(line, file=sys.stdout if result.finished else sys.stderr)
     return result.exit_code

@@ -7,14 +7,14 @@ the memory model's prediction); :func:`render_json` and :func:`render_table` pri
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autotune.commands.opening import ROOM_FOR_STUDY, open_named
 from autotune.progress import short_params
 from autotune.recipe import Recipe
-from autotune.study import TrialRow, plain_failures, rank, rows
+from autotune.study import TrialRow, candidate_key, plain_failures, rank, rows
 from autotune.study.incidents import incidents, long_run_failures
 from autotune.study.ranking import choose_best, confirmations, eligible
 from autotune.trial.outcome import DECIDED, Status
@@ -32,6 +32,8 @@ class Shown:
     verdicts: dict[int, str]  # what the export made of each trial: exported, passed over (why), confirmed
     predicted: dict[int, float | None]  # the planner's peak, predicted before each trial ran
     incidents: list[str] = field(default_factory=list)  # production runs' failures no short trial saw
+    # the same incidents as records (``--json``), by the configuration that failed
+    incident_records: dict[str, list[dict]] = field(default_factory=dict)
 
     def model_errors(self) -> list[float]:
         """Relative error of each prediction, over the launched trials that ran ok."""
@@ -70,6 +72,12 @@ def trials_of(name: str, recipe: Recipe, study: optuna.Study) -> Shown:
 
     ranked = rank(all_rows)
     trials = study.get_trials(deepcopy=False)
+    found = incidents(study)
+    records: dict[str, list[dict]] = {}
+    for inc in found:
+        records.setdefault(candidate_key(inc.params), []).append(
+            {**asdict(inc), "line": f"production run {inc.line()}"}
+        )
     launched = sum(1 for t in trials if t.user_attrs.get("launched"))
     return Shown(
         title=f"{name}: {launched} launched of {recipe.trials} "
@@ -77,14 +85,26 @@ def trials_of(name: str, recipe: Recipe, study: optuna.Study) -> Shown:
         ranked=ranked,
         verdicts={r.number: verdict(r) for r in ranked},
         predicted={t.number: t.user_attrs.get("predicted_gib") for t in trials},
-        incidents=[f"production run {inc.line()}" for inc in incidents(study)],
+        incidents=[f"production run {inc.line()}" for inc in found],
+        incident_records=records,
     )
 
 
 def render_json(shown: Shown) -> None:
+    """The ranked trials as a JSON list (its shape is what scripts read); a trial whose configuration
+    failed in a production run carries that run's incidents, as records and as ``show`` prints them."""
     print(
         json.dumps(
-            [{**r.__dict__, "verdict": shown.verdicts[r.number]} for r in shown.ranked], indent=2, default=str
+            [
+                {
+                    **r.__dict__,
+                    "verdict": shown.verdicts[r.number],
+                    "incidents": shown.incident_records.get(candidate_key(r.params), []),
+                }
+                for r in shown.ranked
+            ],
+            indent=2,
+            default=str,
         )
     )
 

@@ -22,6 +22,10 @@ from autotune.recipe import Recipe
 from autotune.search.planner import Planner
 from autotune.study.incidents import Incident
 from autotune.study.record import TrialRow, candidate_key
+from autotune.trial.outcome import Status
+
+#: the ends a restart answers with less memory (a hang: a thrashing allocator, swapping offload)
+MEMORY_TROUBLE = frozenset({Status.OOM, Status.HANG})
 
 
 @dataclass
@@ -35,7 +39,7 @@ class Choice:
 
 def memory_kind(status: str, oom_kind: str | None, recipe: Recipe) -> str:
     """The dominance a failure is judged by: its OOM kind; a hang by every knob."""
-    if status == "oom" and oom_kind:
+    if status == Status.OOM and oom_kind:
         return oom_kind
     return "host" if recipe.device == "cpu" else "cuda"
 
@@ -66,7 +70,7 @@ def safer(planner: Planner, failed: dict[str, Any], cand: dict[str, Any], kind: 
 def doomed(planner: Planner, cand: dict[str, Any], history: list[Incident], recipe: Recipe) -> bool:
     """Whether ``cand`` needs at least the memory of a configuration a long run already lost."""
     return any(
-        inc.status in ("oom", "hang")
+        inc.status in MEMORY_TROUBLE
         and planner.needs_at_least(cand, inc.params, memory_kind(inc.status, inc.oom_kind, recipe))
         for inc in history
     )
@@ -91,7 +95,7 @@ def restart_choice(
     nearest safer neighbour (a probe), else None: nothing known is safer.
     """
     recipe = planner.recipe
-    if status not in ("oom", "hang"):
+    if status not in MEMORY_TROUBLE:
         return Choice(dict(failed), "same configuration")
     kind = memory_kind(status, oom_kind, recipe)
     completions = constraints.samples_per_step(failed, recipe, space)

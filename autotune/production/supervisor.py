@@ -34,13 +34,15 @@ from autotune.study.record import rows as study_rows
 from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.execute import execute, fresh_trial_dir
 from autotune.trial.layout import METRICS
-from autotune.trial.outcome import Outcome
+from autotune.trial.outcome import Outcome, Status
 from autotune.trial.processes import marked_processes
 
 log = logging.getLogger(__name__)
 
 STATE = "state.json"
 PROBE_NUMBER_OFFSET = 300_000  # numbers of the run's attempts and probes, apart from trials
+#: how an attempt's end is recorded as it is; every other end (a crash, a signal, a bad exit) is a crash
+RESTARTED_AS_IS = frozenset({Status.OOM, Status.HANG, Status.TIMEOUT})
 EVERY_STEP = 10**9  # the stop rule's measured steps: a production run is never stopped as measured
 
 
@@ -65,9 +67,11 @@ def default_save_steps(steps: int) -> int:
     return max(1, steps // 20)
 
 
-def failed_step(attempt_dir: Path, outcome: Outcome) -> int:
+def failed_step(attempt_dir: Path, outcome: Outcome, resumed_at: int = 0) -> int:
     """The optimizer step the attempt died in: one past the last step the trainer reported (its
-    global step, which a resumed run continues), so "OOM at step 8" is resumed from checkpoint-7."""
+    global step, which a resumed run continues), so "OOM at step 8" is resumed from checkpoint-7.
+    An attempt resumed from checkpoint-N that died before reporting a step died in step N + 1
+    (a trial's own step count starts again at 0)."""
     step = 0
     try:
         for line in (attempt_dir / METRICS).read_text(encoding="utf-8").splitlines():
@@ -75,7 +79,7 @@ def failed_step(attempt_dir: Path, outcome: Outcome) -> int:
                 step = max(step, int(json.loads(line).get("step") or 0))
     except OSError:
         pass
-    return (step or outcome.steps) + 1
+    return max(step, resumed_at + outcome.steps) + 1
 
 
 class Stop(Exception):
@@ -221,11 +225,11 @@ class Supervisor:
                     kept = newest(self.root)
                     tail = f"; newest checkpoint {kept.path}" if kept else ""
                     return RunResult(True, 0, [f"finished {opts.steps} steps in attempt {number}{tail}"])
-                step = failed_step(self.root / "attempts" / str(number), outcome)
-                status = outcome.status if outcome.status in ("oom", "hang", "timeout") else "crash"
+                step = failed_step(self.root / "attempts" / str(number), outcome, done.step if done else 0)
+                status = outcome.status if outcome.status in RESTARTED_AS_IS else Status.CRASH
                 choice: Choice | None = None
                 if restarts < opts.max_restarts:
-                    if status == "crash" and transient_used:
+                    if status == Status.CRASH and transient_used:
                         choice = None
                     else:
                         choice = self.choose(params, status, outcome.oom_kind, met, opts)
@@ -250,11 +254,11 @@ class Supervisor:
                         f"--max-restarts {opts.max_restarts} spent"
                         if restarts >= opts.max_restarts
                         else "a second crash"
-                        if status == "crash"
+                        if status == Status.CRASH
                         else "no measured or proposed configuration needs less memory"
                     )
                     return RunResult(False, 1, [f"stopped ({why}):"] + [f"  {i.line()}" for i in met])
-                transient_used = transient_used or status == "crash"
+                transient_used = transient_used or status == Status.CRASH
                 restarts += 1
                 params, state = dict(choice.params), {"source": choice.source}
 
