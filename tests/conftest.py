@@ -364,3 +364,17 @@ def snapshot(root: Path) -> dict[str, str]:
         for p in sorted(root.rglob("*"))
         if p.is_file()
     }
+
+
+def swift_program() -> Path:
+    venv = Path(os.environ.get("AUTOTUNE_SWIFT_VENV") or Path.home() / ".cache" / "autotune" / "swift-venv")
+    candidate = Path(os.environ.get("AUTOTUNE_SWIFT_BIN") or venv / "bin" / "swift")
+    if not candidate.is_file():
+        if os.environ.get("AUTOTUNE_REQUIRE_SWIFT") == "1":
+            pytest.fail(
+                f"AUTOTUNE_REQUIRE_SWIFT=1 but no ms-swift at {candidate}: run bash scripts/swift_env.sh"
+            )
+        pytest.skip(
+            f"no ms-swift at {candidate} (bash scripts/swift_env.sh makes it; AUTOTUNE_SWIFT_BIN names another)"
+        )
+    return candidate

@@ -53,12 +53,32 @@ def runs_here(block: list[list[str]]) -> bool:
 
 ALL = blocks()
 AUTOTUNE = [c for block in ALL for c in block if c[0] == "autotune"]
+#: what runs on a study a search made, never searching itself (``autotune run STUDY`` in "Run it")
+ON_A_STUDY = ("run", "show", "verify", "export", "report")
+
+
+def follow_ups(index: int) -> list[list[str]]:
+    """The commands of other blocks that only use a study block ``index`` makes (README's "Run it"
+    after the CPU rehearsal): they run after it, in its folder, as written."""
+    block = ALL[index]
+    studies = {c[2] for c in block if c[:1] == ["autotune"] and len(c) > 2 and c[1] in ON_A_STUDY}
+    out: list[list[str]] = []
+    for other in ALL:
+        if other is block or runs_here(other):
+            continue
+        if other and all(
+            c[0] == "autotune" and c[1] in ON_A_STUDY and c[2:3] and c[2] in studies for c in other
+        ):
+            out.extend(other)
+    return out
 
 
 def test_readme_has_the_examples_this_test_runs():
     assert len(AUTOTUNE) >= 8 and sum(runs_here(b) for b in ALL) >= 3
     installs = [c for b in ALL for c in b if is_install(c) and "install" in c]
     assert installs, "README's install line is gone"
+    followed = [c for i, b in enumerate(ALL) if runs_here(b) for c in follow_ups(i)]
+    assert any(c[1] == "run" for c in followed), "README's 'Run it' line no longer runs on a study it makes"
 
 
 @pytest.mark.parametrize("argv", AUTOTUNE, ids=[" ".join(c[:3]) for c in AUTOTUNE])
@@ -95,9 +115,10 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.parametrize("index", [i for i, b in enumerate(ALL) if runs_here(b)])
 def test_readme_blocks_meant_for_this_machine_run_as_written(index, tmp_path):
-    """The sim search, the CPU rehearsal with its verify, the ms-swift example: each command as
-    written, in order, in one fresh folder; each search exports best/ (launch.sh, swift.sh)."""
-    for argv in ALL[index]:
+    """The sim search, the CPU rehearsal with its verify (then "Run it" on the study it made), the
+    ms-swift example: each command as written, in order, in one fresh folder; each search exports
+    best/ (launch.sh, swift.sh)."""
+    for argv in ALL[index] + follow_ups(index):
         if is_install(argv):
             continue
         if argv[0] == "bash" and not (ROOT / "scripts" / "swift_env.sh").exists():

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import one_line_error, run_cli
+from conftest import one_line_error, run_cli, swift_program
 
 from autotune import configs as lc
 from autotune.candidate.space_file import load_space
@@ -272,20 +272,6 @@ def test_shipped_space_loads():
 # a real ms-swift search on CPU
 
 
-def swift_program() -> Path:
-    venv = Path(os.environ.get("AUTOTUNE_SWIFT_VENV") or Path.home() / ".cache" / "autotune" / "swift-venv")
-    candidate = Path(os.environ.get("AUTOTUNE_SWIFT_BIN") or venv / "bin" / "swift")
-    if not candidate.is_file():
-        if os.environ.get("AUTOTUNE_REQUIRE_SWIFT") == "1":
-            pytest.fail(
-                f"AUTOTUNE_REQUIRE_SWIFT=1 but no ms-swift at {candidate}: run bash scripts/swift_env.sh"
-            )
-        pytest.skip(
-            f"no ms-swift at {candidate} (bash scripts/swift_env.sh makes it; AUTOTUNE_SWIFT_BIN names another)"
-        )
-    return candidate
-
-
 SPACE = {
     "version": 1,
     "parameters": {
@@ -518,3 +504,17 @@ def test_swift_runner_refuses_image_tokens_in_one_line():
     with pytest.raises(UsageError, match="swift runner runs text-only trials"):
         swift_runner(model="Qwen2.5-VL-3B-Instruct", image_tokens=256).check_inputs()
     swift_runner(model="Qwen2.5-VL-3B-Instruct").check_inputs()  # text prompts on a VL model: fine
+
+
+def test_both_generation_knobs_are_refused_for_trl_and_taken_by_ms_swift_when_they_agree(recipe_factory):
+    """TRL's GRPOConfig refuses steps_per_generation with generation_batch_size; ms-swift 4.6's
+    (tests/test_swift_arguments.py asks it) takes both when batch x GPUs x steps equals the size."""
+    from autotune.candidate import constraints
+
+    both = {"per_device_train_batch_size": 4, "num_generations": 4, "steps_per_generation": 2}
+    trl = recipe_factory(gpus=1)
+    swift = recipe_factory(gpus=1, runner="swift")
+    assert "cannot both be set" in constraints.violations({**both, "generation_batch_size": 8}, trl)[0]
+    assert constraints.violations({**both, "generation_batch_size": 8}, swift) == []
+    (why,) = constraints.violations({**both, "generation_batch_size": 16}, swift)
+    assert "must equal 4 per device x 1 GPUs x steps_per_generation 2" in why

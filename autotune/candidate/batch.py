@@ -119,17 +119,24 @@ def _count(params: dict[str, Any], name: str) -> int | None:
     return TRL_DEFAULTS[name] if value is None else int(value)
 
 
-def generation_batch_of(params: dict[str, Any], dp: int) -> tuple[int | None, str]:
+def generation_batch_of(params: dict[str, Any], dp: int, both: bool = False) -> tuple[int | None, str]:
     """Completions generated per generation round, as TRL's GRPOConfig derives it, and how.
 
-    A space may set ``steps_per_generation`` or ``generation_batch_size`` (not both); without either
-    TRL generates once per optimizer step (steps_per_generation = accumulation). Returns (None,
-    the reason) for what GRPOConfig itself refuses.
+    A space may set ``steps_per_generation`` or ``generation_batch_size`` (TRL refuses both; ms-swift,
+    ``both=True``, takes both when they agree); without either TRL generates once per optimizer step
+    (steps_per_generation = accumulation). Returns (None, the reason) for what the trainer refuses.
     """
     pdbs = _count(params, "per_device_train_batch_size") or TRL_DEFAULTS["per_device_train_batch_size"]
     spg, gbs = params.get("steps_per_generation"), params.get("generation_batch_size")
     if spg is not None and gbs is not None:
-        return None, "generation_batch_size and steps_per_generation cannot both be set (TRL refuses it)"
+        if not both:
+            return None, "generation_batch_size and steps_per_generation cannot both be set (TRL refuses it)"
+        if int(gbs) != pdbs * dp * int(spg):
+            return None, (
+                f"generation_batch_size {gbs} must equal {pdbs} per device x {dp} GPUs x "
+                f"steps_per_generation {spg} (ms-swift refuses it otherwise)"
+            )
+        return int(gbs), f"generation_batch_size {gbs}"
     if gbs is not None:
         if int(gbs) % (pdbs * dp):
             return None, (

@@ -187,7 +187,8 @@ def violations(
             return out
         if trl:
             gens = TRL_DEFAULTS["num_generations"] if gens is None else gens
-            generation_batch, how = generation_batch_of(params, dp)
+            # ms-swift's GRPO arguments take both generation knobs when they agree; TRL's refuse
+            generation_batch, how = generation_batch_of(params, dp, both=recipe.runner == "swift")
         else:
             generation_batch = batch.completions(params, dp, recipe.global_batch)
             steps = batch.accumulation_of(params, dp, recipe.global_batch)
