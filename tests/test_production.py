@@ -133,3 +133,16 @@ def test_sigterm_reaches_the_trainer_which_saves_and_a_rerun_resumes(runs):
     res = run_cli("run", "grow", "--runs-dir", runs, "--steps", "6")
     assert res.returncode == 0, res.stderr
     assert json.loads((attempt(runs, 2) / "ran.json").read_text())["start"] == stopped_at
+
+
+def test_an_attempt_resumed_from_checkpoint_n_that_died_before_a_step_died_in_step_n_plus_1(tmp_path):
+    """A resumed TRL attempt that runs out of memory in its first step writes no metrics line: its
+    failed step is the checkpoint's + 1, not 1 (a trial's own count starts again at 0)."""
+    from autotune.production.supervisor import failed_step
+    from autotune.trial.outcome import Outcome
+
+    died = Outcome(status="oom", oom_kind="host", steps=0)
+    assert failed_step(tmp_path, died, resumed_at=2) == 3
+    assert failed_step(tmp_path, died) == 1
+    (tmp_path / "metrics.jsonl").write_text('{"step": 5}\n{"step": 6}\n')  # global steps, as reported
+    assert failed_step(tmp_path, Outcome(status="oom", steps=2), resumed_at=4) == 7
