@@ -71,7 +71,7 @@ def failed_step(attempt_dir: Path, outcome: Outcome, resumed_at: int = 0) -> int
     """The optimizer step the attempt died in: one past the last step the trainer reported (its
     global step, which a resumed run continues), so "OOM at step 8" is resumed from checkpoint-7.
     An attempt resumed from checkpoint-N that died before reporting a step died in step N + 1
-    (a trial's own step count starts again at 0)."""
+    (the trial's own step count, which starts again at 0, says nothing then)."""
     step = 0
     try:
         for line in (attempt_dir / METRICS).read_text(encoding="utf-8").splitlines():
@@ -79,7 +79,7 @@ def failed_step(attempt_dir: Path, outcome: Outcome, resumed_at: int = 0) -> int
                 step = max(step, int(json.loads(line).get("step") or 0))
     except OSError:
         pass
-    return max(step, resumed_at + outcome.steps) + 1
+    return (max(step, resumed_at) if step or resumed_at else outcome.steps) + 1
 
 
 class Stop(Exception):
