@@ -113,6 +113,7 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)  # a block is several real trainings: 10 min idle, 3 times that under load
 @pytest.mark.parametrize("index", [i for i, b in enumerate(ALL) if runs_here(b)])
 def test_readme_blocks_meant_for_this_machine_run_as_written(index, tmp_path):
     """The sim search, the CPU rehearsal with its verify (then "Run it" on the study it made), the
