@@ -34,8 +34,11 @@ Precedence: one failure causes others (rank 0 runs out of memory, rank 1 reports
 connection or an NCCL watchdog timeout, torchrun raises ``ChildFailedError``; vLLM's ``Engine core
 initialization failed. See root cause above.`` wraps the real error). The earliest memory or
 configuration signal is the root cause and decides; known consequences never are, and for a plain
-crash the error line is the last exception that is not one of them. A trial is judged from its
-whole log files (:func:`diagnose_files`), since the teardown noise after the root cause can be
+crash the error line is the last exception that is not one of them. The process's final
+error (the last exception that is not a consequence) decides alone when no memory or
+configuration signal lies in its traceback chain or after it: a memory text quoted earlier (a
+prompt, a warning) then died of a ``ValueError`` is a crash with the ``ValueError``. A trial is
+judged from its whole log files (:func:`diagnose_files`), since the teardown noise after the root cause can be
 longer than any tail kept in memory.
 """
 
@@ -283,9 +286,79 @@ class Diagnosis:
     detail: str
 
 
+_CHAINED = re.compile(
+    r"^During handling of the above exception, another exception occurred:"
+    r"|^The above exception was the direct cause of the following exception:"
+)
+
+
+def _final_error(lines: list[str]) -> int | None:
+    """Index of the last exception (or fatal error) that is not a consequence of another failure:
+    the one that ended the process."""
+    for i in range(len(lines) - 1, -1, -1):
+        exc = _exception(lines[i])
+        if exc is not None and not _is_source_line(lines, i):
+            if not _is_secondary(exc[0], lines[i]):
+                return i
+        elif FATAL.search(lines[i]) and not _is_secondary(None, lines[i]):
+            return i
+    return None
+
+
+def _chain_start(lines: list[str], index: int) -> int:
+    """First line of the traceback (or C++ abort message) that ends at ``index``, with the
+    tracebacks chained before it ("During handling of the above exception", "The above exception
+    was the direct cause of the following exception")."""
+    start, j = index, index - 1
+    while j >= 0:
+        line = lines[j]
+        if line.startswith("Traceback (most recent call last)"):
+            start = k = j
+            while k > 0 and not lines[k - 1].strip():
+                k -= 1
+            if k > 0 and _CHAINED.search(lines[k - 1]):
+                j = next(
+                    (m for m in range(k - 2, max(-1, k - 400), -1) if lines[m].startswith("Traceback (")),
+                    -1,
+                )
+                start = min(start, j) if j >= 0 else start
+                continue
+            return start
+        if line.strip() and not line[:1].isspace() and not _FRAME.match(line) and not FATAL.search(line):
+            return start  # a line outside any traceback (or C++ abort message) ends the block
+        start, j = j, j - 1
+    return start
+
+
+def _decisive(parts: list[list[str]]) -> tuple[list[str], int] | None:
+    """The final error (stream, line) when it decides alone: a crash whatever memory texts came
+    before it.
+
+    The first stream (in order of trust) that holds a final error of its own decides. A memory or
+    configuration signal counts only within that error's traceback chain or after it; one earlier
+    in the log, or in another stream, is a quotation (a prompt, a warning) when the process then
+    died of another exception. With no final error of its own anywhere (the last one is a
+    consequence: a launcher's teardown, a peer's closed connection) this gives None, and the
+    earliest signal decides as before."""
+    for lines in parts:
+        final = _final_error(lines)
+        if final is None:
+            continue
+        start = _chain_start(lines, final)
+        if any(hit.index >= start for hit in _scan(lines)):
+            return None
+        return lines, final
+    return None
+
+
 def _judge(returncode: int | None, parts: list[list[str]], stopped_by_us: bool) -> Diagnosis:
-    """The verdict over cleaned log lines, one list per stream in order of trust (stderr first):
-    the first stream holding a memory or configuration signal decides by its earliest one."""
+    """The verdict over cleaned log lines, one list per stream in order of trust (stderr first).
+
+    The process's final error (:func:`_decisive`) rules out memory texts it does not follow from;
+    else the first stream holding a memory or configuration signal decides by its earliest one."""
+    decided = _decisive(parts)
+    if decided is not None:
+        return Diagnosis("crash", None, _error_text(*decided), describe("crash"))
     for lines in parts:
         hits = _scan(lines)
         if hits:

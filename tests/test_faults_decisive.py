@@ -1,0 +1,85 @@
+"""Issue 22, item 2: the decisive error is the last exception that ended the process.
+
+A trainer that prints a user prompt quoting a memory error and then dies of something else
+crashed; it did not run out of memory. A real OOM, alone, chained under another exception, or
+followed by a launcher's teardown, still is one. Every trial runs through the real execute() (its
+own process group, logs teed to files, judged from the files), the texts are the real ones of
+tests/test_faults_logs.py.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from test_faults_logs import CHILD_FAILED, CUDA_OOM, RANK0_TRACEBACK, noise, run_trial, trainer
+
+from autotune.trial.classify import classify_failure
+
+PROMPT = [  # a data loader echoing a bad sample: a user's prompt that quotes an error text
+    "WARNING: sample 812 looks odd, prompt follows:",
+    "Why does my script print torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB?",
+    CUDA_OOM,
+]
+VALUE_ERROR = [
+    "Traceback (most recent call last):",
+    '  File "/workspace/train_grpo.py", line 44, in <module>',
+    "    raise ValueError(f'reward function returned {len(r)} rewards for {n} completions')",
+    "ValueError: reward function returned 3 rewards for 8 completions",
+]
+CHAINED_OOM = [
+    "Traceback (most recent call last):",
+    '  File "/workspace/train_grpo.py", line 91, in <module>',
+    "    trainer.train()",
+    CUDA_OOM,
+    "",
+    "{separator}",
+    "",
+    "Traceback (most recent call last):",
+    '  File "/workspace/train_grpo.py", line 95, in <module>',
+    "    raise RuntimeError('training failed') from exc",
+    "RuntimeError: training failed",
+]
+
+
+@pytest.mark.parametrize("where", ["stdout", "stderr"])
+def test_a_quoted_memory_error_before_a_value_error_is_a_crash_with_the_value_error(
+    tmp_path: Path, where: str
+) -> None:
+    logs = (
+        {"stdout": PROMPT, "stderr": VALUE_ERROR} if where == "stdout" else {"stderr": PROMPT + VALUE_ERROR}
+    )
+    outcome = run_trial(tmp_path, trainer(logs["stderr"], stdout=logs.get("stdout", [])))
+    assert (outcome.status, outcome.oom_kind) == ("crash", None), outcome
+    assert outcome.error_line == "ValueError: reward function returned 3 rewards for 8 completions"
+
+
+def test_a_quoted_memory_error_then_a_crash_behind_torchrun_teardown_is_a_crash(tmp_path: Path) -> None:
+    crash = ["[rank0]: " + line for line in VALUE_ERROR]
+    outcome = run_trial(tmp_path, trainer(crash + noise(300) + CHILD_FAILED.splitlines(), stdout=PROMPT))
+    assert outcome.status == "crash" and outcome.error_line.startswith("ValueError: reward function"), outcome
+
+
+@pytest.mark.parametrize(
+    "separator",
+    [
+        "During handling of the above exception, another exception occurred:",
+        "The above exception was the direct cause of the following exception:",
+    ],
+)
+def test_an_oom_chained_under_another_exception_stays_oom(tmp_path: Path, separator: str) -> None:
+    lines = [line.format(separator=separator) for line in CHAINED_OOM]
+    outcome = run_trial(tmp_path, trainer(lines))
+    assert (outcome.status, outcome.oom_kind) == ("oom", "cuda"), outcome
+    assert outcome.error_line.startswith("torch.OutOfMemoryError: CUDA out of memory")
+
+
+def test_a_quoted_memory_error_then_a_real_oom_is_oom(tmp_path: Path) -> None:
+    outcome = run_trial(tmp_path, trainer(RANK0_TRACEBACK + CHILD_FAILED.splitlines(), stdout=PROMPT))
+    assert (outcome.status, outcome.oom_kind) == ("oom", "cuda"), outcome
+
+
+def test_the_in_memory_classifier_agrees() -> None:
+    """classify_failure over one text (the sim and the production supervisor use it)."""
+    assert classify_failure(1, "\n".join(PROMPT + VALUE_ERROR))[:2] == ("crash", None)
+    assert classify_failure(1, "\n".join(PROMPT + RANK0_TRACEBACK))[:2] == ("oom", "cuda")
