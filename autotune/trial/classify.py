@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from autotune.trial.failure_texts import (
+    CHAINED,
     FATAL,
     PIN_MEMORY,
     ROOT_CAUSE_WORDS,
@@ -286,12 +287,6 @@ class Diagnosis:
     detail: str
 
 
-_CHAINED = re.compile(
-    r"^During handling of the above exception, another exception occurred:"
-    r"|^The above exception was the direct cause of the following exception:"
-)
-
-
 def _final_error(lines: list[str]) -> int | None:
     """Index of the last exception (or fatal error) that is not a consequence of another failure:
     the one that ended the process."""
@@ -316,7 +311,7 @@ def _chain_start(lines: list[str], index: int) -> int:
             start = k = j
             while k > 0 and not lines[k - 1].strip():
                 k -= 1
-            if k > 0 and _CHAINED.search(lines[k - 1]):
+            if k > 0 and CHAINED.search(lines[k - 1]):
                 j = next(
                     (m for m in range(k - 2, max(-1, k - 400), -1) if lines[m].startswith("Traceback (")),
                     -1,

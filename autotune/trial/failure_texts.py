@@ -17,6 +17,7 @@ __all__ = [
     "SECONDARY_NAMES",
     "SECONDARY_TEXT",
     "FATAL",
+    "CHAINED",
     "PIN_MEMORY",
     "ROOT_CAUSE_WORDS",
     "WORTH_READING",
@@ -149,6 +150,11 @@ SECONDARY_TEXT = re.compile(
 FATAL = re.compile(
     r"Segmentation fault|Fatal Python error:|terminate called after throwing an instance of"
     r"|Aborted \(core dumped\)|Bus error|Illegal instruction|core dumped"
+)
+# Python's words between chained tracebacks: the exception below follows from the one above.
+CHAINED = re.compile(
+    r"^During handling of the above exception, another exception occurred:"
+    r"|^The above exception was the direct cause of the following exception:"
 )
 PIN_MEMORY = re.compile(r"pin_memory|cudaHostAlloc|pinned", re.IGNORECASE)
 
