@@ -4,6 +4,7 @@ Test modules import helpers from here (``from conftest import ...``), never from
 a helper that two topics need lives in this one place (tests/test_architecture.py checks it).
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -378,3 +379,135 @@ def swift_program() -> Path:
             f"no ms-swift at {candidate} (bash scripts/swift_env.sh makes it; AUTOTUNE_SWIFT_BIN names another)"
         )
     return candidate
+
+
+# --- trainer scripts run as real trials (test_faults_logs, test_faults_decisive) ----------------
+
+SCRIPT_PARAMS = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4, "num_generations": 4}
+
+# Real texts (test_faults_logs.py's docstring says where each came from).
+CUDA_OOM = (
+    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0 has a total "
+    "capacity of 79.18 GiB of which 20.19 MiB is free. Including non-PyTorch memory, this process has "
+    "79.15 GiB memory in use. Of the allocated memory 76.18 GiB is allocated by PyTorch, and 2.21 GiB "
+    "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
+    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
+    "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+)
+RANK0_TRACEBACK = [
+    "[rank0]: Traceback (most recent call last):",
+    '[rank0]:   File "/workspace/train_grpo.py", line 91, in <module>',
+    "[rank0]:     trainer.train()",
+    '[rank0]:   File "/opt/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1784, in _call_impl',
+    "[rank0]:     return forward_call(*args, **kwargs)",
+    "[rank0]: " + CUDA_OOM,
+]
+TEARDOWN = [  # what the other ranks and torchrun print while the job comes down
+    "[rank{r}]:[W1122 05:50:37.{n:06d} 67{r}7 torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1476] Warning: "
+    "WARNING: destroy_process_group() was not called before program exit, which can leak resources. For more "
+    "info, please see https://pytorch.org/docs/stable/distributed.html#shutdown (function operator())",
+    "W1122 05:50:37.{n:06d} 6749 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 67{r}7 "
+    "closing signal SIGTERM",
+    "[rank{r}]:[E1122 05:50:37.{n:06d} 67{r}7 torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1595] [PG ID 0 "
+    "PG GUID 0(default_pg) Rank {r}] Process group watchdog thread terminated with exception: NCCL error: remote "
+    "process exited or there was a network error, NCCL version 2.21.5",
+]
+CHILD_FAILED = """\
+E1122 05:50:37.642000 6749 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 6756) of binary: /opt/venv/bin/python3
+Traceback (most recent call last):
+  File "/opt/venv/bin/torchrun", line 6, in <module>
+    sys.exit(main())
+             ^^^^^^
+  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
+    raise ChildFailedError(
+torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
+============================================================
+train_grpo.py FAILED
+------------------------------------------------------------
+Failures:
+[1]:
+  time      : 2026-11-22_05:50:37
+  host      : localhost
+  rank      : 1 (local_rank: 1)
+  exitcode  : -15 (pid: 6757)  (SIGTERM)
+  error_file: <N/A>
+  traceback : Signal 15 (SIGTERM) received by PID 6757
+------------------------------------------------------------
+Root Cause (first observed failure):
+[0]:
+  time      : 2026-11-22_05:50:37
+  host      : localhost
+  rank      : 0 (local_rank: 0)
+  exitcode  : 1 (pid: 6756) 
+  error_file: <N/A>
+  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
+============================================================"""
+
+
+def noise(lines: int) -> list[str]:
+    return [TEARDOWN[i % len(TEARDOWN)].format(r=1 + i % 7, n=i) for i in range(lines)]
+
+
+def trainer(
+    stderr: list[str],
+    *,
+    stdout: list[str] = (),
+    exit_code: int = 1,
+    metrics: list[dict] = (),
+    sleep_s: float = 0.0,
+) -> str:
+    """A Python script that writes these metrics lines and log lines, then exits with ``exit_code``."""
+    return textwrap.dedent(f"""\
+        import json, os, sys, time
+        with open(os.environ["AUTOTUNE_METRICS_FILE"], "a") as out:
+            for d in {list(metrics)!r}:
+                out.write(json.dumps(d) + "\\n")
+        for line in {list(stdout)!r}:
+            print(line)
+        sys.stdout.flush()
+        for line in {list(stderr)!r}:
+            print(line, file=sys.stderr)
+        sys.stderr.flush()
+        time.sleep({sleep_s!r})
+        sys.exit({exit_code})
+        """)
+
+
+def run_script_trial(tmp_path: Path, script: str, *, timeout_s: float = 60.0, name: str = "0"):
+    """One trial through the real execute(): its own process group, logs teed to files, judged."""
+    from autotune.recipe import Recipe
+    from autotune.trial.control import StopRule, TrialControl
+    from autotune.trial.execute import execute
+    from autotune.trial.launch import LaunchSpec
+    from autotune.trial.outcome import Outcome
+
+    trial_dir = tmp_path / "trials" / name
+    trial_dir.mkdir(parents=True)
+    (tmp_path / f"trainer{name}.py").write_text(script)
+    recipe = Recipe(
+        model="Qwen2.5-0.5B",
+        gpus=1,
+        gpu_type="A10G",
+        device="cpu",
+        trial_timeout_s=timeout_s,
+        hang_timeout_s=60.0,
+    )
+    spec = LaunchSpec(
+        argv=[sys.executable, str(tmp_path / f"trainer{name}.py")],
+        trial_dir=trial_dir,
+        env={
+            "AUTOTUNE_TRIAL_DIR": str(trial_dir),
+            "PYTHONUNBUFFERED": "1",
+            "AUTOTUNE_METRICS_FILE": str(trial_dir / "metrics.jsonl"),
+        },
+    )
+    outcome = execute(
+        spec,
+        SCRIPT_PARAMS,
+        recipe,
+        TrialControl(StopRule.searching(recipe)),
+        monitors_gpus=False,
+        services=contextlib.nullcontext(),
+    )
+    assert Outcome.read(trial_dir / "outcome.json").status == outcome.status
+    return outcome

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from test_faults_logs import CHILD_FAILED, CUDA_OOM, RANK0_TRACEBACK, noise, run_trial, trainer
+from conftest import CHILD_FAILED, CUDA_OOM, RANK0_TRACEBACK, noise, run_script_trial, trainer
 
 from autotune.trial.classify import classify_failure
 
@@ -49,14 +49,16 @@ def test_a_quoted_memory_error_before_a_value_error_is_a_crash_with_the_value_er
     logs = (
         {"stdout": PROMPT, "stderr": VALUE_ERROR} if where == "stdout" else {"stderr": PROMPT + VALUE_ERROR}
     )
-    outcome = run_trial(tmp_path, trainer(logs["stderr"], stdout=logs.get("stdout", [])))
+    outcome = run_script_trial(tmp_path, trainer(logs["stderr"], stdout=logs.get("stdout", [])))
     assert (outcome.status, outcome.oom_kind) == ("crash", None), outcome
     assert outcome.error_line == "ValueError: reward function returned 3 rewards for 8 completions"
 
 
 def test_a_quoted_memory_error_then_a_crash_behind_torchrun_teardown_is_a_crash(tmp_path: Path) -> None:
     crash = ["[rank0]: " + line for line in VALUE_ERROR]
-    outcome = run_trial(tmp_path, trainer(crash + noise(300) + CHILD_FAILED.splitlines(), stdout=PROMPT))
+    outcome = run_script_trial(
+        tmp_path, trainer(crash + noise(300) + CHILD_FAILED.splitlines(), stdout=PROMPT)
+    )
     assert outcome.status == "crash" and outcome.error_line.startswith("ValueError: reward function"), outcome
 
 
@@ -69,13 +71,13 @@ def test_a_quoted_memory_error_then_a_crash_behind_torchrun_teardown_is_a_crash(
 )
 def test_an_oom_chained_under_another_exception_stays_oom(tmp_path: Path, separator: str) -> None:
     lines = [line.format(separator=separator) for line in CHAINED_OOM]
-    outcome = run_trial(tmp_path, trainer(lines))
+    outcome = run_script_trial(tmp_path, trainer(lines))
     assert (outcome.status, outcome.oom_kind) == ("oom", "cuda"), outcome
     assert outcome.error_line.startswith("torch.OutOfMemoryError: CUDA out of memory")
 
 
 def test_a_quoted_memory_error_then_a_real_oom_is_oom(tmp_path: Path) -> None:
-    outcome = run_trial(tmp_path, trainer(RANK0_TRACEBACK + CHILD_FAILED.splitlines(), stdout=PROMPT))
+    outcome = run_script_trial(tmp_path, trainer(RANK0_TRACEBACK + CHILD_FAILED.splitlines(), stdout=PROMPT))
     assert (outcome.status, outcome.oom_kind) == ("oom", "cuda"), outcome
 
 

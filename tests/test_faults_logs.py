@@ -10,7 +10,6 @@ block as torchrun printed it (tests/data/logs/torchrun_rank0_host_oom_gloo.log),
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import textwrap
@@ -18,75 +17,20 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ReplayNvml, run_cli
-
-from autotune.recipe import Recipe
-from autotune.trial.cleanup import read_baseline
-from autotune.trial.control import StopRule, TrialControl
-from autotune.trial.execute import execute
-from autotune.trial.launch import LaunchSpec
-from autotune.trial.logparse import parse_log_dicts
-from autotune.trial.outcome import Outcome
-
-PARAMS = {"per_device_train_batch_size": 1, "gradient_accumulation_steps": 4, "num_generations": 4}
-
-# Real texts (see the module docstring).
-CUDA_OOM = (
-    "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 256.00 MiB. GPU 0 has a total "
-    "capacity of 79.18 GiB of which 20.19 MiB is free. Including non-PyTorch memory, this process has "
-    "79.15 GiB memory in use. Of the allocated memory 76.18 GiB is allocated by PyTorch, and 2.21 GiB "
-    "is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try setting "
-    "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for "
-    "Memory Management  (https://pytorch.org/docs/stable/notes/cuda.html#environment-variables)"
+from conftest import (
+    CHILD_FAILED,
+    CUDA_OOM,
+    RANK0_TRACEBACK,
+    ReplayNvml,
+    noise,
+    run_cli,
+    run_script_trial,
+    trainer,
 )
-RANK0_TRACEBACK = [
-    "[rank0]: Traceback (most recent call last):",
-    '[rank0]:   File "/workspace/train_grpo.py", line 91, in <module>',
-    "[rank0]:     trainer.train()",
-    '[rank0]:   File "/opt/venv/lib/python3.11/site-packages/torch/nn/modules/module.py", line 1784, in _call_impl',
-    "[rank0]:     return forward_call(*args, **kwargs)",
-    "[rank0]: " + CUDA_OOM,
-]
-TEARDOWN = [  # what the other ranks and torchrun print while the job comes down
-    "[rank{r}]:[W1122 05:50:37.{n:06d} 67{r}7 torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1476] Warning: "
-    "WARNING: destroy_process_group() was not called before program exit, which can leak resources. For more "
-    "info, please see https://pytorch.org/docs/stable/distributed.html#shutdown (function operator())",
-    "W1122 05:50:37.{n:06d} 6749 torch/distributed/elastic/multiprocessing/api.py:1028] Sending process 67{r}7 "
-    "closing signal SIGTERM",
-    "[rank{r}]:[E1122 05:50:37.{n:06d} 67{r}7 torch/csrc/distributed/c10d/ProcessGroupNCCL.cpp:1595] [PG ID 0 "
-    "PG GUID 0(default_pg) Rank {r}] Process group watchdog thread terminated with exception: NCCL error: remote "
-    "process exited or there was a network error, NCCL version 2.21.5",
-]
-CHILD_FAILED = """\
-E1122 05:50:37.642000 6749 torch/distributed/elastic/multiprocessing/api.py:1002] failed (exitcode: 1) local_rank: 0 (pid: 6756) of binary: /opt/venv/bin/python3
-Traceback (most recent call last):
-  File "/opt/venv/bin/torchrun", line 6, in <module>
-    sys.exit(main())
-             ^^^^^^
-  File "/opt/venv/lib/python3.11/site-packages/torch/distributed/launcher/api.py", line 383, in launch_agent
-    raise ChildFailedError(
-torch.distributed.elastic.multiprocessing.errors.ChildFailedError: 
-============================================================
-train_grpo.py FAILED
-------------------------------------------------------------
-Failures:
-[1]:
-  time      : 2026-11-22_05:50:37
-  host      : localhost
-  rank      : 1 (local_rank: 1)
-  exitcode  : -15 (pid: 6757)  (SIGTERM)
-  error_file: <N/A>
-  traceback : Signal 15 (SIGTERM) received by PID 6757
-------------------------------------------------------------
-Root Cause (first observed failure):
-[0]:
-  time      : 2026-11-22_05:50:37
-  host      : localhost
-  rank      : 0 (local_rank: 0)
-  exitcode  : 1 (pid: 6756) 
-  error_file: <N/A>
-  traceback : To enable traceback see: https://pytorch.org/docs/stable/elastic/errors.html
-============================================================"""
+
+from autotune.trial.cleanup import read_baseline
+from autotune.trial.logparse import parse_log_dicts
+
 VLLM_KV = (
     "(EngineCore_DP0 pid=245) ERROR 07-11 06:23:05 [core.py:700] ValueError: No available memory for "
     "the cache blocks. Try increasing `gpu_memory_utilization` when initializing the engine."
@@ -98,74 +42,11 @@ Traceback (most recent call last):
 RuntimeError: Engine core initialization failed. See root cause above. Failed core proc(s): {}"""
 
 
-def noise(lines: int) -> list[str]:
-    return [TEARDOWN[i % len(TEARDOWN)].format(r=1 + i % 7, n=i) for i in range(lines)]
-
-
-def trainer(
-    stderr: list[str],
-    *,
-    stdout: list[str] = (),
-    exit_code: int = 1,
-    metrics: list[dict] = (),
-    sleep_s: float = 0.0,
-) -> str:
-    """A Python script that writes these metrics lines and log lines, then exits with ``exit_code``."""
-    return textwrap.dedent(f"""\
-        import json, os, sys, time
-        with open(os.environ["AUTOTUNE_METRICS_FILE"], "a") as out:
-            for d in {list(metrics)!r}:
-                out.write(json.dumps(d) + "\\n")
-        for line in {list(stdout)!r}:
-            print(line)
-        sys.stdout.flush()
-        for line in {list(stderr)!r}:
-            print(line, file=sys.stderr)
-        sys.stderr.flush()
-        time.sleep({sleep_s!r})
-        sys.exit({exit_code})
-        """)
-
-
-def run_trial(tmp_path: Path, script: str, *, timeout_s: float = 60.0, name: str = "0") -> Outcome:
-    """One trial through the real execute(): its own process group, logs teed to files, judged."""
-    trial_dir = tmp_path / "trials" / name
-    trial_dir.mkdir(parents=True)
-    (tmp_path / f"trainer{name}.py").write_text(script)
-    recipe = Recipe(
-        model="Qwen2.5-0.5B",
-        gpus=1,
-        gpu_type="A10G",
-        device="cpu",
-        trial_timeout_s=timeout_s,
-        hang_timeout_s=60.0,
-    )
-    spec = LaunchSpec(
-        argv=[sys.executable, str(tmp_path / f"trainer{name}.py")],
-        trial_dir=trial_dir,
-        env={
-            "AUTOTUNE_TRIAL_DIR": str(trial_dir),
-            "PYTHONUNBUFFERED": "1",
-            "AUTOTUNE_METRICS_FILE": str(trial_dir / "metrics.jsonl"),
-        },
-    )
-    outcome = execute(
-        spec,
-        PARAMS,
-        recipe,
-        TrialControl(StopRule.searching(recipe)),
-        monitors_gpus=False,
-        services=contextlib.nullcontext(),
-    )
-    assert Outcome.read(trial_dir / "outcome.json").status == outcome.status
-    return outcome
-
-
 # --- fault 4: the OOM that caused the failure is lost behind teardown noise -------------------
 
 
 def test_cuda_oom_followed_by_teardown_noise_and_child_failed_is_oom(tmp_path: Path) -> None:
-    outcome = run_trial(tmp_path, trainer(RANK0_TRACEBACK + noise(2000) + CHILD_FAILED.splitlines()))
+    outcome = run_script_trial(tmp_path, trainer(RANK0_TRACEBACK + noise(2000) + CHILD_FAILED.splitlines()))
     assert (outcome.status, outcome.oom_kind) == ("oom", "cuda"), outcome
     assert outcome.error_line.startswith(
         "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 256.00 MiB"
@@ -173,7 +54,7 @@ def test_cuda_oom_followed_by_teardown_noise_and_child_failed_is_oom(tmp_path: P
 
 
 def test_vllm_kv_oom_on_stdout_wrapped_by_engine_core_failure_is_oom(tmp_path: Path) -> None:
-    outcome = run_trial(
+    outcome = run_script_trial(
         tmp_path, trainer(noise(1500) + VLLM_WRAPPER.splitlines(), stdout=[VLLM_KV] + noise(1500))
     )
     assert (outcome.status, outcome.oom_kind) == ("oom", "vllm_kv"), outcome
@@ -184,7 +65,7 @@ def test_first_memory_error_wins_in_a_long_log(tmp_path: Path) -> None:
     """A few MiB of log: the OOM near the start decides, not the ChildFailedError at the end, and
     reading the whole files stays quick."""
     started = time.monotonic()
-    outcome = run_trial(tmp_path, trainer(RANK0_TRACEBACK + noise(30_000) + CHILD_FAILED.splitlines()))
+    outcome = run_script_trial(tmp_path, trainer(RANK0_TRACEBACK + noise(30_000) + CHILD_FAILED.splitlines()))
     assert (outcome.status, outcome.oom_kind) == ("oom", "cuda"), outcome
     assert time.monotonic() - started < 15
 
@@ -195,7 +76,7 @@ def test_a_plain_crash_behind_noise_is_still_a_crash_with_its_own_error(tmp_path
         '[rank0]:   File "/w/t.py", line 3, in <module>',
         "[rank0]: KeyError: 'format'",
     ]
-    outcome = run_trial(tmp_path, trainer(crash + noise(2000) + CHILD_FAILED.splitlines()))
+    outcome = run_script_trial(tmp_path, trainer(crash + noise(2000) + CHILD_FAILED.splitlines()))
     assert outcome.status == "crash" and outcome.error_line == "KeyError: 'format'", outcome
 
 
@@ -246,19 +127,21 @@ MEASURED = [{"step": s, "step_time": 0.5, "samples": 64} for s in range(1, 4)]  
 def test_a_run_that_exits_0_with_steps_measured_is_ok_whatever_its_log_mentions(
     tmp_path: Path, mention: str
 ) -> None:
-    outcome = run_trial(tmp_path, trainer([mention], stdout=[mention], exit_code=0, metrics=MEASURED))
+    outcome = run_script_trial(tmp_path, trainer([mention], stdout=[mention], exit_code=0, metrics=MEASURED))
     assert outcome.status == "ok" and outcome.throughput == pytest.approx(128.0), outcome
     assert outcome.extra.get("memory_mention"), outcome.extra
 
 
 def test_a_run_stopped_by_us_once_measured_is_ok_despite_an_oom_mention(tmp_path: Path) -> None:
     metrics = [{"step": s, "step_time": 0.5, "samples": 64} for s in range(1, 7)]
-    outcome = run_trial(tmp_path, trainer(["[rank0]: " + CUDA_OOM], exit_code=0, metrics=metrics, sleep_s=30))
+    outcome = run_script_trial(
+        tmp_path, trainer(["[rank0]: " + CUDA_OOM], exit_code=0, metrics=metrics, sleep_s=30)
+    )
     assert outcome.status == "ok" and outcome.throughput == pytest.approx(128.0), outcome
 
 
 def test_a_run_that_exits_nonzero_with_an_oom_after_measuring_is_oom(tmp_path: Path) -> None:
-    outcome = run_trial(tmp_path, trainer(RANK0_TRACEBACK, exit_code=1, metrics=MEASURED))
+    outcome = run_script_trial(tmp_path, trainer(RANK0_TRACEBACK, exit_code=1, metrics=MEASURED))
     assert (outcome.status, outcome.oom_kind) == ("oom", "cuda"), outcome
 
 
@@ -293,7 +176,7 @@ def test_lines_of_nested_braces_do_not_delay_the_trial_timeout(tmp_path: Path) -
         time.sleep(60)
         """)
     started = time.monotonic()
-    outcome = run_trial(tmp_path, script, timeout_s=2.0)
+    outcome = run_script_trial(tmp_path, script, timeout_s=2.0)
     assert outcome.status == "timeout", outcome
     assert time.monotonic() - started < 5, outcome.wall_time_s
 
@@ -307,7 +190,7 @@ def test_rejected_measurements_say_why_in_outcome_json(tmp_path: Path) -> None:
         {"step": 2, "step_time": 0.5, "samples": 1e308},
     ]
     metrics += [{"step": s, "step_time": 0.5, "samples": 64} for s in range(1, 7)]
-    outcome = run_trial(tmp_path, trainer([], exit_code=0, metrics=metrics, sleep_s=30))
+    outcome = run_script_trial(tmp_path, trainer([], exit_code=0, metrics=metrics, sleep_s=30))
     assert outcome.status == "ok" and outcome.throughput == pytest.approx(128.0)
     saved = json.loads((tmp_path / "trials" / "0" / "outcome.json").read_text())
     reasons = saved["extra"]["rejected_metrics"]
@@ -317,7 +200,7 @@ def test_rejected_measurements_say_why_in_outcome_json(tmp_path: Path) -> None:
 
 def test_rejected_log_dict_step_times_say_why(tmp_path: Path) -> None:
     lines = [repr({"loss": 0.1, "step_time": t, "epoch": 0.1}) for t in (1e-300, 0.5, 0.5, 0.5, 0.5)]
-    outcome = run_trial(tmp_path, trainer([], stdout=lines, exit_code=0))
+    outcome = run_script_trial(tmp_path, trainer([], stdout=lines, exit_code=0))
     reasons = outcome.extra.get("rejected_metrics", [])
     assert any("step 1" in r and "step_time" in r for r in reasons), outcome.extra
 
