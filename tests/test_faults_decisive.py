@@ -9,10 +9,11 @@ tests/test_faults_logs.py.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
-from conftest import CHILD_FAILED, CUDA_OOM, RANK0_TRACEBACK, noise, run_script_trial, trainer
+from conftest import CHILD_FAILED, CUDA_OOM, RANK0_TRACEBACK, noise, run_cli, run_script_trial, trainer
 
 from autotune.trial.classify import classify_failure
 
@@ -85,3 +86,49 @@ def test_the_in_memory_classifier_agrees() -> None:
     """classify_failure over one text (the sim and the production supervisor use it)."""
     assert classify_failure(1, "\n".join(PROMPT + VALUE_ERROR))[:2] == ("crash", None)
     assert classify_failure(1, "\n".join(PROMPT + RANK0_TRACEBACK))[:2] == ("oom", "cuda")
+
+
+# --- item 3: unusable measurements are the reason, said where people look -------------------
+
+BAD_METRICS_SCRIPT = """\
+import os, sys, time
+with open(os.environ["AUTOTUNE_METRICS_FILE"], "a") as out:
+    for step, value in enumerate(["NaN", "Infinity", "-0.5", "NaN", "-Infinity", "-2", "NaN", "Infinity"], 1):
+        out.write('{"step": %d, "step_time": %s, "samples": 64}\\n' % (step, value))
+        out.flush()
+        print("step %d done" % step, flush=True)
+time.sleep(float(sys.argv[1]) if len(sys.argv) > 1 else 0)
+"""
+
+
+def test_unusable_step_times_are_the_recorded_reason(tmp_path: Path) -> None:
+    outcome = run_script_trial(tmp_path, BAD_METRICS_SCRIPT)
+    assert outcome.status == "crash", outcome
+    line = outcome.error_line or ""
+    assert "step done" not in line and "rejected" in line, line
+    assert "nan" in line.lower() and "8" in line, line
+
+
+def test_show_prints_the_reason_of_unusable_step_times(tmp_path: Path) -> None:
+    (tmp_path / "t.py").write_text(BAD_METRICS_SCRIPT)
+    common = ("--model", "Qwen2.5-0.5B", "--gpus", "1", "--gpu-type", "A10G", "--device", "cpu")
+    command = f"{sys.executable} t.py 0 {{per_device_train_batch_size}}"
+    res = run_cli(
+        "search",
+        *common,
+        "--command",
+        command,
+        "--trials",
+        "1",
+        "--confirm",
+        "0",
+        "--name",
+        "nan",
+        cwd=tmp_path,
+        timeout=600,
+    )
+    assert res.returncode in (0, 1), res.stderr
+    shown = run_cli("show", "nan", cwd=tmp_path, timeout=300)
+    assert shown.returncode == 0, shown.stderr
+    row = next(line for line in shown.stdout.splitlines() if "crash" in line)
+    assert "rejected" in row and "step 8 done" not in row, shown.stdout

@@ -350,6 +350,8 @@ def _verdict(
     else:
         found = diagnose(result.returncode, result.log_tail, stopped_by_us=stopped_by_us)
     status, oom_kind, error_line = found.status, found.oom_kind, found.error_line
+    if status == "crash" and (result.stopped in ("measured", "pruned") or result.returncode == 0):
+        error_line = monitor.rejected_line() or error_line  # it did not fail; its numbers did
     if status == "oom":
         return Outcome(status="oom", oom_kind=oom_kind, error_line=error_line, **common)
     if result.stopped in ("timeout", "hang"):

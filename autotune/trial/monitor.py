@@ -55,6 +55,16 @@ class TrialMonitor:
         reasons = [reason for source in sources for reason in source.reasons]
         return reasons[: self.metrics.rejections.KEEP], sum(source.count for source in sources)
 
+    def rejected_line(self) -> str | None:
+        """The error line of a trial left with no usable step time because its values were
+        rejected (NaN, Infinity, negative): the reason itself, since the log's last line ("step 8
+        done") says nothing and stderr.log may be empty."""
+        reasons, count = self.rejected()
+        if not count:
+            return None
+        shown = "; ".join(reasons[:2]) + ("; ..." if count > 2 else "")
+        return f"no usable step time: {count} reported value(s) rejected ({shown})"
+
     def peak_memory_gib(self) -> float | None:
         peaks = [
             r.peak_memory_gib
