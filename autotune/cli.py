@@ -106,15 +106,19 @@ class Terminated(KeyboardInterrupt):
 
 
 def _terminate(signum: int, frame: Any) -> None:
-    """Raise :class:`Terminated` in the main thread, once: a second signal must not cut short the
-    cleanup the first one started (a scheduler follows up with SIGKILL anyway)."""
-    for sig in (signal.SIGTERM, signal.SIGHUP):
+    """Raise :class:`Terminated` (or, for Ctrl-C, KeyboardInterrupt) in the main thread, once: a
+    second signal must not cut short the cleanup the first one started, which kills the trials'
+    process groups (a scheduler follows up with SIGKILL anyway; kill -9 still ends us)."""
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
     raise Terminated(signum)
 
 
 def handle_termination() -> dict[signal.Signals, Any]:
-    """SIGTERM and SIGHUP raise like Ctrl-C, so trials are killed and the study stays resumable.
+    """SIGTERM and SIGHUP raise like Ctrl-C, so trials are killed and the study stays resumable;
+    after the first of them (Ctrl-C included) the others are ignored until the cleanup is done.
 
     Only where they would kill us outright (a ``nohup`` run keeps ignoring SIGHUP); returns the
     handlers replaced, for :func:`restore_handlers`.
@@ -124,6 +128,8 @@ def handle_termination() -> dict[signal.Signals, Any]:
         for sig in (signal.SIGTERM, signal.SIGHUP):
             if signal.getsignal(sig) is signal.SIG_DFL:
                 replaced[sig] = signal.signal(sig, _terminate)
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            replaced[signal.SIGINT] = signal.signal(signal.SIGINT, _terminate)
     return replaced
 
 

@@ -50,7 +50,7 @@ def gone(pid: int) -> bool:
         return True
 
 
-def wait_for(path: Path, timeout_s: float = 10) -> int:
+def wait_for(path: Path, timeout_s: float = 60) -> int:
     deadline = time.monotonic() + timeout_s
     while not path.exists():
         assert time.monotonic() < deadline, f"{path} never appeared"
@@ -118,8 +118,9 @@ def test_setsid_daemon_is_ended_with_its_trial(tmp_path, reap, then, timeout_s):
     daemon = int(pid_file.read_text())
     assert "step 1" in seen
     assert result.stopped == (None if then == 0 else "timeout")
-    assert result.wall_time_s < timeout_s + 4, result.wall_time_s  # not held by the open pipes
-    deadline = time.monotonic() + 3
+    # not held by the open pipes (they held it 20 s); slack for a loaded machine
+    assert result.wall_time_s < timeout_s + 12, result.wall_time_s
+    deadline = time.monotonic() + 15
     while not gone(daemon) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert gone(daemon), "the setsid'd daemon outlived its trial"
@@ -253,13 +254,13 @@ def test_a_stale_server_cannot_answer_for_ours(server_runner, tmp_path, fake_ser
     port = free_port()
     stale = subprocess.Popen([sys.executable, str(fake_server), "--port", str(port)], start_new_session=True)
     reap.append(stale)
-    wait_health(f"http://127.0.0.1:{port}/health/", timeout_s=10, interval_s=0.05)
+    wait_health(f"http://127.0.0.1:{port}/health/", timeout_s=60, interval_s=0.05)
     # ours fails at start-up (a vLLM KV-cache OOM); the stale one answers meanwhile
     side = fake_sidecar(tmp_path, fake_server, port, "--delay", "1", "--fail", "1")
     proc = subprocess.Popen(side.argv, start_new_session=True, stderr=subprocess.DEVNULL)
     reap.append(proc)
     with pytest.raises(RuntimeError, match="exited with status 1"):
-        wait_health(f"http://127.0.0.1:{port}/health/", timeout_s=10, proc=proc, interval_s=0.05)
+        wait_health(f"http://127.0.0.1:{port}/health/", timeout_s=60, proc=proc, interval_s=0.05)
     # and a sidecar is never started on a port someone already holds
     with pytest.raises(RuntimeError, match=f"port {port} .* in use"):
         start_sidecar(side)
@@ -269,7 +270,7 @@ def test_a_stale_server_cannot_answer_for_ours(server_runner, tmp_path, fake_ser
     side = fake_sidecar(tmp_path, fake_server, free_port())
     proc = start_sidecar(side)
     reap.append(proc)
-    wait_health(f"http://127.0.0.1:{side.port}/health/", timeout_s=10, proc=proc, interval_s=0.05)
+    wait_health(f"http://127.0.0.1:{side.port}/health/", timeout_s=60, proc=proc, interval_s=0.05)
     stop_sidecar(proc, grace_s=2, pid_dir=side.trial_dir)
     assert proc.returncode is not None and not (side.trial_dir / "pid").exists()
 
@@ -291,11 +292,11 @@ def test_recovery_finds_the_sidecar_of_a_crashed_controller(tmp_path, fake_serve
     assert side.trial_dir.parent == paths.trial_dir(0)
     proc = start_sidecar(side)
     reap.append(proc)
-    wait_health(f"http://127.0.0.1:{side.port}/health/", timeout_s=10, proc=proc, interval_s=0.05)
+    wait_health(f"http://127.0.0.1:{side.port}/health/", timeout_s=60, proc=proc, interval_s=0.05)
     assert int((side.trial_dir / "pid").read_text()) == proc.pid
     # the controller is gone: only what is on disk and in the processes' environment is left
     assert recover_interrupted(study, paths) == [0]
-    assert proc.wait(timeout=10) is not None
+    assert proc.wait(timeout=60) is not None
     assert not (side.trial_dir / "pid").exists()
 
 
@@ -371,7 +372,7 @@ def test_sigterm_and_sighup_to_the_controller_act_like_ctrl_c(tmp_path, sig):
     )
     study = tmp_path / "runs" / "t"
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 300  # a loaded machine imports the controller slowly
         while not (
             (study / "trials" / "0" / "stdout.log").exists()
             and "loading" in (study / "trials" / "0" / "stdout.log").read_text()
@@ -381,7 +382,7 @@ def test_sigterm_and_sighup_to_the_controller_act_like_ctrl_c(tmp_path, sig):
             time.sleep(0.05)
         assert len(marked_under(study)) >= 2  # the trainer and its daemon
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
+        _, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -392,7 +393,7 @@ def test_sigterm_and_sighup_to_the_controller_act_like_ctrl_c(tmp_path, sig):
     assert f"stopped by {sig.name}" in err and "autotune resume" in err and "Traceback" not in err
     assert not marked_under(study), "a trial process outlived the controller"
     flag.write_text("")
-    res = run_cli("resume", "t", cwd=tmp_path, env={"PYTHONPATH": env["PYTHONPATH"]}, timeout=120)
+    res = run_cli("resume", "t", cwd=tmp_path, env={"PYTHONPATH": env["PYTHONPATH"]}, timeout=300)
     assert res.returncode == 0, res.stderr
     first = json.loads((study / "trials" / "0" / "outcome.json").read_text())
     assert first["status"] == "interrupted"

@@ -13,16 +13,19 @@ slices, so a flood cannot hold off the timeout.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import logging
 import os
 import resource
 import signal
 import subprocess
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -33,7 +36,7 @@ from autotune.units import GIB
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LaunchSpec", "LaunchResult", "ServiceFailed", "launch"]
+__all__ = ["LaunchSpec", "LaunchResult", "ServiceFailed", "launch", "signals_held"]
 
 TAIL_BYTES = 256 * 1024  # the last output kept in memory for the classifier, per tail
 READERS_WAIT_S = 5.0  # after the trial ended: how long its pipes may stay open
@@ -90,6 +93,40 @@ def _preexec(memory_limit_gib: float | None) -> Callable[[], None]:
     return setup
 
 
+HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def signals_held(*, replay: bool) -> Iterator[None]:
+    """Hold off Ctrl-C, SIGTERM and SIGHUP while a trial's processes are being ended.
+
+    The kill is SIGTERM, a grace, then SIGKILL: an interrupt raised inside the grace (two Ctrl-C
+    0.2 s apart) skipped the SIGKILL and left a trainer that ignores SIGTERM running after the
+    controller said "saved". A signal that comes meanwhile is noted and, with ``replay``, handed
+    to its own handler once the kill is done (with an exception already on its way, the stop it
+    asks for is under way, so it is dropped). Signals are only handled in the main thread: from
+    another thread this holds nothing. Ignored signals stay ignored."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    replaced: dict[signal.Signals, Any] = {}
+    for sig in HELD_SIGNALS:
+        if signal.getsignal(sig) not in (signal.SIG_IGN, None):
+            replaced[sig] = signal.signal(sig, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        for sig, handler in replaced.items():
+            signal.signal(sig, handler)
+        if got and replay:
+            handler = replaced[signal.Signals(got[0])]
+            if callable(handler):
+                handler(got[0], None)
+            elif handler == signal.SIG_DFL:
+                os.kill(os.getpid(), got[0])
+
+
 def launch(
     spec: LaunchSpec,
     *,
@@ -132,9 +169,10 @@ def launch(
     stopped: str | None = None
     tree: list[psutil.Process] = []
 
-    def end_all(grace: float) -> None:
-        kill_group(proc.pid, tree[1:], grace, leader=proc)
-        kill_marked(marker, grace_s=min(grace, 2.0))
+    def end_all(grace: float, *, replay: bool = True) -> None:
+        with signals_held(replay=replay):  # a second Ctrl-C must not skip the SIGKILL
+            kill_group(proc.pid, tree[1:], grace, leader=proc)
+            kill_marked(marker, grace_s=min(grace, 2.0))
 
     try:
         while proc.poll() is None:
@@ -161,7 +199,7 @@ def launch(
     except BaseException:
         # Ctrl-C, SIGTERM or an error in a callback: never leave the trial's processes behind
         tree = process_tree(proc.pid) or tree
-        end_all(min(grace_s, 2.0))
+        end_all(min(grace_s, 2.0), replay=False)  # the stop this exception carries is under way
         out.stop()
         raise
     out.finish(READERS_WAIT_S, FINAL_FEED_S, spec.trial_dir)
