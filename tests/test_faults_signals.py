@@ -116,3 +116,72 @@ def test_a_second_ctrl_c_during_the_cleanup_does_not_spare_the_trial(tmp_path: P
             os.kill(pids[0], signal.SIGKILL)
     assert pids, "the trainer never started"
     assert not survivor, "the trainer that ignores SIGTERM outlived launch()"
+
+
+# --- item 5: a daemon that clears its environment ------------------------------------------
+
+DAEMON_TRAINER = textwrap.dedent("""
+    import os, subprocess, sys
+    # a daemon with no environment at all (no AUTOTUNE_TRIAL_DIR marker), in a group or session of its own
+    daemon = subprocess.Popen(
+        ["env", "-i", sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"],
+        start_new_session=sys.argv[1] == "setsid",
+        process_group=0 if sys.argv[1] == "own-group" else None,  # out of the trial's group, in its session
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    open("daemon.pid", "w").write(str(daemon.pid))
+    print("step 1", flush=True)
+""")
+
+
+def cgroups_here() -> bool:
+    from autotune.trial.cgroup import TrialCgroup
+
+    probe = Path(f"/tmp/autotune-cgroup-probe-{os.getpid()}")
+    probe.mkdir(exist_ok=True)
+    group = TrialCgroup.create(probe)
+    if group is not None:
+        group.close(probe)
+    probe.rmdir()
+    return group is not None
+
+
+def launch_daemon_trainer(tmp_path: Path, how: str, env: dict[str, str]) -> int:
+    from autotune.trial.launch import LaunchSpec, launch
+
+    (tmp_path / "t.py").write_text(DAEMON_TRAINER)
+    spec = LaunchSpec(
+        argv=[sys.executable, str(tmp_path / "t.py"), how], trial_dir=tmp_path / "trial", env=env
+    )
+    launch(spec, on_line=lambda s, t: None, should_stop=lambda: None, trial_timeout_s=300, hang_timeout_s=300)
+    return int((tmp_path / "trial" / "daemon.pid").read_text())
+
+
+def ended(pid: int, within_s: float = 30) -> bool:
+    deadline = time.monotonic() + within_s
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survived = alive(pid)
+    if survived:
+        os.kill(pid, signal.SIGKILL)
+    return not survived
+
+
+@pytest.mark.skipif(not cgroups_here(), reason="no writable cgroup v2 here (not root, or no cgroup2 mount)")
+def test_an_env_i_setsid_daemon_ends_with_its_trial_through_the_cgroup(tmp_path: Path) -> None:
+    """It carries no marker and left the session: only the cgroup still knows it is the trial's."""
+    daemon = launch_daemon_trainer(tmp_path, "setsid", {})
+    assert ended(daemon), "the env -i daemon outlived its trial"
+    assert not (tmp_path / "trial" / "cgroup").exists(), "the trial's cgroup was not removed"
+
+
+def test_without_cgroups_an_env_i_daemon_in_the_trial_session_still_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fallback: the session recorded at launch (the leader's pid) finds a daemon that left the
+    trial's process group (and its marker) but stayed in its session."""
+    monkeypatch.setenv("AUTOTUNE_NO_CGROUP", "1")
+    daemon = launch_daemon_trainer(tmp_path, "own-group", {})
+    assert not (tmp_path / "trial" / "cgroup").exists()
+    assert ended(daemon), "the env -i daemon outlived its trial"

@@ -29,8 +29,16 @@ from typing import Any
 
 import psutil
 
+from autotune.trial.cgroup import TrialCgroup, same_session
 from autotune.trial.layout import TrialFiles
-from autotune.trial.processes import PID_FILE, TRIAL_ENV, kill_group, kill_marked, process_tree
+from autotune.trial.processes import (
+    PID_FILE,
+    TRIAL_ENV,
+    kill_group,
+    kill_marked,
+    live_processes,
+    process_tree,
+)
 from autotune.trial.streams import LOG_CAP, TrialOutput
 from autotune.units import GIB
 
@@ -78,11 +86,18 @@ class LaunchResult:
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a child gets when its parent dies
 
 
-def _preexec(memory_limit_gib: float | None) -> Callable[[], None]:
-    """Runs in the child between fork and exec: die with the controller, cap memory if asked."""
+def _preexec(memory_limit_gib: float | None, cgroup_procs: str | None = None) -> Callable[[], None]:
+    """Runs in the child between fork and exec: join the trial's cgroup (before it can start
+    anything), die with the controller, cap memory if asked."""
     limit = int(memory_limit_gib * GIB) if memory_limit_gib else None
 
     def setup() -> None:
+        if cgroup_procs:
+            try:
+                with open(cgroup_procs, "w") as procs:
+                    procs.write("0")
+            except OSError:  # the trial runs; launch() sees it outside the cgroup and says so
+                pass
         try:  # if the controller is SIGKILLed, the trial leader goes too
             ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):  # no glibc (musl, macOS): the trial outlives a killed controller
@@ -151,6 +166,7 @@ def launch(
     env.setdefault(TRIAL_ENV, str(spec.trial_dir))  # every process it starts carries the marker
     marker = Path(env[TRIAL_ENV])
     start = time.monotonic()
+    cgroup = TrialCgroup.create(spec.trial_dir)
     proc = subprocess.Popen(
         spec.argv,
         env=env,
@@ -159,8 +175,10 @@ def launch(
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         start_new_session=True,
-        preexec_fn=_preexec(spec.memory_limit_gib),
+        preexec_fn=_preexec(spec.memory_limit_gib, cgroup.procs_file if cgroup else None),
     )
+    if cgroup is not None and proc.pid not in cgroup.pids() and proc.poll() is None:
+        log.warning("trial %s did not join its cgroup %s", spec.trial_dir, cgroup.folder)
     try:
         (spec.trial_dir / PID_FILE).write_text(f"{proc.pid}\n")
     except OSError as exc:  # a full disk: the marker still finds the trial's processes on resume
@@ -171,8 +189,12 @@ def launch(
 
     def end_all(grace: float, *, replay: bool = True) -> None:
         with signals_held(replay=replay):  # a second Ctrl-C must not skip the SIGKILL
-            kill_group(proc.pid, tree[1:], grace, leader=proc)
+            # what it cannot shed: its cgroup, else its session (an env -i daemon has no marker)
+            inside = cgroup.pids() if cgroup is not None else same_session(proc.pid)
+            kill_group(proc.pid, tree[1:] + live_processes(inside), grace, leader=proc)
             kill_marked(marker, grace_s=min(grace, 2.0))
+            if cgroup is not None and (left := cgroup.close(spec.trial_dir)):
+                log.info("killed %d process(es) left in the cgroup of %s", left, spec.trial_dir)
 
     try:
         while proc.poll() is None:

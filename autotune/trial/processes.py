@@ -30,6 +30,7 @@ from pathlib import Path
 
 import psutil
 
+from autotune.trial.cgroup import kill_recorded_cgroup
 from autotune.trial.layout import PID
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ __all__ = [
     "wait_gone",
     "marked_processes",
     "kill_marked",
+    "live_processes",
 ]
 
 TRIAL_ENV = "AUTOTUNE_TRIAL_DIR"  # set in every trial's environment (docs/trial-contract.md)
@@ -216,6 +218,20 @@ def kill_group(
     return survivors
 
 
+def live_processes(pids: Sequence[int]) -> list[psutil.Process]:
+    """psutil handles on ``pids`` that still run, never this process or its ancestors."""
+    protected = protected_pids()
+    out = []
+    for pid in pids:
+        if pid in protected:
+            continue
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.Error:
+            continue
+    return out
+
+
 def marked_processes(trial_dir: Path) -> list[psutil.Process]:
     """Every live process whose environment names ``trial_dir`` (or a folder inside it).
 
@@ -266,7 +282,7 @@ def kill_stale(trial_dir: Path) -> bool:
     whatever session, is killed as well (:func:`kill_marked`).
     """
     trial_dir = Path(trial_dir)
-    killed = False
+    killed = kill_recorded_cgroup(trial_dir)  # an env -i daemon has no marker, but a cgroup
     for pid_file in [trial_dir / PID_FILE, *sorted(trial_dir.glob(f"*/{PID_FILE}"))]:
         try:
             pid = int(pid_file.read_text().strip())
