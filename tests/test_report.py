@@ -184,3 +184,21 @@ def test_a_winner_without_low_utilization_trials_is_not_reported_as_no_success(t
     html = report_html(study, recipe, paths)
     assert "<h2>Winner: trial 0" in html
     assert "low-util" not in html and "No configuration has run successfully yet." not in html
+
+
+def test_a_search_rewrites_the_report_at_most_every_n_seconds(study):
+    """Issue 22, item 14: report.html (megabytes, every trial read) was rewritten after every
+    trial. Within REPORT_EVERY_S of its last write the search's refresh leaves it alone; the end of
+    the search and ``autotune report`` always write (see the tests above: "stopped after")."""
+    from autotune.commands.opening import open_named
+    from autotune.export.report import REPORT_EVERY_S, write_report
+
+    paths, recipe, opened = open_named("r", study / "runs")
+    out = study / "throttled.html"
+    assert write_report(opened, recipe, paths, out, every_s=REPORT_EVERY_S) == out
+    first = out.stat().st_ino
+    assert write_report(opened, recipe, paths, out, every_s=REPORT_EVERY_S) is None
+    assert out.stat().st_ino == first, "rewritten within REPORT_EVERY_S"
+    assert write_report(opened, recipe, paths, out, every_s=1e-9) == out  # once the interval passed
+    assert write_report(opened, recipe, paths, out) == out  # no interval: always
+    assert out.stat().st_ino != first

@@ -9,6 +9,7 @@ confirmations, and each trial's gpu.csv. Plotly draws; nothing here hand-draws S
 from __future__ import annotations
 
 import html
+import time
 from pathlib import Path
 from typing import Any
 
@@ -369,8 +370,30 @@ def report_html(study: optuna.Study, recipe: Recipe, paths: StudyPaths) -> str:
     )
 
 
-def write_report(study: optuna.Study, recipe: Recipe, paths: StudyPaths, out: Path | None = None) -> Path:
-    """Write report.html (atomically: a browser open on it never sees half a file)."""
+#: During a search, report.html is rewritten at most this often (and always at its end): each
+#: rewrite reads every trial and renders megabytes of HTML, which after every one of 120 quick
+#: trials cost more time and controller memory than the trials' own bookkeeping.
+REPORT_EVERY_S = 60.0
+_written_at: dict[Path, float] = {}  # when this process last wrote each report (monotonic)
+
+
+def write_report(
+    study: optuna.Study,
+    recipe: Recipe,
+    paths: StudyPaths,
+    out: Path | None = None,
+    *,
+    every_s: float = 0.0,
+) -> Path | None:
+    """Write report.html (atomically: a browser open on it never sees half a file).
+
+    With ``every_s``, a report this process wrote less than ``every_s`` seconds ago is left as it
+    is and None is returned: the search passes :data:`REPORT_EVERY_S` after each trial, and
+    nothing (so always writes) at its end; ``autotune report`` always writes."""
     target = out or paths.root / REPORT_HTML
+    last = _written_at.get(target)
+    if every_s > 0 and last is not None and time.monotonic() - last < every_s:
+        return None
     write_text(target, report_html(study, recipe, paths))
+    _written_at[target] = time.monotonic()
     return target

@@ -25,7 +25,7 @@ from autotune.candidate import constraints
 from autotune.candidate.space import Space
 from autotune.errors import UsageError
 from autotune.export import export_study
-from autotune.export.report import write_report
+from autotune.export.report import REPORT_EVERY_S, write_report
 from autotune.hardware import plan_slots
 from autotune.progress import Reporter, short_params
 from autotune.recipe import Recipe
@@ -181,12 +181,13 @@ class Search:
             confirmation=done.get(best.number) if best else None,
         )
 
-    def refresh_report(self, study: optuna.Study) -> None:
-        """Rewrite report.html; a report that cannot be written never stops the search."""
+    def refresh_report(self, study: optuna.Study, every_s: float = 0.0) -> None:
+        """Rewrite report.html (at most every ``every_s`` seconds); a report that cannot be written
+        never stops the search."""
         if not self.report:
             return
         try:
-            write_report(study, self.recipe, self.paths)
+            write_report(study, self.recipe, self.paths, every_s=every_s)
         except OSError as exc:
             log.warning("report.html not written: %s", exc)
 
@@ -370,7 +371,7 @@ class Search:
         again = self.reruns.after(state.study, trial.number, key, params, outcome, fine)
         if again:
             self.reporter.message(again)
-        self.refresh_report(state.study)
+        self.refresh_report(state.study, every_s=REPORT_EVERY_S)
         if new_best:
             export_study(state.study, self.recipe, self.paths.best)
         state.stopping.finished(outcome, trial_dir)
