@@ -67,7 +67,7 @@ def test_first_memory_error_wins_in_a_long_log(tmp_path: Path) -> None:
     started = time.monotonic()
     outcome = run_script_trial(tmp_path, trainer(RANK0_TRACEBACK + noise(30_000) + CHILD_FAILED.splitlines()))
     assert (outcome.status, outcome.oom_kind) == ("oom", "cuda"), outcome
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 60  # about 3 s idle; 5x on a loaded machine, and slack
 
 
 def test_a_plain_crash_behind_noise_is_still_a_crash_with_its_own_error(tmp_path: Path) -> None:
@@ -158,7 +158,7 @@ def test_nested_braces_parse_in_linear_time(size: int) -> None:
     ):
         started = time.monotonic()
         parse_log_dicts(line)
-        assert time.monotonic() - started < 1.0, line[:40]
+        assert time.monotonic() - started < 3.0, line[:40]  # 0.2 s idle; quadratic took minutes
 
 
 def test_dicts_are_still_found_around_garbage() -> None:
@@ -178,7 +178,7 @@ def test_lines_of_nested_braces_do_not_delay_the_trial_timeout(tmp_path: Path) -
     started = time.monotonic()
     outcome = run_script_trial(tmp_path, script, timeout_s=2.0)
     assert outcome.status == "timeout", outcome
-    assert time.monotonic() - started < 5, outcome.wall_time_s
+    assert time.monotonic() - started < 8, outcome.wall_time_s  # 2.2 s idle; the fault took over 9 s
 
 
 # --- implausible measurements are rejected, with the reason recorded --------------------------
@@ -260,4 +260,4 @@ def test_a_capped_64_mib_log_is_read_whole_and_quickly(tmp_path: Path) -> None:
     started = time.monotonic()
     found = diagnose_files(1, [tmp_path / "stderr.log"])
     assert (found.status, found.oom_kind) == ("oom", "cuda")
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 40  # a few seconds idle; 5x on a loaded machine, and slack

@@ -206,7 +206,7 @@ def test_trial_killed_mid_suggest_reruns_its_whole_configuration(study, tmp_path
         [sys.executable, "-c", KILL_MID_SUGGEST, str(study), json.dumps(candidate)],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr
     killed = int(res.stdout.strip())
