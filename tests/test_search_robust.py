@@ -59,8 +59,45 @@ def test_a_stall_is_not_exhaustion_the_grid_decides(tmp_path):
     lean = min((c for _, c in pool), key=lambda c: c["per_device_train_batch_size"])
     pinned.planner.observe(1, lean, "oom", "cuda", None)
     assert candidates.exhausted(pinned.planner, pool, set(), candidate_key)
-    pinned.stopping.unlaunched = 10  # judged after a few stalled proposals, not after 300
+    pinned.stopping.not_launched()  # judged before the next proposal, not after 300 stalled ones
     assert pinned.stopping.reason()[0] == "space exhausted"
+
+
+def test_a_tiny_space_stops_exhausted_without_repeat_trials_or_folders(tmp_path):
+    """Issue 22 item 13: a tiny space made hundreds of dummy 'repeat' trials (each with a folder)
+    before 'exhausted'. The grid is checked before every proposal, and a repeat gets no folder."""
+    search = make_search(
+        tmp_path,
+        model="Qwen2.5-0.5B",
+        gpu_name="H100-80GB",
+        gpus=1,
+        trials=50,
+        pins={**LEAN, "per_device_train_batch_size": 8},
+    )
+    assert len(search.valid) <= 3
+    result = search.run()
+    study = search.state.study
+    assert result.stopped_reason.endswith("space exhausted"), result.stopped_reason
+    launched = [t for t in study.trials if t.user_attrs.get("launched")]
+    assert launched and len(study.trials) == len(launched)
+    folders = list((tmp_path / "r" / "trials").iterdir())
+    assert sorted(int(f.name) for f in folders) == sorted(t.number for t in launched)
+
+
+def test_a_repeat_is_answered_from_the_study_and_gets_no_folder(tmp_path):
+    """A proposal of a configuration already measured is answered from its first trial, without a
+    folder of its own (it has nothing of its own to keep)."""
+    search = make_search(tmp_path, gpus=2, pins={"use_vllm": True, "vllm_mode": "colocate"})
+    study = search.open().study
+    params = search.planner.pool(search.space, search.fixed, search.rules)[0][1]
+    first = study.ask()
+    search.tell(first, params, candidate_key(params), Outcome(status="ok", throughput=2.0, launched=True))
+    again = study.ask()
+    outcome, _ = search.gate(again.number, params, (first.number, {"status": "ok", "throughput": 2.0}))
+    search.tell(again, params, candidate_key(params), outcome)
+    assert study.trials[again.number].user_attrs.get("launched") is not True
+    assert not search.paths.trial_dir(again.number).exists()
+    assert search.paths.trial_dir(first.number).exists()
 
 
 def test_a_stalled_proposer_gets_the_grids_best_open_candidate(tmp_path):

@@ -65,6 +65,7 @@ log = logging.getLogger(__name__)
 
 IMPOSSIBLE_FACTOR = 1.5  # refuse to start when even the leanest candidate is predicted above this x capacity
 MIN_LAUNCHED = 6  # trials before the search may stop as converged (seeds plus a few local moves)
+REPEAT_OF = "repeat_of"  # Outcome.extra of a repeat: the trial that answered it (it gets no folder)
 PATIENCE = 8  # launched trials without a gain beyond the noise before converging is considered
 
 # An executor runs one candidate and says what happened. The default is the runner's real process;
@@ -316,6 +317,7 @@ class Search:
                 error_line=prev.get("error_line"),
                 detail=f"same configuration as trial {first}; not run again",
                 pruned=bool(prev.get("pruned")),
+                extra={REPEAT_OF: first},
             ), None
         verdict = self.planner.verdict(params) if self.planner else None
         if verdict is not None and verdict.skip:
@@ -355,7 +357,7 @@ class Search:
             outcome,
             launched=outcome.launched,
             key=key,
-            trial_dir=trial_dir,
+            trial_dir=None if REPEAT_OF in outcome.extra else trial_dir,  # a repeat has its answer's
             memory_limit_gib=self.memory_limit(),
         )
         if not outcome.launched:

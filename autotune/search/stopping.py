@@ -17,7 +17,6 @@ from autotune.trial.outcome import Outcome, Status
 
 SAME_CRASH_LIMIT = 3  # the same crash this many times in a row ends the search
 UNLAUNCHED_LIMIT = 300  # proposals in a row that need no launch, where the grid cannot be checked
-STALL_CHECK = 10  # proposals in a row that need no launch before the grid is checked for open candidates
 
 
 def crash_signature(error_line: str | None) -> str:
@@ -59,6 +58,7 @@ class Stopping:
         self.crashes: list[str] = []
         # whether no untried candidate is left that nothing rules out (the planner's grid), when known
         self.exhausted: Callable[[], bool] | None = None
+        self.answers = 0  # trials answered so far (launched or not): the grid changes only with them
         self._checked_at = -1
 
     def reason(self) -> tuple[str, str] | None:
@@ -66,8 +66,10 @@ class Stopping:
         if self.budget.exceeded():
             return "time budget reached", "stopping: the next trial would exceed --time-budget"
         if self.exhausted is not None:
-            if self.unlaunched >= STALL_CHECK and self._checked_at != self.unlaunched:
-                self._checked_at = self.unlaunched  # once per stalled proposal, not per poll
+            # before every proposal whose grid changed (once per answer, not per poll): a spent grid
+            # stops the search before the proposer is asked, so no repeat trial is ever made for it
+            if self._checked_at != self.answers:
+                self._checked_at = self.answers
                 if self.exhausted():
                     return "space exhausted", (
                         "stopping: every untried candidate of the space is invalid or ruled out by a "
@@ -88,6 +90,7 @@ class Stopping:
 
     def not_launched(self) -> None:
         self.unlaunched += 1
+        self.answers += 1
 
     def launched(self) -> None:
         self.unlaunched = 0
@@ -95,6 +98,7 @@ class Stopping:
     def finished(self, outcome: Outcome, trial_dir: Path) -> None:
         """After a launched trial: the same crash :data:`SAME_CRASH_LIMIT` times in a row stops it all."""
         self.budget.spent(outcome.wall_time_s)
+        self.answers += 1
         if outcome.status != Status.CRASH:
             self.crashes = []
             return
