@@ -35,6 +35,13 @@ TRL_KNOWN = frozenset(
 VLLM_COLOCATED = frozenset(
     {"vllm_gpu_memory_utilization", "vllm_enable_sleep_mode", "vllm_tensor_parallel_size"}
 )
+# vLLM's own knobs in a trainer that always runs vLLM on its GPUs (its space has no use_vllm switch,
+# an OpenRLHF-style PPO trainer): the direction is vLLM's, whatever the trainer calls its other knobs
+VLLM_ALWAYS = {
+    "vllm_gpu_memory_utilization": "up",
+    "vllm_enable_sleep_mode": "down",
+    "vllm_tensor_parallel_size": "down",
+}
 # ms-swift's own knobs (autotune/spaces/swift.yaml)
 BUILTIN = {
     "offload_optimizer": "down",
@@ -74,6 +81,8 @@ class KnobMemory:
         if name in TRL_KNOWN or name in self.known_names:
             return "none"  # counted by memory_vector already
         if name in VLLM_COLOCATED:
+            if "use_vllm" not in params:
+                return VLLM_ALWAYS[name]
             colocated = bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"
             return "none" if colocated or params.get("use_vllm") is False else None
         return BUILTIN.get(name)
@@ -100,3 +109,11 @@ class KnobMemory:
     def same_unknown(self, a: dict[str, Any], b: dict[str, Any]) -> bool:
         """Whether two candidates agree in every knob whose effect on memory is unknown."""
         return self.split(a)[1] == self.split(b)[1]
+
+
+def vllm_beside_trainer(params: dict[str, Any]) -> bool:
+    """Whether vLLM shares the trainer's GPUs: TRL's colocate mode, or a trainer whose space has no
+    ``use_vllm`` switch but sizes vLLM by its fraction (vLLM always runs, on the training GPUs)."""
+    if "use_vllm" not in params:
+        return "vllm_gpu_memory_utilization" in params
+    return bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"

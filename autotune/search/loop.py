@@ -37,7 +37,8 @@ from autotune.search.knobs import KnobMemory
 from autotune.search.parallel import Scheduler, answered  # noqa: F401  (answered: tests import it from here)
 from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe, tried
-from autotune.search.prior_check import neighbourhood_measured, prior_agrees
+from autotune.search.momentum import flat_knobs
+from autotune.search.prior_check import local_optimum, neighbourhood_measured, prior_agrees
 from autotune.search.pruning import BelowBestPruner
 from autotune.search.state import Finished, Previous, SearchState
 from autotune.search.stopping import Budget, Stopping
@@ -248,6 +249,13 @@ class Search:
             return None
         pool = self.planner.pool(self.space, self.fixed, self.rules)
         done = set(measured_configs(state.study))
+        flat = flat_knobs(self.planner, [n for n in self.space.params if n not in self.fixed], spread)
+        if local_optimum(self.planner, self.space, self.fixed, self.rules, done, candidate_key, flat):
+            return (
+                f"stopped after {launched} trials: converged, every neighbour of the best "
+                f"{state.best_value:.3g} completions/s one knob away was measured or ruled out, and "
+                f"{launched - state.improved_at} trials brought no gain beyond the noise ({spread:.0%})"
+            )
         if self.planner.improvable(pool, done, candidate_key, state.best_value, spread):
             return None
         if not prior_agrees(self.planner, spread) and not neighbourhood_measured(

@@ -34,13 +34,16 @@ def one_knob_pairs(ok: list[Seen], names: Iterable[str]) -> list[tuple[str, Seen
     return out
 
 
-def flat_knobs(planner: Planner, names: Iterable[str]) -> set[str]:
-    """Knobs whose every measured one-knob pair (at least two) changed throughput by less than FLAT."""
+def flat_knobs(planner: Planner, names: Iterable[str], noise: float = 0.0) -> set[str]:
+    """Knobs whose every measured one-knob pair (at least two) changed throughput by less than FLAT,
+    or, where measurements are noisier, by less than twice the measured ``noise`` (two runs of one
+    configuration differ that much)."""
     ok = [s for s in planner.seen if s.status == "ok" and s.throughput]
     effects: dict[str, list[float]] = {}
     for knob, a, b in one_knob_pairs(ok, names):
         effects.setdefault(knob, []).append(abs(math.log((a.throughput or 1) / (b.throughput or 1))))
-    return {k for k, v in effects.items() if len(v) >= 2 and max(v) < FLAT}
+    bar = max(FLAT, math.log1p(2 * noise))
+    return {k for k, v in effects.items() if len(v) >= 2 and max(v) < bar}
 
 
 def keep_going(

@@ -30,7 +30,7 @@ from autotune.candidate.vector import OFFLOAD_RANK, MemoryVector, at_least, dist
 from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
-from autotune.search.knobs import KnobMemory
+from autotune.search.knobs import KnobMemory, vllm_beside_trainer
 
 log = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ class Planner:
         if not self.knobs.same_unknown(params, s.params):
             return False  # a knob whose effect on memory is unknown differs: the OOM says nothing
         other = self.vector(s.params)
-        colocated = bool(params.get("use_vllm")) and knob(params, "vllm_mode") == "colocate"
+        colocated = vllm_beside_trainer(params)
         fraction = float(params.get("vllm_gpu_memory_utilization", 0) or 0)
         seen_fraction = float(s.params.get("vllm_gpu_memory_utilization", 0) or 0)
         if s.oom_kind == "cuda":
@@ -243,14 +243,15 @@ class Planner:
                 and int(knob(params, "vllm_tensor_parallel_size"))
                 <= int(knob(s.params, "vllm_tensor_parallel_size"))
             )
-        # the TRL knobs by name (a space's declared knobs follow them in the vector)
-        vec, other = (
-            MemoryVector._make(vec[: len(MemoryVector._fields)]),
-            MemoryVector._make(other[: len(MemoryVector._fields)]),
-        )
+        # the TRL knobs by name (a space's declared knobs follow them in the vector: as much trainer
+        # state in each of them too, for a start-up failure)
+        n = len(MemoryVector._fields)
+        extra, other_extra = vec[n:], other[n:]
+        vec, other = MemoryVector._make(vec[:n]), MemoryVector._make(other[:n])
         if s.oom_kind == "vllm_startup":
             return (
                 colocated
+                and all(x >= y - 1e-9 for x, y in zip(extra, other_extra))
                 and fraction >= seen_fraction - 1e-9
                 and vec.zero_stage >= other.zero_stage
                 and vec.offload >= other.offload

@@ -6,7 +6,9 @@ every candidate in that direction look hopeless, and the search stops at 80% of 
 stop trusts the prior only once its ranking of the measured trials agrees with the measurements:
 of the pairs of successful trials whose measured throughputs differ by more than the noise, nearly
 all must be ordered the same way by the prior. Without that, the stop waits until the promising
-region has been measured: every neighbour of the incumbent (one or two knobs away) tried or ruled out.
+region has been measured: every neighbour of the incumbent (one or two knobs away) tried or ruled out,
+or, for a prior that cannot be checked at all (a trainer it does not describe), every neighbour one knob
+away along a knob that was not measured to change nothing (:func:`local_optimum`).
 """
 
 from __future__ import annotations
@@ -52,3 +54,32 @@ def neighbourhood_measured(
         key(c) in tried or planner.verdict(c).skip
         for c in neighbors(best.params, space, fixed, planner.recipe, rules)
     )
+
+
+def local_optimum(
+    planner: Planner,
+    space: Space,
+    fixed: dict[str, Any],
+    rules: Iterable[Callable[[dict[str, Any]], str | None]],
+    tried: set[str],
+    key: Callable[[dict[str, Any]], str],
+    flat: set[str] | frozenset[str] = frozenset(),
+) -> bool:
+    """Whether the fastest measured trial is a local optimum by measurement: every neighbour one
+    knob away is tried or ruled out, except along knobs measured to change nothing (``flat``).
+
+    This needs no prior, so it is the stop of a search whose prior cannot be checked (a trainer in
+    its own knob names, whose speed the prior does not describe): after the patience, a measured
+    local optimum is what a search without a trusted model can know."""
+    ok = [s for s in planner.seen if s.status == "ok" and s.throughput]
+    if not ok:
+        return False
+    best = max(ok, key=lambda s: s.throughput or 0.0)
+    searched = [n for n in space.params if n not in fixed]
+    for cand in neighbors(best.params, space, fixed, planner.recipe, rules):
+        moved = [n for n in searched if cand.get(n) != best.params.get(n)]
+        if len(moved) != 1 or moved[0] in flat:
+            continue
+        if key(cand) not in tried and not planner.verdict(cand).skip:
+            return False
+    return True
