@@ -11,8 +11,9 @@ by an OOM measured with ``adam_offload=false``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
 from autotune.candidate.space import Space
 
@@ -50,6 +51,17 @@ BUILTIN = {
     "deepspeed_config": "none",
 }
 DIRECTIONS = ("up", "down", "none")
+PEAK_STEP = 0.05  # a one-knob pair of measured peaks this far apart shows the knob's direction
+
+
+class Measured(Protocol):
+    """What :func:`learn` reads of a finished trial (the planner's ``Seen``)."""
+
+    params: dict[str, Any]
+    status: str
+    oom_kind: str | None
+    peak_gib: float | None
+    leftover: bool
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,7 @@ class KnobMemory:
     """The memory direction of each knob of one space (declared, or known by name)."""
 
     declared: dict[str, str] = field(default_factory=dict)
+    learned: dict[str, str] = field(default_factory=dict)  # directions measurements showed (see learn)
     known_names: frozenset[str] = frozenset()  # the space's batch mapping (read as TRL's batch)
     choices: dict[str, tuple] = field(default_factory=dict)
 
@@ -69,9 +82,9 @@ class KnobMemory:
             {n for n in (batch.micro_batch, batch.accumulation, batch.generations) if n} if batch else set()
         )
         return cls(
-            {n: p.memory for n, p in space.params.items() if p.memory},
-            frozenset(names),
-            {n: tuple(p.choices) for n, p in space.params.items() if p.choices is not None},
+            declared={n: p.memory for n, p in space.params.items() if p.memory},
+            known_names=frozenset(names),
+            choices={n: tuple(p.choices) for n, p in space.params.items() if p.choices is not None},
         )
 
     def direction(self, name: str, params: dict[str, Any]) -> str | None:
@@ -85,7 +98,7 @@ class KnobMemory:
                 return VLLM_ALWAYS[name]
             colocated = bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"
             return "none" if colocated or params.get("use_vllm") is False else None
-        return BUILTIN.get(name)
+        return BUILTIN.get(name, self.learned.get(name))
 
     def split(self, params: dict[str, Any]) -> tuple[tuple[float, ...], tuple[tuple[str, str], ...]]:
         """(components for knobs with a declared or built-in direction, oriented so that larger is
@@ -109,6 +122,48 @@ class KnobMemory:
     def same_unknown(self, a: dict[str, Any], b: dict[str, Any]) -> bool:
         """Whether two candidates agree in every knob whose effect on memory is unknown."""
         return self.split(a)[1] == self.split(b)[1]
+
+
+def _order(knobs: KnobMemory, name: str, value: Any) -> float:
+    if name in knobs.choices and not isinstance(value, int | float):
+        return float(knobs.choices[name].index(value)) if value in knobs.choices[name] else 0.0
+    return float(value or 0)
+
+
+def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
+    """Directions of unknown knobs shown by measurements: two trials that differ in that knob alone,
+    one out of memory (a CUDA OOM on clean GPUs) and one that ran, say the value that ran needs less;
+    two measured peaks more than :data:`PEAK_STEP` apart say the same. A knob whose pairs disagree
+    stays unknown. Learned directions then carry dominance like declared ones (an OOM with activation
+    offload on rules out the same batch with it off), where before an OOM vetoed only its equals."""
+    base = replace(knobs, learned={})  # what is known without the measurements
+    done = [
+        s
+        for s in seen
+        if not s.leftover and (s.status == "oom" and s.oom_kind == "cuda" or s.status == "ok")
+    ]
+    votes: dict[str, set[str]] = {}
+    for i, a in enumerate(done):
+        for b in done[i + 1 :]:
+            names = set(a.params) | set(b.params)
+            differ = [n for n in names if a.params.get(n) != b.params.get(n)]
+            if len(differ) != 1 or base.direction(differ[0], a.params) is not None:
+                continue
+            name = differ[0]
+            if a.status == b.status == "ok":
+                if not (a.peak_gib and b.peak_gib) or abs(a.peak_gib / b.peak_gib - 1) <= PEAK_STEP:
+                    continue
+                big, small = (a, b) if a.peak_gib > b.peak_gib else (b, a)
+            elif a.status != b.status:
+                big, small = (a, b) if a.status == "oom" else (b, a)
+            else:
+                continue
+            rise = _order(knobs, name, big.params.get(name)) - _order(knobs, name, small.params.get(name))
+            votes.setdefault(name, set()).add("up" if rise > 0 else "down")
+    learned = {n: next(iter(v)) for n, v in votes.items() if len(v) == 1}
+    if learned == knobs.learned:
+        return knobs
+    return replace(knobs, learned=learned)
 
 
 def vllm_beside_trainer(params: dict[str, Any]) -> bool:

@@ -253,7 +253,7 @@ class Search:
         if local_optimum(self.planner, self.space, self.fixed, self.rules, done, candidate_key, flat):
             return (
                 f"stopped after {launched} trials: converged, every neighbour of the best "
-                f"{state.best_value:.3g} completions/s one knob away was measured or ruled out, and "
+                f"{state.best_value:.3g} completions/s was measured or ruled out, and "
                 f"{launched - state.improved_at} trials brought no gain beyond the noise ({spread:.0%})"
             )
         if self.planner.improvable(pool, done, candidate_key, state.best_value, spread):

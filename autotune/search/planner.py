@@ -30,7 +30,7 @@ from autotune.candidate.vector import OFFLOAD_RANK, MemoryVector, at_least, dist
 from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
-from autotune.search.knobs import KnobMemory, vllm_beside_trainer
+from autotune.search.knobs import KnobMemory, learn, vllm_beside_trainer
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +105,7 @@ class Planner:
         leftover: bool = False,
     ) -> None:
         self.seen.append(Seen(number, dict(params), status, oom_kind, peak_gib, throughput, leftover))
+        self.knobs = learn(self.knobs, self.seen)  # directions of unknown knobs that trials showed
         self.calibrate()
 
     def vector(self, params: dict[str, Any]) -> tuple[float, ...]:

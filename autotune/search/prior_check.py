@@ -7,8 +7,8 @@ stop trusts the prior only once its ranking of the measured trials agrees with t
 of the pairs of successful trials whose measured throughputs differ by more than the noise, nearly
 all must be ordered the same way by the prior. Without that, the stop waits until the promising
 region has been measured: every neighbour of the incumbent (one or two knobs away) tried or ruled out,
-or, for a prior that cannot be checked at all (a trainer it does not describe), every neighbour one knob
-away along a knob that was not measured to change nothing (:func:`local_optimum`).
+or, for a prior that cannot be checked at all (a trainer it does not describe), every neighbour that
+moves no knob measured to change nothing (:func:`local_optimum`).
 """
 
 from __future__ import annotations
@@ -65,8 +65,9 @@ def local_optimum(
     key: Callable[[dict[str, Any]], str],
     flat: set[str] | frozenset[str] = frozenset(),
 ) -> bool:
-    """Whether the fastest measured trial is a local optimum by measurement: every neighbour one
-    knob away is tried or ruled out, except along knobs measured to change nothing (``flat``).
+    """Whether the fastest measured trial is a local optimum by measurement: every neighbour (one or
+    two knobs away: trading memory between two knobs is how the fastest configurations are reached)
+    is tried or ruled out, except those moving a knob measured to change nothing (``flat``).
 
     This needs no prior, so it is the stop of a search whose prior cannot be checked (a trainer in
     its own knob names, whose speed the prior does not describe): after the patience, a measured
@@ -75,10 +76,8 @@ def local_optimum(
     if not ok:
         return False
     best = max(ok, key=lambda s: s.throughput or 0.0)
-    searched = [n for n in space.params if n not in fixed]
     for cand in neighbors(best.params, space, fixed, planner.recipe, rules):
-        moved = [n for n in searched if cand.get(n) != best.params.get(n)]
-        if len(moved) != 1 or moved[0] in flat:
+        if any(cand.get(n) != best.params.get(n) for n in flat):
             continue
         if key(cand) not in tried and not planner.verdict(cand).skip:
             return False
