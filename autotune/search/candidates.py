@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from autotune.candidate.memory import Estimate
 from autotune.search.planner import Planner
 
 LOOK_AHEAD = 24  # open candidates (in prior order) among which the best expected one is chosen
@@ -54,3 +55,13 @@ def next_open(
 def exhausted(planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict[str, Any]], str]) -> bool:
     """Whether no untried candidate is left that nothing rules out."""
     return next(open_candidates(planner, pool, tried, key), None) is None
+
+
+def leanest(planner: Planner, pool: Pool) -> tuple[dict[str, Any], Estimate] | None:
+    """The candidate the (uncalibrated) model predicts smallest, with its estimate."""
+    best: tuple[dict[str, Any], Estimate] | None = None
+    for _, cand in pool:
+        est = planner.raw(cand)
+        if best is None or est.total_gib < best[1].total_gib:
+            best = (cand, est)
+    return best

@@ -138,9 +138,7 @@ def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
     offload on rules out the same batch with it off), where before an OOM vetoed only its equals."""
     base = replace(knobs, learned={})  # what is known without the measurements
     done = [
-        s
-        for s in seen
-        if not s.leftover and (s.status == "oom" and s.oom_kind == "cuda" or s.status == "ok")
+        s for s in seen if not s.leftover and (s.status == "oom" and s.oom_kind == "cuda" or s.status == "ok")
     ]
     votes: dict[str, set[str]] = {}
     for i, a in enumerate(done):

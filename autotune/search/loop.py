@@ -34,10 +34,10 @@ from autotune.search import candidates
 from autotune.search.confirm import confirm, noise
 from autotune.search.headroom import unmeasured_risks
 from autotune.search.knobs import KnobMemory
+from autotune.search.momentum import flat_knobs
 from autotune.search.parallel import Scheduler, answered  # noqa: F401  (answered: tests import it from here)
 from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe, tried
-from autotune.search.momentum import flat_knobs
 from autotune.search.prior_check import local_optimum, neighbourhood_measured, prior_agrees
 from autotune.search.pruning import BelowBestPruner
 from autotune.search.state import Finished, Previous, SearchState
@@ -202,7 +202,7 @@ class Search:
         warning instead of a refusal."""
         if self.planner is None or not self.planner.use_model:
             return
-        lean = self.planner.leanest(self.planner.pool(self.space, self.fixed, self.rules))
+        lean = candidates.leanest(self.planner, self.planner.pool(self.space, self.fixed, self.rules))
         cap = self.recipe.gpu_memory_gib
         if lean is None or lean[1].total_gib <= cap * IMPOSSIBLE_FACTOR:
             return

@@ -158,10 +158,6 @@ class Planner:
         ]
         self.rel_error = float(np.sqrt(np.mean(np.square(errors))))
 
-    @property
-    def calibrated(self) -> bool:
-        return any(s.status == "ok" and s.peak_gib for s in self.seen)
-
     # -- decisions --------------------------------------------------------------------------
     def verdict(self, params: dict[str, Any]) -> Verdict:
         """Skip or run, in the order of the evidence's strength.
@@ -306,13 +302,23 @@ class Planner:
         return max(options, key=self.expected_throughput)
 
     def expected_throughput(self, params: dict[str, Any]) -> float:
-        """The speed prior corrected by what was measured nearby: prior x the mean
-        measured/prior ratio of the closest successful trials (in knob space)."""
-        prior = self.prior(params)
+        """The speed prior corrected by what was measured nearby (prior x the mean measured/prior
+        ratio of the closest successful trials, in knob space), halved for each clean CUDA OOM that
+        needs no more memory by every known knob but differs in an unknown one: no proof, but odds."""
+        vec = self.vector(params)
+        near_oom = sum(
+            1
+            for s in self.seen
+            if s.status == "oom"
+            and s.oom_kind == "cuda"
+            and not s.leftover
+            and at_least(vec, self.vector(s.params))
+            and not self.knobs.same_unknown(s.params, params)
+        )
+        prior = self.prior(params) * 0.5**near_oom
         ok = [(s, s.params) for s in self.seen if s.status == "ok" and s.throughput]
         if not ok:
             return prior
-        vec = self.vector(params)
         nearest = sorted(ok, key=lambda t: distance(vec, self.vector(t[1])))[:NEAREST]
         ratios = [s.throughput / self.prior(p) for s, p in nearest]
         return prior * statistics.fmean(ratios)
@@ -377,15 +383,6 @@ class Planner:
             if not self.verdict(cand).skip:
                 return cand
         return None
-
-    def leanest(self, pool: list[tuple[float, dict[str, Any]]]) -> tuple[dict[str, Any], Estimate] | None:
-        """The candidate the (uncalibrated) model predicts smallest, with its estimate."""
-        best: tuple[dict[str, Any], Estimate] | None = None
-        for _, cand in pool:
-            est = self.raw(cand)
-            if best is None or est.total_gib < best[1].total_gib:
-                best = (cand, est)
-        return best
 
     # -- seeding ----------------------------------------------------------------------------
     def rank_candidates(

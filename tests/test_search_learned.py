@@ -1,0 +1,167 @@
+"""The search where the planner knows little (issue 19): vLLM's own knobs in a trainer that always runs
+vLLM, knob directions learned from measurements, an OOM's odds where it proves nothing, the stop at a
+measured local optimum, and the choice from both runs of a confirmed candidate."""
+
+from autotune.candidate.space_file import load_space
+from autotune.hardware import find_gpu_type
+from autotune.models import resolve_model
+from autotune.recipe import Recipe
+from autotune.search.headroom import unmeasured_risks
+from autotune.search.knobs import KnobMemory
+from autotune.search.momentum import flat_knobs
+from autotune.search.planner import Planner
+from autotune.study import Confirmation, TrialRow, candidate_key, choose_best
+from autotune.trial.outcome import Status
+
+PPO_SPACE = """
+version: 1
+global_batch:
+  micro_batch: micro_train_batch_size
+parameters:
+  micro_train_batch_size: {type: int, choices: [1, 2, 4, 8, 16], default: 4}
+  zero_stage: {type: int, choices: [2, 3], default: 2}
+  adam_offload: {type: bool, choices: [false, true], default: false}
+  colocate_all_models: {type: bool, choices: [false, true], default: false}
+  vllm_gpu_memory_utilization: {type: float, low: 0.3, high: 0.9, step: 0.1, default: 0.5}
+"""
+PPO = dict(
+    micro_train_batch_size=8,
+    zero_stage=2,
+    adam_offload=False,
+    colocate_all_models=False,
+    vllm_gpu_memory_utilization=0.5,
+)
+
+
+def ppo_planner(tmp_path):
+    path = tmp_path / "ppo.yaml"
+    path.write_text(PPO_SPACE)
+    space = load_space(path)
+    gpu = find_gpu_type("A100-80GB")
+    recipe = Recipe(
+        model="Qwen2.5-7B-Instruct",
+        gpus=8,
+        gpu_type=gpu.name,
+        gpu_memory_gib=gpu.memory_gib,
+        runner="command",
+        space=str(path),
+        global_batch=64,
+    )
+    return Planner(resolve_model(recipe.model), recipe, gpu, knobs=KnobMemory.of(space)), space
+
+
+def test_a_trainer_that_always_runs_vllm_learns_from_its_vllm_failures(tmp_path):
+    """Seen: a PPO trainer (no use_vllm switch, vLLM always on its GPUs) failed vLLM's start-up 20
+    times at fractions 0.3 to 0.9: a start-up failure vetoed only its exact twin. vLLM's fraction is
+    vLLM's own knob: a larger one beside as much trainer state fails to start too, a smaller one
+    finds less KV cache."""
+    planner, _ = ppo_planner(tmp_path)
+    planner.observe(1, PPO, "oom", "vllm_startup", None)
+    assert planner.verdict({**PPO, "vllm_gpu_memory_utilization": 0.7}).skip
+    assert planner.verdict({**PPO, "vllm_gpu_memory_utilization": 0.7, "micro_train_batch_size": 1}).skip
+    assert not planner.verdict({**PPO, "vllm_gpu_memory_utilization": 0.3}).skip  # the cure
+    assert not planner.verdict({**PPO, "zero_stage": 3, "vllm_gpu_memory_utilization": 0.7}).skip
+    assert not planner.verdict({**PPO, "adam_offload": True}).skip  # unknown knob: says nothing
+    planner.observe(2, {**PPO, "vllm_gpu_memory_utilization": 0.3}, "oom", "vllm_kv", None)
+    assert not planner.verdict({**PPO, "vllm_gpu_memory_utilization": 0.4}).skip
+    planner.observe(3, {**PPO, "zero_stage": 3, "vllm_gpu_memory_utilization": 0.4}, "oom", "vllm_kv", None)
+    assert planner.verdict({**PPO, "zero_stage": 3, "vllm_gpu_memory_utilization": 0.3}).skip
+
+
+def test_a_knobs_direction_is_learned_from_a_one_knob_pair(tmp_path):
+    """An undeclared knob (adam_offload) first carries no dominance. Once an OOM and a success that
+    differ in it alone show its direction, an OOM with offload on vetoes it off, and a success with
+    offload on is no longer 'at the edge' because of an OOM with it off."""
+    planner, _ = ppo_planner(tmp_path)
+    planner.observe(1, {**PPO, "micro_train_batch_size": 16, "adam_offload": True}, "oom", "cuda", None)
+    assert not planner.verdict({**PPO, "micro_train_batch_size": 16}).skip  # unknown yet
+    planner.observe(2, PPO, "oom", "cuda", None)
+    planner.observe(3, {**PPO, "adam_offload": True}, "ok", None, None, 2.0)  # no peak: none logged
+    assert planner.verdict({**PPO, "micro_train_batch_size": 16}).skip
+    assert "trial 1" in planner.verdict({**PPO, "micro_train_batch_size": 16}).reason
+    assert unmeasured_risks(planner) == {}  # trial 2 needs more memory than trial 3 (learned)
+    assert planner.knobs.learned == {"adam_offload": "down"}
+    # a pair that says the opposite leaves the knob unknown again
+    planner.observe(4, {**PPO, "micro_train_batch_size": 4}, "ok", None, None, 1.5)
+    planner.observe(5, {**PPO, "micro_train_batch_size": 4, "adam_offload": True}, "oom", "cuda", None)
+    assert planner.knobs.learned == {}
+
+
+def test_an_oom_that_proves_nothing_still_lowers_the_odds(tmp_path):
+    """Seen: eight trials at the micro-batch that had run out of memory, each with another unknown knob
+    changed. Such an OOM vetoes nothing, but it halves the expected throughput of what it would
+    dominate by the known knobs, so the walk tries likelier candidates first."""
+    planner, _ = ppo_planner(tmp_path)
+    twin = {**PPO, "micro_train_batch_size": 16, "colocate_all_models": True}
+    before = planner.expected_throughput(twin)
+    planner.observe(1, {**PPO, "micro_train_batch_size": 16}, "oom", "cuda", None)
+    assert not planner.verdict(twin).skip
+    assert planner.expected_throughput(twin) == 0.5 * before
+    smaller = {**PPO, "micro_train_batch_size": 8, "colocate_all_models": True}
+    assert planner.expected_throughput(smaller) == planner.prior(smaller)
+
+
+def test_a_measured_local_optimum_stops_without_a_prior(tmp_path):
+    """The convergence stop read only the prior, which does not describe a trainer in its own names:
+    such searches never stopped early. Every neighbour of the best measured or ruled out (knobs
+    measured to change nothing passed over) is a stop that needs no prior."""
+    from autotune.search.prior_check import local_optimum
+
+    planner, space = ppo_planner(tmp_path)
+    fixed = {"vllm_gpu_memory_utilization": 0.5, "zero_stage": 2}
+    best = {**PPO, "micro_train_batch_size": 4}
+    planner.observe(1, best, "ok", None, 40.0, 3.0)
+    tried = {candidate_key(best)}
+    assert not local_optimum(planner, space, fixed, [], tried, candidate_key)
+    planner.observe(2, {**best, "micro_train_batch_size": 8}, "oom", "cuda", None)
+    for n, change in enumerate(
+        [
+            {"micro_train_batch_size": 2},
+            {"adam_offload": True},
+            {"colocate_all_models": True},
+            {"micro_train_batch_size": 2, "adam_offload": True},
+            {"micro_train_batch_size": 2, "colocate_all_models": True},
+            {"micro_train_batch_size": 8, "adam_offload": True},
+            {"micro_train_batch_size": 8, "colocate_all_models": True},
+        ],
+        start=3,
+    ):
+        cand = {**best, **change}
+        assert not local_optimum(planner, space, fixed, [], tried, candidate_key), change
+        planner.observe(n, cand, "ok", None, 40.0, 2.0)
+        tried.add(candidate_key(cand))
+    # adam_offload x colocate is the last pair: measured flat, it is passed over
+    assert not local_optimum(planner, space, fixed, [], tried, candidate_key)
+    assert local_optimum(planner, space, fixed, [], tried, candidate_key, {"colocate_all_models"})
+
+
+def test_a_knob_is_flat_within_the_measured_noise():
+    """With 8% run-to-run noise two runs of one configuration differ by 8%: a knob whose pairs all
+    differ by less than twice the noise is measured to change nothing, not only one under 5%."""
+
+    class Seen:
+        def __init__(self, params, throughput):
+            self.params, self.throughput, self.status = params, throughput, "ok"
+
+    class Knows:
+        seen = [Seen({"a": 1, "b": 1}, 10.0), Seen({"a": 2, "b": 1}, 10.9), Seen({"a": 1, "b": 2}, 9.3)]
+        seen += [Seen({"a": 2, "b": 2}, 9.95)]
+
+    assert flat_knobs(Knows(), ["a", "b"]) == set()
+    assert flat_knobs(Knows(), ["a", "b"], 0.08) == {"a", "b"}
+
+
+def test_a_confirmed_choice_counts_both_runs():
+    """Seen: a short trial 6% lucky won over its equal. A confirmed candidate is ranked by both its
+    runs (the geometric mean), not by its confirmation alone, which carries the same run-to-run noise."""
+    recipe = Recipe(model="Qwen2.5-7B-Instruct", gpus=4, gpu_type="A100-80GB", gpu_memory_gib=80.0)
+    rows_ = [
+        TrialRow(1, {"x": 1}, "ok", throughput=10.0, peak_memory_gib=50.0),
+        TrialRow(2, {"x": 2}, "ok", throughput=8.6, peak_memory_gib=50.0),
+    ]
+    confirmed = {
+        1: Confirmation(Status.OK, 9.0, 50.0, 12),
+        2: Confirmation(Status.OK, 9.2, 50.0, 12),
+    }
+    best, notes = choose_best(rows_, recipe, confirmed)
+    assert best.number == 1, notes
