@@ -20,6 +20,7 @@ from autotune.sim.landscape import parse_spec
 from autotune.sim.physics import FACTOR_RANGE, Physics
 from autotune.sim.replay import FamilyExecutor
 from autotune.trial.classify import diagnose
+from autotune.study import candidate_key
 from autotune.trial.control import StopRule, TrialControl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,6 +49,31 @@ def test_a_family_truth_is_deterministic_per_seed(family):
     c = d.truth(params, d.env, 12, 12)
     assert a.step_times == b.step_times and a.failure == b.failure
     assert a.step_times != c.step_times
+
+
+def test_the_truth_of_twins_that_differ_in_a_knob_that_does_nothing_is_one_value():
+    """Seen: the plain trainer's dataloader_workers and log_interval change nothing, yet twins that
+    differ in them had true values 10% apart (the run-to-run noise was in the truth), and *best
+    possible* was the luckiest twin of the grid. A long run is judged by the expected throughput."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_landscapes import build_landscape
+
+    d = next(
+        landscape(i)
+        for i in range(40)
+        if landscape(i).family == "plain" and landscape(i).physics.noise > 0.05
+    )
+    land = build_landscape(d, 30)
+    base = max(land.candidates, key=lambda c: land.safe[candidate_key(c)])
+    twins = [
+        c
+        for c in land.candidates
+        if c["micro_batch_size"] == base["micro_batch_size"]
+        and all(c[k] == base[k] for k in ("activation_offload", "fused_adam"))
+    ]
+    assert len(twins) == 12
+    values = {round(land.value(c), 9) for c in twins}
+    assert len(values) == 1, sorted(values)
 
 
 def test_landscapes_are_deterministic_and_their_physics_vary():

@@ -178,6 +178,6 @@ def _brief(physics: Physics) -> dict[str, float]:
 
 
 def steady(land: LandscapeDef) -> LandscapeDef:
-    """The landscape without transient crashes (how long runs are judged)."""
+    """The landscape without transient crashes and run-to-run noise (how long runs are judged)."""
     env = replace(land.env, physics=land.physics.steady()) if land.env else None
     return replace(land, physics=land.physics.steady(), env=env)
