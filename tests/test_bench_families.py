@@ -19,8 +19,8 @@ from autotune.sim.family_base import failure_text as family_text
 from autotune.sim.landscape import parse_spec
 from autotune.sim.physics import FACTOR_RANGE, Physics
 from autotune.sim.replay import FamilyExecutor
-from autotune.trial.classify import diagnose
 from autotune.study import candidate_key
+from autotune.trial.classify import diagnose
 from autotune.trial.control import StopRule, TrialControl
 
 ROOT = Path(__file__).resolve().parents[1]
