@@ -73,18 +73,33 @@ def test_a_knobs_direction_is_learned_from_a_one_knob_pair(tmp_path):
     differ in it alone show its direction, an OOM with offload on vetoes it off, and a success with
     offload on is no longer 'at the edge' because of an OOM with it off."""
     planner, _ = ppo_planner(tmp_path)
-    planner.observe(1, {**PPO, "micro_train_batch_size": 16, "adam_offload": True}, "oom", "cuda", None)
-    assert not planner.verdict({**PPO, "micro_train_batch_size": 16}).skip  # unknown yet
-    planner.observe(2, PPO, "oom", "cuda", None)
+    big = {**PPO, "micro_train_batch_size": 16, "zero_stage": 3}
+    planner.observe(1, {**big, "adam_offload": True}, "oom", "cuda", None)
+    assert not planner.verdict(big).skip  # unknown yet
+    planner.observe(2, PPO, "oom", "cuda", None)  # ZeRO-2: needs more than big by the known knobs
     planner.observe(3, {**PPO, "adam_offload": True}, "ok", None, None, 2.0)  # no peak: none logged
-    assert planner.verdict({**PPO, "micro_train_batch_size": 16}).skip
-    assert "trial 1" in planner.verdict({**PPO, "micro_train_batch_size": 16}).reason
+    assert planner.verdict(big).skip
+    assert "trial 1" in planner.verdict(big).reason
     assert unmeasured_risks(planner) == {}  # trial 2 needs more memory than trial 3 (learned)
     assert planner.knobs.learned == {"adam_offload": "down"}
     # a pair that says the opposite leaves the knob unknown again
     planner.observe(4, {**PPO, "micro_train_batch_size": 4}, "ok", None, None, 1.5)
     planner.observe(5, {**PPO, "micro_train_batch_size": 4, "adam_offload": True}, "oom", "cuda", None)
     assert planner.knobs.learned == {}
+
+
+def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path):
+    """Seen: the plain trainer's dataloader_workers changes nothing, yet each OOM at micro-batch 16
+    vetoed only its twin with the same workers. Two measured peaks within 2% that differ in that knob
+    alone say memory does not depend on it: then an OOM rules out every value of it."""
+    planner, _ = ppo_planner(tmp_path)
+    big = {**PPO, "micro_train_batch_size": 16}
+    planner.observe(1, big, "oom", "cuda", None)
+    assert not planner.verdict({**big, "colocate_all_models": True}).skip
+    planner.observe(2, PPO, "ok", None, 40.0, 2.0)
+    planner.observe(3, {**PPO, "colocate_all_models": True}, "ok", None, 40.5, 2.1)
+    assert planner.verdict({**big, "colocate_all_models": True}).skip
+    assert planner.knobs.learned == {"colocate_all_models": "none"}
 
 
 def test_an_oom_that_proves_nothing_still_lowers_the_odds(tmp_path):

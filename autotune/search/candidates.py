@@ -35,14 +35,19 @@ def open_candidates(
 def next_open(
     planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict[str, Any]], str]
 ) -> dict[str, Any] | None:
-    """The open candidate to run next: of the first :data:`LOOK_AHEAD` by prior, the one with the
-    best expected throughput (the prior corrected by what was measured nearby), preferring those
+    """The open candidate to run next: of the first :data:`LOOK_AHEAD` by prior (candidates that differ
+    only in knobs whose effect on memory is unknown count as one: the prior cannot tell them apart,
+    so a look-ahead of them alone would see one configuration), the one with the best expected
+    throughput (the prior corrected by what was measured nearby), preferring those
     the model expects to fit with the recipe's headroom; None when nothing is left open."""
     ahead: list[dict[str, Any]] = []
+    groups: set[tuple] = set()  # candidates alike but for knobs of unknown effect count once
     for cand in open_candidates(planner, pool, tried, key):
-        ahead.append(cand)
-        if len(ahead) >= LOOK_AHEAD:
+        known = tuple(sorted((k, repr(v)) for k, v in cand.items() if planner.knobs.direction(k, cand)))
+        if known not in groups and len(groups) >= LOOK_AHEAD:
             break
+        groups.add(known)
+        ahead.append(cand)
     if not ahead:
         return None
     if planner.use_model and planner.model_trusted:

@@ -52,6 +52,7 @@ BUILTIN = {
 }
 DIRECTIONS = ("up", "down", "none")
 PEAK_STEP = 0.05  # a one-knob pair of measured peaks this far apart shows the knob's direction
+PEAK_SAME = 0.02  # ... this close shows it does not move memory (an allocator's creep varies by ~2%)
 
 
 class Measured(Protocol):
@@ -133,8 +134,9 @@ def _order(knobs: KnobMemory, name: str, value: Any) -> float:
 def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
     """Directions of unknown knobs shown by measurements: two trials that differ in that knob alone,
     one out of memory (a CUDA OOM on clean GPUs) and one that ran, say the value that ran needs less;
-    two measured peaks more than :data:`PEAK_STEP` apart say the same. A knob whose pairs disagree
-    stays unknown. Learned directions then carry dominance like declared ones (an OOM with activation
+    two measured peaks more than :data:`PEAK_STEP` apart say the same, and two within
+    :data:`PEAK_SAME` that memory does not depend on it (none). A knob whose pairs disagree stays
+    unknown. Learned directions then carry dominance like declared ones (an OOM with activation
     offload on rules out the same batch with it off), where before an OOM vetoed only its equals."""
     base = replace(knobs, learned={})  # what is known without the measurements
     done = [
@@ -149,7 +151,12 @@ def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
                 continue
             name = differ[0]
             if a.status == b.status == "ok":
-                if not (a.peak_gib and b.peak_gib) or abs(a.peak_gib / b.peak_gib - 1) <= PEAK_STEP:
+                if not (a.peak_gib and b.peak_gib):
+                    continue
+                apart = abs(a.peak_gib / b.peak_gib - 1)
+                if apart <= PEAK_SAME:
+                    votes.setdefault(name, set()).add("none")
+                if apart <= PEAK_STEP:
                     continue
                 big, small = (a, b) if a.peak_gib > b.peak_gib else (b, a)
             elif a.status != b.status:

@@ -303,19 +303,17 @@ class Planner:
 
     def expected_throughput(self, params: dict[str, Any]) -> float:
         """The speed prior corrected by what was measured nearby (prior x the mean measured/prior
-        ratio of the closest successful trials, in knob space), halved for each clean CUDA OOM that
-        needs no more memory by every known knob but differs in an unknown one: no proof, but odds."""
-        vec = self.vector(params)
-        near_oom = sum(
-            1
+        ratio of the closest successful trials, in knob space), halved for each way of differing in
+        unknown knobs from clean CUDA OOMs that need no more memory by every known knob: no proof,
+        but odds (OOMs that all differ from it the same way are one piece of evidence, not many)."""
+        vec, mine = self.vector(params), set(self.knobs.split(params)[1])
+        ways = {
+            frozenset(set(self.knobs.split(s.params)[1]) - mine)
             for s in self.seen
-            if s.status == "oom"
-            and s.oom_kind == "cuda"
-            and not s.leftover
-            and at_least(vec, self.vector(s.params))
-            and not self.knobs.same_unknown(s.params, params)
-        )
-        prior = self.prior(params) * 0.5**near_oom
+            if s.status == "oom" and s.oom_kind == "cuda" and not s.leftover
+            if at_least(vec, self.vector(s.params)) and not self.knobs.same_unknown(s.params, params)
+        }
+        prior = self.prior(params) * 0.5 ** len(ways)
         ok = [(s, s.params) for s in self.seen if s.status == "ok" and s.throughput]
         if not ok:
             return prior

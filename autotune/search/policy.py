@@ -183,7 +183,7 @@ class PolicySampler(BaseSampler):
         local = self.local(study) if turn % LOCAL_EVERY != 0 else None
         if local is not None:
             return "local", local
-        if self.stall >= STALL_STREAK:
+        if self.stall >= STALL_STREAK or (turn % LOCAL_EVERY == 0 and self.planner is not None):
             if self.planner is not None:
                 pool = self.planner.pool(self.space, self.fixed, self.rules)
                 cand = candidates.next_open(self.planner, pool, tried(study), candidate_key)
