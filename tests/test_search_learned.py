@@ -180,3 +180,32 @@ def test_a_confirmed_choice_counts_both_runs():
     }
     best, notes = choose_best(rows_, recipe, confirmed)
     assert best.number == 1, notes
+
+
+def test_the_priors_nothing_better_says_nothing_of_knobs_it_cannot_see(tmp_path):
+    """Seen: a PPO search stopped 'converged' at 85%: the prior, which reads TRL's knobs, expected
+    nothing better, but it gives every value of colocate_all_models the same speed. Before that stop,
+    the neighbours of the best that move a knob the prior cannot see must be measured."""
+    from autotune.search.prior_check import blind_knobs, local_optimum
+
+    planner, space = ppo_planner(tmp_path)
+    fixed = {"vllm_gpu_memory_utilization": 0.5}
+    blind = blind_knobs(planner, space, fixed, PPO)
+    assert "colocate_all_models" in blind and "micro_train_batch_size" not in blind
+    planner.observe(1, PPO, "ok", None, 40.0, 3.0)
+    tried = {candidate_key(PPO)}
+    assert not local_optimum(planner, space, fixed, [], tried, candidate_key, only={"colocate_all_models"})
+    for n, cand in enumerate(
+        c
+        for c in _neighbours(planner, space, fixed, PPO)
+        if c["colocate_all_models"] != PPO["colocate_all_models"]
+    ):
+        planner.observe(10 + n, cand, "oom", "cuda", None)
+        tried.add(candidate_key(cand))
+    assert local_optimum(planner, space, fixed, [], tried, candidate_key, only={"colocate_all_models"})
+
+
+def _neighbours(planner, space, fixed, params):
+    from autotune.candidate.moves import neighbors
+
+    return neighbors(params, space, fixed, planner.recipe)

@@ -38,7 +38,7 @@ from autotune.search.momentum import flat_knobs
 from autotune.search.parallel import Scheduler, answered  # noqa: F401  (answered: tests import it from here)
 from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe, tried
-from autotune.search.prior_check import local_optimum, neighbourhood_measured, prior_agrees
+from autotune.search.prior_check import blind_knobs, local_optimum, neighbourhood_measured, prior_agrees
 from autotune.search.pruning import BelowBestPruner
 from autotune.search.state import Finished, Previous, SearchState
 from autotune.search.stopping import Budget, Stopping
@@ -262,6 +262,15 @@ class Search:
             self.planner, self.space, self.fixed, self.rules, done, candidate_key
         ):
             return None  # an unchecked prior's "nothing better" is no reason to stop
+        incumbent = max(
+            (s for s in self.planner.seen if s.status == Status.OK and s.throughput),
+            key=lambda s: s.throughput,
+        )
+        blind = blind_knobs(self.planner, self.space, self.fixed, incumbent.params) - flat
+        if blind and not local_optimum(
+            self.planner, self.space, self.fixed, self.rules, done, candidate_key, flat, blind
+        ):
+            return None  # the prior cannot see these knobs: its "nothing better" says nothing of them
         return (
             f"stopped after {launched} trials: converged, no untried candidate is expected to beat "
             f"the best {state.best_value:.3g} completions/s by more than the noise ({spread:.0%})"

@@ -56,6 +56,20 @@ def neighbourhood_measured(
     )
 
 
+def blind_knobs(planner: Planner, space: Space, fixed: dict[str, Any], params: dict[str, Any]) -> set[str]:
+    """Searched knobs the prior does not read at ``params``: changing one leaves the prior as it is
+    (a trainer's own knobs it does not know, say a PPO trainer's colocate_all_models)."""
+    here = planner.prior(params)
+    blind = set()
+    for name, param in space.params.items():
+        if name in fixed or param.choices is None:
+            continue
+        others = [v for v in param.choices if v != params.get(name)]
+        if others and all(abs(planner.prior({**params, name: v}) - here) <= 1e-9 * here for v in others):
+            blind.add(name)
+    return blind
+
+
 def local_optimum(
     planner: Planner,
     space: Space,
@@ -64,10 +78,12 @@ def local_optimum(
     tried: set[str],
     key: Callable[[dict[str, Any]], str],
     flat: set[str] | frozenset[str] = frozenset(),
+    only: set[str] | None = None,
 ) -> bool:
     """Whether the fastest measured trial is a local optimum by measurement: every neighbour (one or
     two knobs away: trading memory between two knobs is how the fastest configurations are reached)
-    is tried or ruled out, except those moving a knob measured to change nothing (``flat``).
+    is tried or ruled out, except those moving a knob measured to change nothing (``flat``), and,
+    given ``only``, those that move none of those knobs.
 
     This needs no prior, so it is the stop of a search whose prior cannot be checked (a trainer in
     its own knob names, whose speed the prior does not describe): after the patience, a measured
@@ -77,7 +93,8 @@ def local_optimum(
         return False
     best = max(ok, key=lambda s: s.throughput or 0.0)
     for cand in neighbors(best.params, space, fixed, planner.recipe, rules):
-        if any(cand.get(n) != best.params.get(n) for n in flat):
+        moved = {n for n in space.params if cand.get(n) != best.params.get(n)}
+        if moved & set(flat) or (only is not None and not moved & only):
             continue
         if key(cand) not in tried and not planner.verdict(cand).skip:
             return False
