@@ -171,11 +171,6 @@ def test_confirmation_rejects_a_near_limit_candidate():
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 19: on the simulator re-based on the H100 measurements (ZeRO 1/2 keep ~11 more bytes "
-    "per parameter) the search exports 0.88 of the best here; the search fix must make this pass",
-)
 def test_search_policy_beats_random_on_a_sim_landscape():
     """The benchmark's machinery on one case and one seed (deterministic): autotune's pick after
     30 trials is within 10% of the best possible and beats random search's."""
