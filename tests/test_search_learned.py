@@ -1,6 +1,6 @@
 """The search where the planner knows little (issue 19): vLLM's own knobs in a trainer that always runs
 vLLM, knob directions learned from measurements, an OOM's odds where it proves nothing, the stop at a
-measured local optimum, and the choice from both runs of a confirmed candidate."""
+measured local optimum, and the knobs the prior cannot see."""
 
 from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
@@ -10,8 +10,7 @@ from autotune.search.headroom import unmeasured_risks
 from autotune.search.knobs import KnobMemory
 from autotune.search.momentum import flat_knobs
 from autotune.search.planner import Planner
-from autotune.study import Confirmation, TrialRow, candidate_key, choose_best
-from autotune.trial.outcome import Status
+from autotune.study import candidate_key
 
 PPO_SPACE = """
 version: 1
@@ -164,22 +163,6 @@ def test_a_knob_is_flat_within_the_measured_noise():
 
     assert flat_knobs(Knows(), ["a", "b"]) == set()
     assert flat_knobs(Knows(), ["a", "b"], 0.08) == {"a", "b"}
-
-
-def test_a_confirmed_choice_counts_both_runs():
-    """Seen: a short trial 6% lucky won over its equal. A confirmed candidate is ranked by both its
-    runs (the geometric mean), not by its confirmation alone, which carries the same run-to-run noise."""
-    recipe = Recipe(model="Qwen2.5-7B-Instruct", gpus=4, gpu_type="A100-80GB", gpu_memory_gib=80.0)
-    rows_ = [
-        TrialRow(1, {"x": 1}, "ok", throughput=10.0, peak_memory_gib=50.0),
-        TrialRow(2, {"x": 2}, "ok", throughput=8.6, peak_memory_gib=50.0),
-    ]
-    confirmed = {
-        1: Confirmation(Status.OK, 9.0, 50.0, 12),
-        2: Confirmation(Status.OK, 9.2, 50.0, 12),
-    }
-    best, notes = choose_best(rows_, recipe, confirmed)
-    assert best.number == 1, notes
 
 
 def test_the_priors_nothing_better_says_nothing_of_knobs_it_cannot_see(tmp_path):

@@ -24,7 +24,7 @@ from autotune.study import (
     rows,
     save_confirmation,
 )
-from autotune.study.ranking import headroom_limit, pooled
+from autotune.study.ranking import headroom_limit
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.execute import abort_on_error
 from autotune.trial.layout import TrialFiles
@@ -90,9 +90,8 @@ def confirm(
         done = confirmations(study)
         all_rows = rows(study)
         candidates, _ = eligible(all_rows, recipe, done)
-        by_number = {r.number: r for r in all_rows}
-        held = [(n, c) for n, c in done.items() if held_up(c) and n in by_number]
-        best = max((pooled(by_number[n], c) for n, c in held), default=0.0)
+        held = [c for c in done.values() if held_up(c)]
+        best = max((c.throughput or 0.0 for c in held), default=0.0)
         spread = noise(all_rows, done)
         # a near-tie is decided by confirmed throughput: a short trial can be lucky (or unlucky) by
         # the noise, and so can the one it is compared with, hence twice the noise

@@ -116,15 +116,6 @@ def eligible(
     return out, notes
 
 
-def pooled(row: TrialRow, c: Confirmation) -> float:
-    """A confirmed candidate's throughput from both its runs: the geometric mean of its short trial's
-    and its confirmation's. Each run carries its own run-to-run noise, and a short trial confirmed
-    because it was the fastest is more often lucky than not; two runs halve the variance of one."""
-    if not c.throughput:
-        return 0.0
-    return (c.throughput * row.throughput) ** 0.5 if row.throughput else c.throughput
-
-
 def choose_best(
     rows_: list[TrialRow],
     recipe: Recipe,
@@ -134,8 +125,8 @@ def choose_best(
     """The configuration to export, with notes on what was passed over and why.
 
     Before any confirmation: the fastest eligible trial. Once leading trials were confirmed by
-    longer runs, the one with the best throughput over both its runs wins (:func:`pooled`): short
-    trials of configs within a few percent of each other are ranked by noise, two runs less so.
+    longer runs, the one with the best confirmed throughput wins: short trials of configs within
+    a few percent of each other are ranked by noise, nine measured steps much less so.
     """
     confirmed = confirmed or {}
     candidates, notes = eligible(rows_, recipe, confirmed, failed_long=failed_long)
@@ -146,7 +137,7 @@ def choose_best(
         if confirmed:
             notes.append(f"trial {candidates[0].number} was not confirmed by a longer run")
         return candidates[0], notes
-    best = max(held, key=lambda r: pooled(r, confirmed[r.number]))
+    best = max(held, key=lambda r: confirmed[r.number].throughput or 0.0)
     c = confirmed[best.number]
     peak = c.peak_memory_gib
     notes.append(
