@@ -38,7 +38,7 @@ from autotune.candidate import constraints
 from autotune.candidate.space import Space
 from autotune.recipe import Recipe
 from autotune.search import candidates, cures
-from autotune.search.momentum import flat_knobs, keep_going
+from autotune.search.momentum import flat_knobs, keep_going, promising_onward
 from autotune.search.planner import Planner
 from autotune.study import candidate_key, choose_best, measured_configs, rows
 from autotune.study.claims import pending_keys
@@ -222,6 +222,11 @@ class PolicySampler(BaseSampler):
             )
             if onward is not None:
                 return onward
+        further = promising_onward(
+            self.planner, best.throughput or 0.0, self.space, self.fixed, self.rules, done, candidate_key
+        )
+        if further is not None:  # a runner-up whose paying knob, followed, would beat the best
+            return further
         flat = flat_knobs(self.planner, [n for n in self.space.params if n not in self.fixed])
         return self.planner.next_local(
             best.params, self.space, self.fixed, self.rules, done, candidate_key, flat
