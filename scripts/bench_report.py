@@ -73,7 +73,8 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
         "vLLM's thresholds moved, 2-10% step-time noise, 0-5% of trials dying of an NCCL watchdog timeout.",
         "",
         "*best possible*: the fastest configuration in the whole valid grid that survives long runs (warm-up "
-        "+ 3 x measured steps, three truth seeds, throughput averaged) with the headroom free. A run scores "
+        "+ 3 x measured steps, three truth seeds, throughput averaged, without run-to-run noise or transient "
+        "crashes: the expected throughput) with the headroom free. A run scores "
         "the averaged long-run throughput of what it exported (0 if that dies in a long run) over the best "
         "possible. *cost*: every trial and confirmation, in trial-equivalents (loading plus 7 steps of the "
         "best configuration). *0.98 @20*: share of runs whose pick after 20 launched trials is within 2%. "

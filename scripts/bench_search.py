@@ -8,7 +8,8 @@ four-model PPO trainer and a plain micro-batch trainer in their own names, throu
 on drawn hardware under drawn physics (every memory and speed term x 0.7-1.4, vLLM's thresholds
 moved, 2-10% step-time noise, 0-5% transient NCCL crashes). Its ground truth is enumerated over the
 whole valid grid: *best possible* is the fastest configuration that survives long runs (warm-up +
-3 x measured steps, three truth seeds averaged, no transient crash) with the headroom left free.
+3 x measured steps, three truth seeds averaged, no transient crash, no run-to-run noise: its expected
+throughput) with the headroom left free.
 Every policy spends up to ``--trials`` launched trials and is charged its whole cost (every trial and
 confirmation, in trial-equivalents: loading plus 7 steps of the best configuration). autotune runs
 through the real search loop (planner, Optuna, pruning, confirmation) with an in-process executor
