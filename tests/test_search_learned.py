@@ -69,8 +69,7 @@ def test_a_trainer_that_always_runs_vllm_learns_from_its_vllm_failures(tmp_path)
 
 def test_a_knobs_direction_is_learned_from_a_one_knob_pair(tmp_path):
     """An undeclared knob (adam_offload) first carries no dominance. Once an OOM and a success that
-    differ in it alone show its direction, an OOM with offload on vetoes it off, and a success with
-    offload on is no longer 'at the edge' because of an OOM with it off."""
+    differ in it alone show its direction, an OOM with offload on vetoes it off."""
     planner, _ = ppo_planner(tmp_path)
     big = {**PPO, "micro_train_batch_size": 16, "zero_stage": 3}
     planner.observe(1, {**big, "adam_offload": True}, "oom", "cuda", None)
@@ -79,7 +78,10 @@ def test_a_knobs_direction_is_learned_from_a_one_knob_pair(tmp_path):
     planner.observe(3, {**PPO, "adam_offload": True}, "ok", None, None, 2.0)  # no peak: none logged
     assert planner.verdict(big).skip
     assert "trial 1" in planner.verdict(big).reason
-    assert unmeasured_risks(planner) == {}  # trial 2 needs more memory than trial 3 (learned)
+    # but a learned direction does not take an unmeasured peak off the edge: seen, plain 8B on
+    # 8 x 80 GB, micro 16 at the edge ran in some trials and died in others, three do-nothing knobs
+    # were 'learned' from those pairs, and what was exported died in the long run (0.00)
+    assert set(unmeasured_risks(planner)) == {"3"}
     assert planner.knobs.learned == {"adam_offload": "down"}
     # a pair that says the opposite leaves the knob unknown again
     planner.observe(4, {**PPO, "micro_train_batch_size": 4}, "ok", None, None, 1.5)

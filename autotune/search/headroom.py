@@ -11,6 +11,8 @@ the peak was not measured.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autotune.candidate.vector import at_least
 from autotune.search.planner import Planner
 
@@ -20,12 +22,15 @@ def unmeasured_risks(planner: Planner) -> dict[str, str]:
     recipe = planner.recipe
     limit = recipe.gpu_memory_gib * (1 - recipe.headroom)
     ooms = [s for s in planner.seen if s.status == "oom" and s.oom_kind == "cuda" and not s.leftover]
+    # by what is known beforehand only: directions learned from trials at the edge, where the same
+    # configuration runs once and dies the next time, are no proof that a knob moved it off the edge
+    known = replace(planner.knobs, learned={})
     out: dict[str, str] = {}
     for s in planner.seen:
         if s.status != "ok" or s.peak_gib is not None:
             continue
-        vec = planner.vector(s.params)
-        edge = next((o for o in ooms if at_least(vec, planner.vector(o.params))), None)
+        vec = planner.vector(s.params, known)
+        edge = next((o for o in ooms if at_least(vec, planner.vector(o.params, known))), None)
         if edge is not None:
             out[str(s.number)] = (
                 f"trial {edge.number}, which needs no more memory by every knob whose effect is known, "

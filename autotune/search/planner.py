@@ -108,9 +108,10 @@ class Planner:
         self.knobs = learn(self.knobs, self.seen)  # directions of unknown knobs that trials showed
         self.calibrate()
 
-    def vector(self, params: dict[str, Any]) -> tuple[float, ...]:
-        """The memory vector over TRL's names, then the knobs whose direction a space declares."""
-        extra, _ = self.knobs.split(params)
+    def vector(self, params: dict[str, Any], knobs: KnobMemory | None = None) -> tuple[float, ...]:
+        """The memory vector over TRL's names, then the knobs whose direction is known (``knobs``:
+        another view of what is known than the planner's)."""
+        extra, _ = (knobs or self.knobs).split(params)
         params = constraints.as_trl(params, self.recipe)
         return memory_vector(params, self.recipe.dp_gpus(params)) + extra
 
