@@ -8,6 +8,7 @@ confirmations, and each trial's gpu.csv. Plotly draws; nothing here hand-draws S
 
 from __future__ import annotations
 
+import ctypes
 import html
 import time
 from pathlib import Path
@@ -396,4 +397,22 @@ def write_report(
         return None
     write_text(target, report_html(study, recipe, paths))
     _written_at[target] = time.monotonic()
+    release_freed_memory()
     return target
+
+
+def release_freed_memory() -> bool:
+    """Hand the C heap's free pages back to the system (glibc's ``malloc_trim``); False elsewhere.
+
+    A report is built from every trial's files: megabytes of short-lived strings and plotly JSON.
+    Between two rewrites the search keeps allocating small long-lived things (Optuna's trial cache,
+    SQLite rows), which pin the heap above the freed space, and glibc only returns the heap's top.
+    A 120-trial sim search held 29 MiB more free-but-resident heap every 35 trials this way (RSS
+    168 -> 198 MiB; with no report it stayed at 143), while Python's own objects grew by 0.6 MiB."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):  # not glibc (macOS, musl): nothing to call
+        return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    trim(0)
+    return True
