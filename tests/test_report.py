@@ -196,12 +196,16 @@ def test_a_search_rewrites_the_report_at_most_every_n_seconds(study):
     paths, recipe, opened = open_named("r", study / "runs")
     out = study / "throttled.html"
     assert write_report(opened, recipe, paths, out, every_s=REPORT_EVERY_S) == out
-    first = out.stat().st_ino
+    # a rewrite replaces the file (an atomic rename): its modification time moves; the inode
+    # number alone does not tell, the filesystem may hand the freed number straight back
+    first = out.stat().st_mtime_ns
     assert write_report(opened, recipe, paths, out, every_s=REPORT_EVERY_S) is None
-    assert out.stat().st_ino == first, "rewritten within REPORT_EVERY_S"
+    assert out.stat().st_mtime_ns == first, "rewritten within REPORT_EVERY_S"
     assert write_report(opened, recipe, paths, out, every_s=1e-9) == out  # once the interval passed
+    second = out.stat().st_mtime_ns
+    assert second != first
     assert write_report(opened, recipe, paths, out) == out  # no interval: always
-    assert out.stat().st_ino != first
+    assert out.stat().st_mtime_ns != second
 
 
 RSS_DRIVER = """
