@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -16,6 +17,18 @@ import pynvml
 import pytest
 
 from autotune.units import GIB
+
+
+def pytest_configure(config):
+    """The suite as started in the background (``nohup bash .ci/run &``) inherits SIGINT and SIGHUP
+    ignored, and so would every controller a test starts: the signal tests would test the shell,
+    not autotune. A user's terminal gives the defaults; so do we."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    for sig in (signal.SIGHUP, signal.SIGTERM):
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.SIG_DFL)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
