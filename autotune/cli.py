@@ -201,6 +201,8 @@ def recipe_from_flags(kw: dict[str, Any]) -> Recipe:
             raise UsageError(
                 f"{FIELDS[name].metadata.get('flag') or '--' + name.replace('_', '-')} must be at least 1"
             )
+    if kw.get("patience") is not None and kw["patience"] < 0:
+        raise UsageError("--patience must be at least 0 (0: never stop for want of a gain)")
     if kw.get("warmup_steps") is not None and kw["warmup_steps"] < 0:
         raise UsageError("--warmup-steps must be at least 0")
     if kw.get("global_batch") is not None and kw["global_batch"] < 1:

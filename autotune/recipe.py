@@ -169,6 +169,13 @@ class Recipe:
     confirm: int = field(
         default=3, metadata=_opt("Leading candidates re-run longer before export (0: none).")
     )
+    patience: int = field(
+        default=10,
+        metadata=_opt(
+            "Stop once this many launched trials in a row brought no gain beyond the noise, after "
+            "at least 6 more than that (0: never)."
+        ),
+    )
     warmup_steps: int = field(default=2, metadata=_opt("Steps before a trial's throughput is measured."))
     measure_steps: int = field(
         default=3, metadata=_opt("Measured steps per trial (a stable one stops sooner).")

@@ -524,3 +524,45 @@ def run_script_trial(tmp_path: Path, script: str, *, timeout_s: float = 60.0, na
     )
     assert Outcome.read(trial_dir / "outcome.json").status == outcome.status
     return outcome
+
+
+# --- a search on the simulator, in-process (the search's own tests) ----------------------------
+
+#: pins that leave the micro-batch (and what the test frees) to search: a small, lean grid
+LEAN = {
+    "zero_stage": 3,
+    "offload": "optimizer+params",
+    "gradient_checkpointing": True,
+    "use_vllm": False,
+    "gradient_accumulation_steps": 1,
+    "num_generations": 8,
+}
+
+
+def make_search(tmp_path, model="Qwen3-8B", gpus=8, gpu_name="RTX-4090", execute=None, **kw):
+    """A Search on the simulator's runner (or ``execute``), its study in memory, no report."""
+    import optuna
+
+    from autotune.candidate.space_file import load_space
+    from autotune.hardware import find_gpu_type
+    from autotune.models import resolve_model
+    from autotune.progress import Reporter
+    from autotune.recipe import Recipe
+    from autotune.runners import TrialContext
+    from autotune.search.loop import Search
+    from autotune.study import StudyPaths
+
+    gpu = find_gpu_type(gpu_name)
+    recipe = Recipe(
+        model=model, gpus=gpus, gpu_type=gpu.name, gpu_memory_gib=gpu.memory_gib, runner="sim", name="r", **kw
+    )
+    context = TrialContext(recipe, load_space(), resolve_model(recipe.model), gpu)
+    return Search(
+        recipe,
+        StudyPaths(tmp_path, "r"),
+        context,
+        Reporter(recipe.trials),
+        execute=execute,
+        storage=optuna.storages.InMemoryStorage(),
+        report=False,
+    )

@@ -2,44 +2,12 @@
 stalled proposer handed the grid's best open candidate, cures per failure kind, transient crashes."""
 
 import optuna
+from conftest import LEAN, make_search
 
-from autotune.candidate.space_file import load_space
-from autotune.hardware import find_gpu_type
-from autotune.models import resolve_model
-from autotune.progress import Reporter
-from autotune.recipe import Recipe
-from autotune.runners import TrialContext
 from autotune.search import candidates
-from autotune.search.loop import Search
 from autotune.search.policy import PROPOSAL_ATTR, SEEDS_ATTR, tried
-from autotune.study import StudyPaths, candidate_key
+from autotune.study import candidate_key
 from autotune.trial.outcome import Outcome
-
-LEAN = {
-    "zero_stage": 3,
-    "offload": "optimizer+params",
-    "gradient_checkpointing": True,
-    "use_vllm": False,
-    "gradient_accumulation_steps": 1,
-    "num_generations": 8,
-}
-
-
-def make_search(tmp_path, model="Qwen3-8B", gpus=8, gpu_name="RTX-4090", execute=None, **kw):
-    gpu = find_gpu_type(gpu_name)
-    recipe = Recipe(
-        model=model, gpus=gpus, gpu_type=gpu.name, gpu_memory_gib=gpu.memory_gib, runner="sim", name="r", **kw
-    )
-    context = TrialContext(recipe, load_space(), resolve_model(recipe.model), gpu)
-    return Search(
-        recipe,
-        StudyPaths(tmp_path, "r"),
-        context,
-        Reporter(recipe.trials),
-        execute=execute,
-        storage=optuna.storages.InMemoryStorage(),
-        report=False,
-    )
 
 
 def test_a_stall_is_not_exhaustion_the_grid_decides(tmp_path):
@@ -175,7 +143,7 @@ def test_the_convergence_stop_trusts_only_a_checked_prior(tmp_path):
     only where its ranking of the measured trials agrees with the measurements."""
     pins = {k: v for k, v in LEAN.items() if k != "gradient_checkpointing"}
     for agrees in (False, True):
-        search = make_search(tmp_path / str(agrees), gpus=2, pins=pins)
+        search = make_search(tmp_path / str(agrees), gpus=2, pins=pins, patience=0)  # the prior's stop alone
         search.open()
         planner = search.planner
         planner.improvable = lambda *a, **k: None  # the prior expects nothing better
@@ -206,7 +174,8 @@ def test_a_near_tie_is_decided_by_confirmed_throughput(tmp_path):
             return Outcome(status="oom", oom_kind="cuda", error_line="CUDA out of memory", wall_time_s=1.0)
         return Outcome(status="ok", throughput=table[batch], peak_memory_gib=10.0, steps=5, wall_time_s=1.0)
 
-    search = make_search(tmp_path, gpus=2, execute=execute, pins=LEAN, trials=6, confirm=1)
+    # --confirm 2: two that hold (--confirm 1 asks for one confirmation, and gets one)
+    search = make_search(tmp_path, gpus=2, execute=execute, pins=LEAN, trials=6, confirm=2)
     result = search.run()
     assert result.best.params["per_device_train_batch_size"] == 16
     assert result.confirmation.throughput == 105.0

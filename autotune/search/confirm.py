@@ -62,13 +62,14 @@ def confirm(
 
     The fastest eligible trial is confirmed first. A runner-up is confirmed too only while its
     short-trial throughput, plus twice the noise, could still beat the best confirmed throughput
-    (a near-tie is decided by confirmed throughput), up to ``recipe.confirm`` + 2 runs. A candidate
-    that is ahead of every confirmed one is always confirmed, so a resumed search that found a
-    better configuration exports it. Each run is admitted only if its own expected length fits the
-    time budget, and the study's clock is saved after each. With several GPU ``slots`` the leaders
-    still needed are confirmed at once, one per slot. A run that ran out of memory is learned from
-    (:meth:`SearchState.observe`); one that held teaches nothing the short trial did not. Returns
-    the runs made now.
+    (a near-tie is decided by confirmed throughput), until ``recipe.confirm`` have held, in at most
+    ``recipe.confirm`` + 2 runs (the two more stand in for leaders that die in their longer run). A
+    candidate ahead of every confirmed one by more than the noise is always confirmed, so a resumed
+    search that found a better configuration exports it. Each run is admitted only if its own
+    expected length fits the time budget, and the study's clock is saved after each. With several
+    GPU ``slots`` the leaders still needed are confirmed at once, one per slot. A run that ran out
+    of memory is learned from (:meth:`SearchState.observe`); one that held teaches nothing the short
+    trial did not. Returns the runs made now.
     """
     study, recipe, paths, reporter, budget = (
         state.study,
@@ -98,6 +99,10 @@ def confirm(
         todo = [
             r for r in candidates if r.number not in done and (r.throughput or 0) * (1 + 2 * spread) > best
         ]
+        if len(held) >= recipe.confirm:
+            # --confirm N is N candidates that held (each run costs about 1.5 trials); beyond them,
+            # only one whose short trial beats the best confirmed by more than the noise
+            todo = [r for r in todo if (r.throughput or 0) > best * (1 + spread)]
         if not todo:
             break
         # with several GPU slots, the leaders still needed are confirmed at once, one per slot

@@ -19,6 +19,7 @@ from typing import Any
 
 from autotune.candidate.moves import neighbors
 from autotune.candidate.space import Space
+from autotune.search.headroom import incumbent
 from autotune.search.planner import Planner
 
 MIN_PAIRS = 3  # pairs told apart by measurement before the prior's ranking counts as checked
@@ -45,11 +46,11 @@ def neighbourhood_measured(
     tried: set[str],
     key: Callable[[dict[str, Any]], str],
 ) -> bool:
-    """Whether every neighbour of the fastest measured trial is tried or ruled out."""
-    ok = [s for s in planner.seen if s.status == "ok" and s.throughput]
-    if not ok:
+    """Whether every neighbour of the fastest measured trial that keeps the headroom is tried or
+    ruled out."""
+    best = incumbent(planner)
+    if best is None:
         return False
-    best = max(ok, key=lambda s: s.throughput or 0.0)
     return all(
         key(c) in tried or planner.verdict(c).skip
         for c in neighbors(best.params, space, fixed, planner.recipe, rules)
@@ -87,11 +88,11 @@ def local_optimum(
 
     This needs no prior, so it is the stop of a search whose prior cannot be checked (a trainer in
     its own knob names, whose speed the prior does not describe): after the patience, a measured
-    local optimum is what a search without a trusted model can know."""
-    ok = [s for s in planner.seen if s.status == "ok" and s.throughput]
-    if not ok:
+    local optimum is what a search without a trusted model can know. The best is the fastest that
+    keeps the headroom free: one that ran inside it is no optimum to stop at."""
+    best = incumbent(planner)
+    if best is None:
         return False
-    best = max(ok, key=lambda s: s.throughput or 0.0)
     for cand in neighbors(best.params, space, fixed, planner.recipe, rules):
         moved = {n for n in space.params if cand.get(n) != best.params.get(n)}
         if moved & set(flat) or (only is not None and not moved & only):

@@ -19,9 +19,11 @@ import optuna
 from autotune.candidate.space import Space
 from autotune.progress import Reporter
 from autotune.recipe import Recipe
+from autotune.search.headroom import fits_headroom
 from autotune.search.planner import Planner
 from autotune.search.stopping import Stopping
 from autotune.study import StudyPaths, TrialRow, launched_rows
+from autotune.study.ranking import headroom_limit
 from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import STATUSES, UNINFORMATIVE, Outcome, Status, read_outcome
 
@@ -79,9 +81,9 @@ class Finished:
 @dataclass
 class SearchState:
     """One search's state from the moment its study is open: what the scheduler reads and the
-    search's steps change. ``best_value`` is the best unpruned throughput seen; ``improved_at`` the
-    study's launch count when it last rose by more than :data:`MIN_NOISE` (convergence waits its
-    patience from there)."""
+    search's steps change. ``best_value`` is the best unpruned throughput seen that keeps the
+    headroom free; ``improved_at`` the study's launch count when it last rose by more than
+    :data:`MIN_NOISE` (convergence waits its patience from there)."""
 
     recipe: Recipe
     paths: StudyPaths
@@ -114,6 +116,8 @@ class SearchState:
         value = done.throughput or 0.0
         if done.status != Status.OK or done.pruned or value <= self.best_value:
             return False
+        if not fits_headroom(done.peak_memory_gib, headroom_limit(self.recipe)):
+            return False  # never exported: a gain the export cannot have restarts no patience
         if value > self.best_value * (1 + MIN_NOISE):
             self.improved_at = len(launched_rows(self.study))
         self.best_value = value

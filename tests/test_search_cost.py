@@ -1,0 +1,73 @@
+"""What a search costs and what it measures against (issue 19): the bar is the best that keeps the
+headroom free, a search without a gain for --patience trials stops, --confirm N means N."""
+
+from conftest import LEAN, make_search, one_line_error, run_cli
+
+from autotune.search.state import Finished
+from autotune.trial.outcome import Outcome, Status
+
+
+def test_a_trial_inside_the_headroom_sets_no_bar(tmp_path):
+    """Seen: 14B on 4 x 48 GB stopped 'converged' after 9 trials at 0.82 of the best possible: its
+    bar was a 1.33/s trial that peaked inside the headroom (never exportable), so nothing untried
+    was expected to beat it. The bar, and the patience's last gain, are the exportable best's."""
+    from autotune.search.headroom import incumbent
+
+    search = make_search(tmp_path, gpus=2, pins={k: v for k, v in LEAN.items() if k != "num_generations"})
+    state = search.open()
+    planner = search.planner
+    pool = [c for _, c in planner.pool(search.space, search.fixed, search.rules)]
+    limit = search.recipe.gpu_memory_gib * (1 - search.recipe.headroom)
+    inside, fits = pool[0], pool[1]
+    planner.observe(1, inside, "ok", None, limit + 0.5, 20.0)
+    planner.observe(2, fits, "ok", None, limit - 5.0, 10.0)
+    assert incumbent(planner).number == 2
+    assert not state.observe(Finished(1, inside, Status.OK, peak_memory_gib=limit + 0.5, throughput=20.0))
+    assert state.best_value == 0.0
+    assert state.observe(Finished(2, fits, Status.OK, peak_memory_gib=limit - 5.0, throughput=10.0))
+    assert state.best_value == 10.0
+    # an unmeasured peak is judged elsewhere (at risk or not), so it still counts here
+    assert state.observe(Finished(3, pool[2], Status.OK, throughput=12.0))
+
+
+def flat(params, trial_dir, number, control):
+    """Every candidate runs at the same speed: nothing can be gained after the first success."""
+    return Outcome(status="ok", throughput=10.0, peak_memory_gib=5.0, steps=5, wall_time_s=1.0)
+
+
+def test_a_search_without_a_gain_for_patience_trials_stops(tmp_path):
+    """Seen: 96 of 105 benchmark runs spent all 30 trials; the last ten raised the share at 95% of
+    the best by one point. --patience N ends a search N trials after its last gain (after at least
+    6 + N trials); 0 never does."""
+    search = make_search(tmp_path / "a", gpus=2, execute=flat, trials=40, patience=5, confirm=0)
+    result = search.run()
+    assert "--patience 5" in (result.stopped_reason or ""), result.stopped_reason
+    assert 11 <= result.launched <= 12, result.launched
+    never = make_search(tmp_path / "b", gpus=2, execute=flat, trials=14, patience=0, confirm=0)
+    result = never.run()
+    assert "--patience" not in (result.stopped_reason or ""), result.stopped_reason
+
+
+def test_confirm_n_confirms_n_that_held(tmp_path):
+    """Seen: --confirm 3 made 5 confirmation runs (1.5 trials each) when five leaders were within
+    twice the noise of each other. N that held are N; another only when its short trial beats the
+    best confirmed by more than the noise."""
+    confirmed = []
+
+    def near_ties(params, trial_dir, number, control):
+        speed = 100.0 - params["per_device_train_batch_size"] / 10  # all within 4% of each other
+        if control.purpose == "confirm":
+            confirmed.append(params["per_device_train_batch_size"])
+        return Outcome(status="ok", throughput=speed, peak_memory_gib=5.0, steps=5, wall_time_s=1.0)
+
+    search = make_search(tmp_path, gpus=2, execute=near_ties, trials=6, confirm=2, pins=LEAN)
+    search.run()
+    assert len(confirmed) == 2, confirmed
+
+
+def test_a_negative_patience_is_refused_in_one_line(tmp_path):
+    res = run_cli(
+        "search", "--model", "Qwen2.5-7B", "--gpus", "2", "--runner", "sim", "--patience", "-1", cwd=tmp_path
+    )
+    one_line_error(res, "--patience must be at least 0")
+    assert not (tmp_path / "runs").exists()
