@@ -172,8 +172,8 @@ class Recipe:
     patience: int = field(
         default=10,
         metadata=_opt(
-            "Stop once this many launched trials in a row brought no gain beyond the noise, after "
-            "at least 6 more than that (0: never)."
+            "Stop once this many trials that ran (OOMs do not count) brought no gain beyond the "
+            "noise, after at least 6 more launched (0: never)."
         ),
     )
     warmup_steps: int = field(default=2, metadata=_opt("Steps before a trial's throughput is measured."))

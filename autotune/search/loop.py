@@ -230,9 +230,9 @@ class Search:
     def converged(self, launched: int) -> str | None:
         """Why to stop now that nothing untried is likely to beat the incumbent, or None.
 
-        Always: ``--patience`` launched trials in a row without a gain beyond the noise, after at
-        least :data:`MIN_LAUNCHED` + patience trials (on the benchmark, trials 20-30 raised the share
-        of runs at 95% of the best by one point for a third of the search's cost).
+        Always: ``--patience`` trials that ran (an OOM says nothing of speed and costs a fraction
+        of a trial) without a gain beyond the noise, after at least :data:`MIN_LAUNCHED` + patience
+        launched trials (docs/benchmarks-notes.md: what trials 20-30 bought on the benchmark).
 
         Earlier, only with a usable memory model and speed prior (GPU trials), after
         :data:`MIN_LAUNCHED` trials, a measured success and :data:`PATIENCE` launched trials without
@@ -247,12 +247,12 @@ class Search:
             patience
             and state.best_value
             and launched >= MIN_LAUNCHED + patience
-            and launched - state.improved_at >= patience
+            and state.measured_since_gain >= patience
         ):
             return (
-                f"stopped after {launched} trials: converged, the last {launched - state.improved_at} "
-                f"brought no gain beyond the noise over the best {state.best_value:.3g} completions/s "
-                f"(--patience {patience})"
+                f"stopped after {launched} trials: converged, the last {state.measured_since_gain} "
+                f"that ran brought no gain beyond the noise over the best {state.best_value:.3g} "
+                f"completions/s (--patience {patience})"
             )
         if (
             self.planner is None
@@ -328,6 +328,7 @@ class Search:
                 if inc.status == "oom":
                     self.planner.observe(-inc.number, inc.params, "oom", inc.oom_kind, None)
         state.improved_at = len(launched_rows(study))  # a resumed search waits its patience again
+        state.measured_since_gain = 0
         self._state = state
         return state
 

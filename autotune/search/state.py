@@ -95,6 +95,7 @@ class SearchState:
     stopping: Stopping
     best_value: float = 0.0
     improved_at: int = 0
+    measured_since_gain: int = 0  # successes since the last gain (--patience counts these, not OOMs)
 
     def observe(self, done: Finished) -> bool:
         """Learn from a finished trial; True when it is a new best.
@@ -114,11 +115,19 @@ class SearchState:
                 leftover=done.leftover,
             )
         value = done.throughput or 0.0
-        if done.status != Status.OK or done.pruned or value <= self.best_value:
+        # a trial that ran inside the headroom is never exported: its gain restarts no patience
+        better = (
+            done.status == Status.OK
+            and not done.pruned
+            and value > self.best_value
+            and fits_headroom(done.peak_memory_gib, headroom_limit(self.recipe))
+        )
+        gain = better and value > self.best_value * (1 + MIN_NOISE)
+        if done.launched and done.status == Status.OK:
+            self.measured_since_gain = 0 if gain else self.measured_since_gain + 1
+        if not better:
             return False
-        if not fits_headroom(done.peak_memory_gib, headroom_limit(self.recipe)):
-            return False  # never exported: a gain the export cannot have restarts no patience
-        if value > self.best_value * (1 + MIN_NOISE):
+        if gain:
             self.improved_at = len(launched_rows(self.study))
         self.best_value = value
         return True
