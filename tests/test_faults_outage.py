@@ -42,6 +42,7 @@ def search_holding_a_lock(tmp_path: Path, hold_s: float, limit_s: float | None) 
     return proc.returncode, err
 
 
+@pytest.mark.slow
 def test_a_write_lock_shorter_than_the_limit_is_waited_out_with_a_line(tmp_path):
     rc, err = search_holding_a_lock(tmp_path, hold_s=25, limit_s=60)
     assert rc == 0, err

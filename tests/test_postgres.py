@@ -400,6 +400,7 @@ def test_a_node_killed_inside_ask_and_its_unstamped_lock_are_taken_over(postgres
     assert [t.user_attrs.get("retry_of") for t in after if t.state == TrialState.WAITING] == [trial.number]
 
 
+@pytest.mark.slow
 def test_a_server_restart_mid_search_is_waited_out_with_a_line(postgres_url, tmp_path):
     """Issue 22, item 6: PostgreSQL stopped for 8 s and started again while a search runs. The
     controller died within seconds (InvalidatePoolError); it now waits, says so, and finishes."""

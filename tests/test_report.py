@@ -230,6 +230,7 @@ cli.main()
 """
 
 
+@pytest.mark.slow
 def test_report_rewrites_do_not_grow_the_controller(tmp_path):
     """Issue 22, item 14: with the report throttled, a sim search's controller still grew about
     0.8 MiB a trial (168 -> 236 MiB over 10 -> 90 trials; 143 flat with no report): each rewrite's
