@@ -224,7 +224,7 @@ def counting(self, *a, **k):
         print("GROWTH_MIB", round(rss[28] - rss[8], 1), flush=True)
 loop.Search.tell = counting
 sys.argv = ["autotune", "search", "--model", "Qwen2.5-7B-Instruct", "--gpus", "4", "--runner", "sim",
-            "--gpu-type", "A100-80GB", "--trials", "28", "--confirm", "0", "--sim-time-scale", "0.0005",
+            "--gpu-type", "A100-80GB", "--trials", "28", "--confirm", "0", "--patience", "0", "--sim-time-scale", "0.0005",
             "--name", "rss"]
 cli.main()
 """
