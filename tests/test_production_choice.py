@@ -87,6 +87,17 @@ def test_host_oom_on_cpu_takes_the_smaller_batch_and_keeps_the_global_batch():
     assert choice.params["gradient_accumulation_steps"] == 8
 
 
+def test_a_trial_the_pruner_stopped_is_measured_enough_to_restart_on():
+    """Seen in CI on a loaded machine: the study's batch-4 trial was pruned (under half the batch-8
+    trial's throughput while other processes took the cores), so after batch 8 ran out of host
+    memory the run probed a configuration the study had already run without running out of memory."""
+    import dataclasses
+
+    rows = [dataclasses.replace(r, pruned=r.params == SMALLER_BATCH) for r in ROWS]
+    choice = choose("oom", "cuda", rows=rows)
+    assert choice.params == SMALLER_BATCH and not choice.probe, choice
+
+
 def test_a_crash_or_timeout_restarts_on_the_same_configuration():
     for status in ("crash", "timeout"):
         choice = choose(status, None)

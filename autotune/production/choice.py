@@ -100,8 +100,10 @@ def restart_choice(
     kind = memory_kind(status, oom_kind, recipe)
     completions = constraints.samples_per_step(failed, recipe, space)
     lost = {candidate_key(i.params) for i in history} | {candidate_key(failed)}
+    # a trial stopped early for being slower than the best still ran its steps without running out
+    # of memory, which is what a restart needs to know (it restarts on it rather than on a probe)
     measured = sorted(
-        (r for r in rows if r.status == "ok" and r.launched and r.throughput and not r.pruned),
+        (r for r in rows if r.status == "ok" and r.launched and r.throughput),
         key=lambda r: -(r.throughput or 0.0),
     )
     for row in measured:

@@ -43,7 +43,6 @@ GRID_FLOAT_POINTS = 5  # values of each continuous knob in the candidate pool
 #: The prior's log error that :meth:`Planner.improvable` allows: half a standard deviation of what
 #: was measured, never less than 5%; 50% while fewer than 3 trials say how wrong it is.
 SPREAD_STDEVS, MIN_SPREAD, EARLY_SPREAD, SPREAD_TRIALS = 0.5, 1.05, 1.5, 3
-SEED_MARGIN = 0.05  # seeds leave this much of the GPU free beyond the headroom (at least as much)
 
 
 @dataclass
@@ -382,35 +381,3 @@ class Planner:
             if not self.verdict(cand).skip:
                 return cand
         return None
-
-    # -- seeding ----------------------------------------------------------------------------
-    def rank_candidates(
-        self,
-        space: Space,
-        fixed: dict[str, Any],
-        rules: Iterable[Callable[[dict[str, Any]], str | None]] = (),
-        k: int = 4,
-    ) -> list[dict[str, Any]]:
-        """The k valid candidates the model expects to fit with headroom and the prior ranks
-        fastest, spread over ZeRO stages so one wrong guess does not sink all seeds."""
-        limit = self.recipe.gpu_memory_gib * (1 - max(self.recipe.headroom, SEED_MARGIN) - SEED_MARGIN)
-        scored = [
-            (score, cand)
-            for score, cand in self.pool(space, fixed, rules)
-            if not self.use_model or not (self.raw(cand).vllm_problem or self.predict(cand) > limit)
-        ]
-        picked: list[dict[str, Any]] = []
-        stages: set[Any] = set()
-        for _score, cand in scored:  # best per ZeRO stage first, then the rest by score
-            if cand.get("zero_stage") not in stages:
-                stages.add(cand.get("zero_stage"))
-                picked.append(cand)
-            if len(picked) >= k:
-                break
-        for _score, cand in scored:
-            if len(picked) >= k:
-                break
-            if cand not in picked:
-                picked.append(cand)
-        picked.sort(key=lambda c: -self.prior(c))
-        return picked

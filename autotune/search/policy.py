@@ -7,11 +7,13 @@ trial a candidate of its own (Optuna's ``fixed_params``, what ``enqueue_trial`` 
 sample it:
 
 1. **Seeds**: the candidates the memory model expects to fit and the speed prior ranks fastest,
-   spread over ZeRO stages (:func:`seed_candidates`); without a usable model (CPU trials),
-   hand-written starting points that find the memory boundary at once.
+   spread over ZeRO stages (:mod:`autotune.search.seeds`); without a usable
+   model (CPU trials), hand-written starting points that find the memory boundary at once.
 2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial
-   so far (:meth:`Planner.next_local`, going on along a knob while it pays); while nothing has
-   fit, a step from every OOM along its kind's cure (:mod:`autotune.search.cures`).
+   so far (:meth:`Planner.next_local`, going on along a knob while it pays, and, when the
+   micro-batch cannot go up by itself, a memory saver traded for a larger one:
+   :mod:`autotune.search.trade`); while nothing has fit, a step from every OOM along its kind's
+   cure (:mod:`autotune.search.cures`).
 3. **The best open candidate of the grid** after three proposals in a row that needed no launch
    (invalid, a repeat, skipped): the proposers can circle forever around what is ruled out while
    candidates no failure dominates are left (:mod:`autotune.search.candidates`); without a planner,
@@ -40,6 +42,8 @@ from autotune.recipe import Recipe
 from autotune.search import candidates, cures
 from autotune.search.momentum import flat_knobs, keep_going, promising_onward
 from autotune.search.planner import Planner
+from autotune.search.seeds import seed_candidates
+from autotune.search.trade import next_trade
 from autotune.study import candidate_key, choose_best, measured_configs, rows
 from autotune.study.claims import pending_keys
 from autotune.study.recovery import claim_owner
@@ -59,52 +63,6 @@ def make_tpe(recipe: Recipe, salt: int = 0) -> TPESampler:
     return TPESampler(
         seed=recipe.seed + salt, n_startup_trials=8, multivariate=True, group=False, constant_liar=True
     )
-
-
-def fallback_seeds(space: Space, recipe: Recipe, fixed: dict[str, Any], rules: Rules) -> list[dict[str, Any]]:
-    """Hand-tuned starting points for when the memory model cannot rank (CPU trials): the space's
-    defaults, the largest micro-batch (it finds the memory boundary at once, and dominance then
-    rules out everything above it), a conservative ZeRO-3 and a memory-lean offload, made valid by
-    choosing accumulation."""
-    defaults = space.defaults()
-    micro = space.batch.micro_batch if space.batch is not None else "per_device_train_batch_size"
-    accumulation = space.batch.accumulation if space.batch is not None else "gradient_accumulation_steps"
-    largest = max(space.params[micro].grid_values()) if micro in space.params else None
-    ideas = [
-        {},
-        {micro: largest, "gradient_checkpointing": True},
-        {micro: 2, "zero_stage": 3, "offload": "none", "gradient_checkpointing": True},
-        {micro: 1, "zero_stage": 3, "offload": "optimizer", "gradient_checkpointing": True},
-    ]
-    seeds: list[dict[str, Any]] = []
-    for idea in ideas:
-        base = {
-            **defaults,
-            **{k: v for k, v in idea.items() if k in space.params and space.params[k].contains(v)},
-            **fixed,
-        }
-        choices = [base.get(accumulation)] if accumulation is not None else [None]
-        if accumulation in space.params and accumulation not in fixed:
-            choices += list(space.params[accumulation].grid_values())
-        for value in choices:
-            with_accumulation = {**base, accumulation: value} if accumulation in space.params else base
-            cand = space.normalize(constraints.derive(with_accumulation, recipe))
-            if not constraints.violations(cand, recipe, rules):
-                if cand not in seeds:
-                    seeds.append(cand)
-                break
-    return seeds
-
-
-def seed_candidates(
-    planner: Planner | None, space: Space, recipe: Recipe, fixed: dict[str, Any], rules: Rules
-) -> list[dict[str, Any]]:
-    """Model-ranked seeds when the memory model can rank, else the hand-written ones."""
-    if planner is not None and planner.use_model:
-        ranked = planner.rank_candidates(space, fixed, rules, k=4)
-        if ranked:
-            return ranked
-    return fallback_seeds(space, recipe, fixed, rules)
 
 
 class PolicySampler(BaseSampler):
@@ -227,6 +185,11 @@ class PolicySampler(BaseSampler):
         )
         if further is not None:  # a runner-up whose paying knob, followed, would beat the best
             return further
+        traded = next_trade(
+            self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key
+        )
+        if traded is not None:  # the micro-batch is stuck: a memory saver on, and what it frees spent
+            return traded
         flat = flat_knobs(self.planner, [n for n in self.space.params if n not in self.fixed])
         return self.planner.next_local(
             best.params, self.space, self.fixed, self.rules, done, candidate_key, flat
