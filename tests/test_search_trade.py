@@ -44,6 +44,34 @@ def test_a_stuck_micro_batch_is_raised_with_a_memory_saver_on(tmp_path):
     assert not planner.verdict(trade).skip
 
 
+def test_a_trade_that_ran_is_not_repeated_smaller_one_that_ran_out_of_memory_is(tmp_path):
+    """Each incumbent gets each trade once. Checkpointing on with micro 8 ran: the same trade with
+    micro 4 would measure the same idea again (before this rule the share of benchmark runs at 0.95
+    was 73%, with it 76%). Had micro 8 run out of memory, micro 4 is the trade's next try."""
+    from autotune.search.trade import next_trade
+
+    def stuck(folder):
+        search = make_search(folder, model="Qwen2.5-1.5B-Instruct", gpus=2, pins=PINS, global_batch=64)
+        here = pick(search, per_device_train_batch_size=1, gradient_checkpointing=False)
+        up = pick(search, per_device_train_batch_size=2, gradient_checkpointing=False)
+        search.planner.observe(1, here, "ok", None, 9.8, 2.0)
+        search.planner.observe(2, up, "oom", "cuda", None)
+        return search, here, {candidate_key(here), candidate_key(up)}
+
+    for status, then in (("ok", None), ("oom", 4)):
+        search, here, tried = stuck(tmp_path / status)
+        trade = next_trade(
+            search.planner, here, search.space, search.fixed, search.rules, tried, candidate_key
+        )
+        assert (trade["gradient_checkpointing"], trade["per_device_train_batch_size"]) == (True, 8), trade
+        search.planner.observe(3, trade, status, "cuda" if status == "oom" else None, 15.8, 3.0)
+        tried.add(candidate_key(trade))
+        again = next_trade(
+            search.planner, here, search.space, search.fixed, search.rules, tried, candidate_key
+        )
+        assert (again and again["per_device_train_batch_size"]) == then, again
+
+
 def landscape_search(tmp_path, index):
     """A Search on the benchmark's landscape ``index`` (seed 0), as scripts/bench_search.py makes it."""
     import optuna
