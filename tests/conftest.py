@@ -30,12 +30,6 @@ def pytest_configure(config):
             signal.signal(sig, signal.SIG_DFL)
 
 
-def pytest_collection_modifyitems(config, items):
-    """Slow tests first (in their order): with two workers (pyproject's addopts) the real trainings
-    start at once and the quick tests fill the gaps, instead of one of them ending the run alone."""
-    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
-
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
