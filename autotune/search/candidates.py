@@ -50,10 +50,7 @@ def next_open(
         ahead.append(cand)
     if not ahead:
         return None
-    if planner.use_model and planner.model_trusted:
-        limit = planner.recipe.gpu_memory_gib * (1 - planner.recipe.headroom)
-        fitting = [c for c in ahead if planner.predict(c) <= limit]
-        ahead = fitting or ahead
+    ahead = [c for c in ahead if planner.expected_to_fit(c)] or ahead
     return max(ahead, key=planner.expected_throughput)
 
 

@@ -114,6 +114,13 @@ class Planner:
         params = constraints.as_trl(params, self.recipe)
         return memory_vector(params, self.recipe.dp_gpus(params)) + extra
 
+    def expected_to_fit(self, params: dict[str, Any]) -> bool:
+        """Whether the calibrated model, where it may judge, expects ``params`` to keep the
+        headroom free (True where it may not judge: no veto without a trusted model)."""
+        if not (self.use_model and self.model_trusted):
+            return True
+        return self.predict(params) <= self.recipe.gpu_memory_gib * (1 - self.recipe.headroom)
+
     @property
     def model_trusted(self) -> bool:
         """Whether the memory model may veto: once a measured peak anchors it for a trainer it

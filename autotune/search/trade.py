@@ -53,7 +53,6 @@ def next_trade(
         return None
     rules = list(rules)
     larger = [m for m in sorted(space.params[micro].choices or []) if m > here]
-    limit = planner.recipe.gpu_memory_gib * (1 - planner.recipe.headroom)
 
     def with_micro(params: dict[str, Any], m: Any) -> dict[str, Any]:
         return space.normalize(constraints.derive({**params, micro: m}, planner.recipe))
@@ -63,7 +62,7 @@ def next_trade(
             return False
         if planner.verdict(cand).skip:
             return False
-        return not (planner.use_model and planner.model_trusted and planner.predict(cand) > limit)
+        return planner.expected_to_fit(cand)
 
     if not larger or fits(with_micro(incumbent, larger[0])):
         return None  # the plain step up is open: the local walk takes it
