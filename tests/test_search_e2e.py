@@ -208,7 +208,7 @@ def test_resume_after_sigkill(tmp_path):
         "--name",
         "r",
         "--sim-time-scale",
-        "0.02",
+        "0.005",
     ]
     proc = subprocess.Popen(args, cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     study = tmp_path / "runs" / "r"
