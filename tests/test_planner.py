@@ -17,7 +17,7 @@ from autotune.runners.sim import SimRunner
 from autotune.search.cures import CURES, toward_feasible
 from autotune.search.planner import Planner, neighbors
 from autotune.sim.landscape import evaluate
-from autotune.study import Confirmation, TrialRow, choose_best
+from autotune.study import Confirmation, TrialRow, candidate_key, choose_best
 from autotune.trial.outcome import Status
 
 BASE = dict(
@@ -168,6 +168,28 @@ def test_confirmation_rejects_a_near_limit_candidate():
     confirmed[1] = Confirmation(Status.OOM, oom_kind="cuda", steps=6)
     best, notes = choose_best([fast, slow], recipe, confirmed)
     assert best.number == 2 and any("died" in n for n in notes)
+
+
+def test_a_pruned_trial_is_exported_once_the_long_run_failed_everything_measured_in_full():
+    """A production run lost batch 8 to OOM and restarted on batch 4, which the pruner had stopped
+    early (under load it measured slower than half of batch 8). best/ must not go on recommending
+    batch 8: the export names batch 4, with a note, as the restart did."""
+    recipe, _, _ = setup()
+    full = TrialRow(0, dict(BASE), "ok", throughput=0.9, peak_memory_gib=60.0)
+    stopped = TrialRow(
+        1, dict(BASE, per_device_train_batch_size=2), "ok", throughput=0.4, peak_memory_gib=50.0, pruned=True
+    )
+    assert choose_best([full, stopped], recipe)[0].number == 0  # measured in full, it leads
+    failed = {candidate_key(full.params): "it failed in a long run (oom/cuda at step 3, incident 1)"}
+    best, notes = choose_best([full, stopped], recipe, None, failed)
+    assert best is not None and best.number == 1, notes
+    assert any("trial 0" in n and "failed in a long run" in n for n in notes)
+    assert any("trial 1 was stopped early" in n for n in notes)
+    # a pruned trial that does not qualify either (inside the headroom) is not the fallback
+    tight = TrialRow(
+        1, dict(BASE, per_device_train_batch_size=2), "ok", throughput=0.4, peak_memory_gib=78.5, pruned=True
+    )
+    assert choose_best([full, tight], recipe, None, failed)[0] is None
 
 
 @pytest.mark.slow

@@ -77,7 +77,8 @@ def eligible(
     longer confirmation run was made, survived it with headroom too; plus why others were not.
     ``passed_over``, when given, receives each passed-over trial's reason by number (for ``show``);
     ``failed_long`` holds the configurations a production run lost to OOM or a hang (by candidate key,
-    :func:`autotune.study.incidents.failed_long`): a long run outweighs any short trial."""
+    :func:`autotune.study.incidents.failed_long`): a long run outweighs any short trial. When no
+    trial measured in full qualifies, the fastest one the pruner stopped early that does (it ran)."""
     confirmed = confirmed or {}
     notes: list[str] = []
     out: list[TrialRow] = []
@@ -85,34 +86,55 @@ def eligible(
     check_peak = limit is not None
     capacity = recipe.memory_limit_gib if recipe.device == "cpu" else recipe.gpu_memory_gib
     what_cap = "--memory-limit" if recipe.device == "cpu" else "capacity"
-    for row in rank(rows_):
-        if row.status != "ok" or not row.throughput or not row.launched or row.pruned:
-            break
-        why = None
+
+    def why_not(row: TrialRow) -> str | None:
         c = confirmed.get(row.number)
         if failed_long and candidate_key(row.params) in failed_long:
-            why = failed_long[candidate_key(row.params)]
-        elif check_peak and row.peak_memory_gib is None and row.at_risk:
-            why = f"its peak was not measured and {row.at_risk}"
-        elif check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
-            why = (
+            return failed_long[candidate_key(row.params)]
+        if check_peak and row.peak_memory_gib is None and row.at_risk:
+            return f"its peak was not measured and {row.at_risk}"
+        if check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
+            return (
                 f"peak {row.peak_memory_gib:.1f} GiB is within {recipe.headroom:.0%} of the "
                 f"{capacity:.1f} GiB {what_cap}"
             )
-        elif c is not None and c.status != Status.OK:
+        if c is not None and c.status != Status.OK:
             kind = f"{c.status}/{c.oom_kind}" if c.oom_kind else c.status
-            why = f"it died in its longer confirmation run ({kind} after {c.steps} steps)"
-        elif c is not None and check_peak and c.peak_memory_gib is not None and c.peak_memory_gib > limit:
-            why = (
+            return f"it died in its longer confirmation run ({kind} after {c.steps} steps)"
+        if c is not None and check_peak and c.peak_memory_gib is not None and c.peak_memory_gib > limit:
+            return (
                 f"its confirmation run peaked at {c.peak_memory_gib:.1f} GiB, within "
                 f"{recipe.headroom:.0%} of the {capacity:.1f} GiB {what_cap}"
             )
+        return None
+
+    def ran(row: TrialRow) -> bool:
+        return row.status == "ok" and bool(row.throughput) and row.launched
+
+    for row in rank(rows_):
+        if not ran(row) or row.pruned:
+            break
+        why = why_not(row)
         if why is None:
             out.append(row)
             continue
         notes.append(f"trial {row.number} ({row.throughput:.3g} completions/s) passed over: {why}")
         if passed_over is not None:
             passed_over[row.number] = why
+    if not out:
+        # every full measurement is passed over (a long run failed the fastest): a trial the pruner
+        # stopped early as slower still ran without running out of memory, which is what a
+        # production run restarts on (autotune.production.choice), so the export names it too
+        # rather than leave best/ recommending what failed
+        stopped = sorted((r for r in rows_ if ran(r) and r.pruned), key=lambda r: -(r.throughput or 0))
+        for row in stopped:
+            if why_not(row) is None:
+                out.append(row)
+                notes.append(
+                    f"trial {row.number} was stopped early as slower than the best then; nothing "
+                    "measured in full is left to export"
+                )
+                break
     return out, notes
 
 
