@@ -77,6 +77,7 @@ class Run:
     exported: dict[str, Any] | None = None
     crashes: int = 0
     log: list[str] = field(default_factory=list)  # one line per launched trial
+    measured: float = 0.0  # best possible value of any configuration a launched trial ran (kept headroom)
 
 
 class Tracker:
@@ -102,6 +103,9 @@ class Tracker:
             self.run.ooms += 1
         if outcome.status == "crash":
             self.crashes += 1
+        if outcome.status == "ok":  # measured: whether the choice then finds it is another matter
+            self.land.value(params)
+            self.run.measured = max(self.run.measured, self.land.safe[candidate_key(params)])
         self.run.log.append(
             f"{number}: {short(params)} -> {outcome.status}"
             f"{'/' + outcome.oom_kind if outcome.oom_kind else ''}"
@@ -310,6 +314,7 @@ def record(land: Landscape, name: str, run: Run) -> dict[str, Any]:
         "valid": len(land.candidates),
         **{f"at{n}": at(run, n) / best for n in CHECKPOINTS},
         "final": run.final / best,
+        "measured_best": run.measured / best,
         "cost": cost(land, run),
         "launched": len(run.values),
         "ooms": run.ooms,

@@ -220,3 +220,6 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     assert "--landscapes 2 --families plain" in text and "## autotune" in text and "| plain |" in text
     rows = json.loads(out.with_suffix(".json").read_text())
     assert {r["policy"] for r in rows} == {"autotune", "random"} and len(rows) == 4
+    # each run says whether it had measured a configuration at 0.95 (the choice missed it) or not
+    assert "## Why runs miss 0.95" in text and "never measured one" in text
+    assert all(0.0 <= r["measured_best"] <= 1.0 + 1e-9 for r in rows)
