@@ -74,6 +74,30 @@ def misses(ours: list[dict[str, Any]], families: list[str]) -> list[str]:
     return [*lines, ""]
 
 
+def proposers(ours: list[dict[str, Any]], families: list[str]) -> list[str]:
+    """Launched search trials by the proposer that made them (seeds, the local walk, the grid's best
+    open candidate, TPE), and the share that ran out of memory: where a family's trials go."""
+    kinds = sorted({k for r in ours for k in r.get("by_proposer", {})})
+    lines = [
+        "## Launched trials by proposer",
+        "",
+        "Per family, launched search trials (confirmations apart) by the proposer that made them, with the "
+        "share that ran out of memory (autotune/search/policy.py names the proposers).",
+        "",
+        "| | " + " | ".join(kinds) + " |",
+        "|---|" + "---|" * len(kinds),
+    ]
+    for name, group in [("all", ours), *[(f, [r for r in ours if r["family"] == f]) for f in families]]:
+        cells = []
+        for k in kinds:
+            counts = [r.get("by_proposer", {}).get(k, {}) for r in group]
+            n = sum(sum(c.values()) for c in counts)
+            oom = sum(c.get("oom", 0) for c in counts)
+            cells.append(f"{n} ({oom / n:.0%} OOM)" if n else "0")
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
+
+
 def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[str]:
     ours = [r for r in rows if r["policy"] == "autotune"]
     families = sorted({r["family"] for r in rows})
@@ -123,6 +147,7 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
             "",
         ]
     lines += misses(ours, families)
+    lines += proposers(ours, families)
     worst = sorted(ours, key=lambda r: (r["final"], -r["cost"]))[:10]
     lines += [
         "## The worst autotune runs",

@@ -51,6 +51,7 @@ from bench_report import write_report  # noqa: E402
 from autotune.candidate import constraints  # noqa: E402
 from autotune.runners import TrialContext  # noqa: E402
 from autotune.search.loop import Search  # noqa: E402
+from autotune.search.policy import PROPOSAL_ATTR  # noqa: E402
 from autotune.sim.families import FAMILIES, landscape  # noqa: E402
 from autotune.study import StudyPaths, candidate_key  # noqa: E402
 from autotune.trial.control import StopRule, TrialControl  # noqa: E402
@@ -78,6 +79,10 @@ class Run:
     crashes: int = 0
     log: list[str] = field(default_factory=list)  # one line per launched trial
     measured: float = 0.0  # best possible value of any configuration a launched trial ran (kept headroom)
+    statuses: dict[int, str] = field(default_factory=dict)  # launched search trial -> its status
+    by_proposer: dict[str, dict[str, int]] = field(
+        default_factory=dict
+    )  # seed/local/pool/tpe -> status counts
 
 
 class Tracker:
@@ -103,6 +108,7 @@ class Tracker:
             self.run.ooms += 1
         if outcome.status == "crash":
             self.crashes += 1
+        self.run.statuses[number] = str(outcome.status)
         if outcome.status == "ok":  # measured: whether the choice then finds it is another matter
             self.land.value(params)
             self.run.measured = max(self.run.measured, self.land.safe[candidate_key(params)])
@@ -259,6 +265,7 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     recipe = make_recipe(land.case, seed, trials)
     context = TrialContext(recipe, land.context.space, land.context.model, land.context.gpu)
     tracker = Tracker(land, land.executor(seed))
+    storage = optuna.storages.InMemoryStorage()
     with tempfile.TemporaryDirectory() as tmp:
         search = Search(
             recipe,
@@ -266,10 +273,17 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
             context,
             Quiet(trials),
             execute=tracker,
-            storage=optuna.storages.InMemoryStorage(),
+            storage=storage,
             report=False,
         )
         result = search.run()
+    # which proposer made each launched trial (a trial TPE sampled carries no proposal attribute)
+    for name in optuna.get_all_study_names(storage):
+        for t in storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False):
+            if t.number in tracker.run.statuses:
+                counts = tracker.run.by_proposer.setdefault(t.system_attrs.get(PROPOSAL_ATTR, "tpe"), {})
+                status = tracker.run.statuses[t.number]
+                counts[status] = counts.get(status, 0) + 1
     tracker.run.exported = result.best.params if result.best else None
     tracker.run.final = land.value(tracker.run.exported)
     tracker.run.stopped = (result.stopped_reason or "").split(": ", 1)[-1]
@@ -315,6 +329,7 @@ def record(land: Landscape, name: str, run: Run) -> dict[str, Any]:
         **{f"at{n}": at(run, n) / best for n in CHECKPOINTS},
         "final": run.final / best,
         "measured_best": run.measured / best,
+        "by_proposer": run.by_proposer,
         "cost": cost(land, run),
         "launched": len(run.values),
         "ooms": run.ooms,

@@ -223,3 +223,8 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     # each run says whether it had measured a configuration at 0.95 (the choice missed it) or not
     assert "## Why runs miss 0.95" in text and "never measured one" in text
     assert all(0.0 <= r["measured_best"] <= 1.0 + 1e-9 for r in rows)
+    # and by which proposer each launched trial was made (autotune: every launched trial counted once)
+    assert "## Launched trials by proposer" in text
+    ours = [r for r in rows if r["policy"] == "autotune"]
+    assert all(sum(sum(c.values()) for c in r["by_proposer"].values()) == r["launched"] for r in ours)
+    assert all(set(r["by_proposer"]) <= {"seed", "local", "pool", "valid", "tpe"} for r in ours)
