@@ -98,6 +98,11 @@ class Landscape:
             self.truth[key], self.safe[key] = true_value(self, params)
         return self.truth[key]
 
+    def safe_value(self, params: dict[str, Any]) -> float:
+        """Its value counted only when a long run also keeps the headroom free (0 otherwise)."""
+        self.value(params)
+        return self.safe[candidate_key(params)]
+
     def executor(self, seed: int) -> Any:
         """The in-process executor of one search with this seed (transient crashes included)."""
         d = self.case

@@ -51,11 +51,15 @@ def table(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
     return lines
 
 
+def by_family(ours: list[dict[str, Any]], families: list[str]) -> list[tuple[str, list[dict[str, Any]]]]:
+    """All runs, then each family's: the rows of every autotune table."""
+    return [("all", ours), *[(f, [r for r in ours if r["family"] == f]) for f in families]]
+
+
 def misses(ours: list[dict[str, Any]], families: list[str]) -> list[str]:
     """Why autotune's runs below 0.95 miss it: the search never ran a configuration at 0.95 of the best
     possible (*measured* is the best that any launched trial ran), or it ran one and the choice among
     the measured (short trials' noise, a confirmation inside the headroom) exported another."""
-    below = [r for r in ours if r["final"] < 0.95]
     lines = [
         "## Why runs miss 0.95",
         "",
@@ -67,8 +71,8 @@ def misses(ours: list[dict[str, Any]], families: list[str]) -> list[str]:
         "| | runs | below 0.95 | of them: measured one, chose another | never measured one |",
         "|---|---|---|---|---|",
     ]
-    for name, group in [("all", ours), *[(f, [r for r in ours if r["family"] == f]) for f in families]]:
-        miss = [r for r in below if r in group]
+    for name, group in by_family(ours, families):
+        miss = [r for r in group if r["final"] < 0.95]
         chose = sum(r.get("measured_best", 0.0) >= 0.95 for r in miss)
         lines.append(f"| {name} | {len(group)} | {len(miss)} | {chose} | {len(miss) - chose} |")
     return [*lines, ""]
@@ -87,7 +91,7 @@ def proposers(ours: list[dict[str, Any]], families: list[str]) -> list[str]:
         "| | " + " | ".join(kinds) + " |",
         "|---|" + "---|" * len(kinds),
     ]
-    for name, group in [("all", ours), *[(f, [r for r in ours if r["family"] == f]) for f in families]]:
+    for name, group in by_family(ours, families):
         cells = []
         for k in kinds:
             counts = [r.get("by_proposer", {}).get(k, {}) for r in group]
@@ -132,7 +136,7 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
         "",
         "## autotune",
         "",
-        *table([("all", ours), *[(f, [r for r in ours if r["family"] == f]) for f in families]]),
+        *table(by_family(ours, families)),
         "",
         "## Baselines beside it (all families)",
         "",

@@ -79,10 +79,8 @@ class Run:
     crashes: int = 0
     log: list[str] = field(default_factory=list)  # one line per launched trial
     measured: float = 0.0  # best possible value of any configuration a launched trial ran (kept headroom)
-    statuses: dict[int, str] = field(default_factory=dict)  # launched search trial -> its status
-    by_proposer: dict[str, dict[str, int]] = field(
-        default_factory=dict
-    )  # seed/local/pool/tpe -> status counts
+    # launched search trials by proposer (seed, local, pool, valid, tpe): {status: count}
+    by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
 
 
 class Tracker:
@@ -95,6 +93,7 @@ class Tracker:
         self.hours = 0.0
         self.choice: tuple[float, dict[str, Any]] | None = None
         self.crashes = 0
+        self.statuses: dict[int, str] = {}  # launched search trial -> its status
 
     def __call__(
         self, params: dict[str, Any], trial_dir: Path, number: int, control: TrialControl
@@ -108,10 +107,9 @@ class Tracker:
             self.run.ooms += 1
         if outcome.status == "crash":
             self.crashes += 1
-        self.run.statuses[number] = str(outcome.status)
+        self.statuses[number] = str(outcome.status)
         if outcome.status == "ok":  # measured: whether the choice then finds it is another matter
-            self.land.value(params)
-            self.run.measured = max(self.run.measured, self.land.safe[candidate_key(params)])
+            self.run.measured = max(self.run.measured, self.land.safe_value(params))
         self.run.log.append(
             f"{number}: {short(params)} -> {outcome.status}"
             f"{'/' + outcome.oom_kind if outcome.oom_kind else ''}"
@@ -280,9 +278,9 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     # which proposer made each launched trial (a trial TPE sampled carries no proposal attribute)
     for name in optuna.get_all_study_names(storage):
         for t in storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False):
-            if t.number in tracker.run.statuses:
+            if t.number in tracker.statuses:
                 counts = tracker.run.by_proposer.setdefault(t.system_attrs.get(PROPOSAL_ATTR, "tpe"), {})
-                status = tracker.run.statuses[t.number]
+                status = tracker.statuses[t.number]
                 counts[status] = counts.get(status, 0) + 1
     tracker.run.exported = result.best.params if result.best else None
     tracker.run.final = land.value(tracker.run.exported)

@@ -127,14 +127,13 @@ def eligible(
         # production run restarts on (autotune.production.choice), so the export names it too
         # rather than leave best/ recommending what failed
         stopped = sorted((r for r in rows_ if ran(r) and r.pruned), key=lambda r: -(r.throughput or 0))
-        for row in stopped:
-            if why_not(row) is None:
-                out.append(row)
-                notes.append(
-                    f"trial {row.number} was stopped early as slower than the best then; nothing "
-                    "measured in full is left to export"
-                )
-                break
+        fallback = next((r for r in stopped if why_not(r) is None), None)
+        if fallback is not None:
+            out.append(fallback)
+            notes.append(
+                f"trial {fallback.number} was stopped early as slower than the best then; nothing "
+                "measured in full is left to export"
+            )
     return out, notes
 
 
