@@ -8,6 +8,7 @@ fresh folder, slow. The GPU-only blocks stay at the parse level. README's instal
 this suite itself.
 """
 
+import json
 import os
 import re
 import shlex
@@ -17,6 +18,11 @@ from pathlib import Path
 
 import click
 import pytest
+import yaml
+from conftest import swift_program
+
+from autotune.configs import production_argv
+from autotune.configs.swift import OLDEST, SwiftVersion
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 ROOT = README.parent
@@ -118,7 +124,8 @@ def _run(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
 def test_readme_blocks_meant_for_this_machine_run_as_written(index, tmp_path):
     """The sim search, the CPU rehearsal with its verify (then "Run it" on the study it made), the
     ms-swift example: each command as written, in order, in one fresh folder; each search exports
-    best/ (launch.sh, swift.sh)."""
+    best/ (launch.sh, swift.sh), and a block does what README's text around it says it does."""
+    outputs: dict[str, str] = {}
     for argv in ALL[index] + follow_ups(index):
         if is_install(argv):
             continue
@@ -126,5 +133,117 @@ def test_readme_blocks_meant_for_this_machine_run_as_written(index, tmp_path):
             pytest.fail("README's swift_env.sh is gone")
         done = _run(list(argv), tmp_path)
         assert done.returncode == 0, f"{shlex.join(argv)}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        outputs[" ".join(argv[:2])] = done.stdout
     best = list((tmp_path / "runs").glob("*/best"))
     assert best and all((b / "launch.sh").is_file() and (b / "swift.sh").is_file() for b in best)
+    search = next(c for c in ALL[index] if c[:2] == ["autotune", "search"])
+    runner = flags(search).get("--runner", "trl")
+    if flags(search).get("--device") == "cpu":
+        {"trl": rehearsal_keeps_its_word, "swift": swift_example_keeps_its_word}[runner](
+            best[0].parent, outputs
+        )
+
+
+def launched_by_batch(study: Path) -> dict[int, dict]:
+    """{per-device batch: outcome.json} of the study's launched trials."""
+    out = {}
+    for path in study.glob("trials/*/outcome.json"):
+        outcome = json.loads(path.read_text())
+        if outcome.get("launched"):
+            out[json.loads((path.parent / "params.json").read_text())["per_device_train_batch_size"]] = (
+                outcome
+            )
+    return out
+
+
+def rehearsal_keeps_its_word(study: Path, outputs: dict[str, str]) -> None:
+    """README's CPU rehearsal: "the batch of 64 raises torch's real `DefaultCPUAllocator: can't
+    allocate memory` (classified `oom/host` ...); the rest run, the best is confirmed, exported and
+    `verify` replays it". Then, on the same study, a configuration that runs out of memory does not
+    hold, and the verdict says why."""
+    trials = launched_by_batch(study)
+    assert trials[64]["status"] == "oom" and trials[64]["oom_kind"] == "host", trials[64]
+    assert "DefaultCPUAllocator: can't allocate memory" in trials[64]["error_line"]
+    assert all(o["status"] == "ok" and o["throughput"] > 0 for b, o in trials.items() if b != 64), trials
+    assert (study / "confirm").is_dir()
+    best = json.loads((study / "best" / "params.json").read_text())
+    assert best["per_device_train_batch_size"] != 64 and best["use_vllm"] is False
+    cfg = yaml.safe_load((study / "best" / "grpo_config.yaml").read_text())
+    assert (
+        cfg["per_device_train_batch_size"] == best["per_device_train_batch_size"] and cfg["use_cpu"] is True
+    )
+    assert "held: yes" in outputs["autotune verify"] and "completions/s" in outputs["autotune verify"]
+    (study / "best" / "params.json").write_text(json.dumps({**best, "per_device_train_batch_size": 64}))
+    oom = _run(["autotune", "verify", study.name, "--steps", "2"], study.parent.parent)
+    assert oom.returncode == 1, oom.stdout + oom.stderr
+    assert "held: NO (the run failed: oom/host)" in oom.stdout
+
+
+def swift_example_keeps_its_word(study: Path, outputs: dict[str, str]) -> None:
+    """README's ms-swift example: "the batch of 64 meets ms-swift's real `DefaultCPUAllocator`
+    out-of-memory, the rest run. `best/swift.sh` is the measured command minus the trial-only flags
+    ..., naming the model by ... the local folder the trials loaded": the trial's argv is what the
+    installed ms-swift version takes, and swift.sh trains as written."""
+    trials = launched_by_batch(study)
+    assert trials[64]["status"] == "oom" and trials[64]["oom_kind"] == "host", trials[64]
+    assert "DefaultCPUAllocator: can't allocate memory" in trials[64]["error_line"]
+    ok = [o for b, o in trials.items() if b != 64]
+    assert ok and all(o["status"] == "ok" and o["throughput"] > 0 for o in ok), trials
+    # ms-swift prints no memory(GiB) on CPU: the peak is the process tree's RSS, inside the cap
+    assert all(o["extra"]["peak_source"] == "host_rss" and 0.2 < o["peak_memory_gib"] < 3 for o in ok)
+
+    best = json.loads((study / "best" / "params.json").read_text())
+    trial = next(
+        p.parent
+        for p in study.glob("trials/*/params.json")
+        if json.loads(p.read_text()) == best and (p.parent / "swift_argv.json").is_file()
+    )
+    saved = json.loads((trial / "swift_argv.json").read_text())
+    argv, f = saved["argv"], flags(saved["argv"])
+    swift = swift_program()
+    assert argv[0] == str(swift) and argv[1:4] == ["rlhf", "--rlhf_type", "grpo"]
+    # the version read through the script's interpreter is what pip says is installed there
+    python = Path(swift.read_text().splitlines()[0][2:].strip())
+    shown = subprocess.run([str(python), "-m", "pip", "show", "ms-swift"], capture_output=True, text=True)
+    installed = next(
+        ln.split(":", 1)[1].strip() for ln in shown.stdout.splitlines() if ln.startswith("Version:")
+    )
+    version = SwiftVersion.parse(saved["ms_swift"])
+    assert version == SwiftVersion.parse(installed) and version >= OLDEST
+    assert ("--tuner_type" in f) == (version.major >= 4) and ("--train_type" in f) == (version.major < 4)
+    assert f["--model_type"] == "qwen2" and f["--template"] == "qwen"
+    assert Path(f["--model"], "model.safetensors").is_file()
+    confirm = [json.loads(p.read_text()) for p in study.glob("confirm/*/swift_argv.json")]
+    assert confirm and all(int(flags(c["argv"])["--max_steps"]) > int(f["--max_steps"]) for c in confirm)
+
+    sh = study / "best" / "swift.sh"
+    line = next(ln for ln in sh.read_text().replace("\\\n", " ").splitlines() if ln.startswith("exec "))
+    assert shlex.split(line)[1:-1] == production_argv(argv, keep_template=True)  # without "$@"
+    env = {**os.environ, "PATH": f"{swift.parent}:{os.environ['PATH']}", "CUDA_VISIBLE_DEVICES": ""}
+    extra = ["--max_steps", "2", "--dataset", f["--dataset"], "--reward_funcs", "format"]
+    extra += ["--truncation_strategy", "left", "--output_dir", str(study.parent.parent / "swift_sh_out")]
+    extra += [
+        "--logging_steps",
+        "1",
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--dataset_num_proc",
+        "1",
+    ]
+    done = subprocess.run(
+        ["bash", str(sh), *extra],
+        cwd=study.parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "'global_step/max_steps': '2/2'" in done.stdout + done.stderr
+
+
+def flags(argv: list[str]) -> dict[str, str]:
+    """{--flag: the value after it} of a command line."""
+    return {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}

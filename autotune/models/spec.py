@@ -4,6 +4,7 @@ exact parameter counts they add up to (see :mod:`autotune.models` for where conf
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +38,9 @@ class ModelSpec:
     card: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     # -- shapes ---------------------------------------------------------------------------
-    @property
+    # The sizes are cached on the instance (it is frozen and its config never changes): the planner
+    # asks for them hundreds of thousands of times a search, once per candidate it estimates.
+    @cached_property
     def _text(self) -> dict[str, Any]:
         """The language-model part of the config.
 
@@ -146,7 +149,7 @@ class ModelSpec:
             return self.linear_shapes()
         return self.decoder_linear_shapes()
 
-    @property
+    @cached_property
     def vision(self) -> VisionTower | None:
         """The vision tower of a vision-language config (None for a text-only model); a tower
         autotune cannot count is refused here rather than silently left out."""
@@ -160,7 +163,7 @@ class ModelSpec:
         """The checkpoint's own quantization (config.json's ``quantization_config``), or None."""
         return checkpoint_quantization(self.name, self.config)
 
-    @property
+    @cached_property
     def text_params(self) -> int:
         """Parameters of the language model: embeddings, per-layer attention (with Qwen2's q/k/v
         biases and Qwen3's q/k norms), the SwiGLU MLP, the two RMSNorms per layer and the final
@@ -171,11 +174,11 @@ class ModelSpec:
         lm_head = 0 if self.tied_embeddings else self.vocab_size * h
         return embed + self.num_layers * per_layer + h + lm_head
 
-    @property
+    @cached_property
     def vision_params(self) -> int:
         return self.vision.num_params if self.vision else 0
 
-    @property
+    @cached_property
     def num_params(self) -> int:
         """Parameters of the model built from this config: the language model plus, for a
         vision-language model, its vision tower (trained, loaded by vLLM and gathered alike)."""

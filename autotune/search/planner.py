@@ -23,6 +23,7 @@ from typing import Any
 from autotune.candidate import constraints
 from autotune.candidate.defaults import knob
 from autotune.candidate.estimate import estimate_for, prior_for
+from autotune.candidate.memo import Memo
 from autotune.candidate.memory import Estimate
 from autotune.candidate.moves import neighbors
 from autotune.candidate.space import Space
@@ -31,6 +32,7 @@ from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
 from autotune.search.knobs import KnobMemory, learn, vllm_beside_trainer
+from autotune.study.ranking import headroom_limit
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +81,13 @@ class Planner:
     rel_error: float = 0.25  # typical |measured - predicted| / measured after calibration
     _pool: list[tuple[float, dict[str, Any]]] | None = None
     knobs: KnobMemory = field(default_factory=KnobMemory)  # which knobs' memory effect is known
+    _memo: Memo = field(default_factory=Memo, repr=False, compare=False)  # raw(), vector(), prior()
 
     # -- predictions ------------------------------------------------------------------------
     def raw(self, params: dict[str, Any]) -> Estimate:
         """The uncalibrated estimate, as ``autotune estimate`` prints it."""
-        return estimate_for(self.model, self.recipe, params)
+        owners = (self.model, self.recipe)
+        return self._memo.get("raw", owners, params, lambda: estimate_for(self.model, self.recipe, params))
 
     def predict(self, params: dict[str, Any]) -> float:
         """Calibrated peak GiB per GPU: each part times its learned correction."""
@@ -110,9 +114,20 @@ class Planner:
     def vector(self, params: dict[str, Any], knobs: KnobMemory | None = None) -> tuple[float, ...]:
         """The memory vector over TRL's names, then the knobs whose direction is known (``knobs``:
         another view of what is known than the planner's)."""
-        extra, _ = (knobs or self.knobs).split(params)
-        params = constraints.as_trl(params, self.recipe)
-        return memory_vector(params, self.recipe.dp_gpus(params)) + extra
+        if knobs is not None:
+            return self._vector(params, knobs)
+        owners = (self.recipe, self.knobs)
+        return self._memo.get("vector", owners, params, lambda: self._vector(params, self.knobs))
+
+    def seen_vectors(self) -> list[tuple[Seen, tuple[float, ...]]]:
+        """Each trial seen with its memory vector (computed again once a trial or a knob is learned)."""
+        compute = lambda: [(s, self.vector(s.params)) for s in self.seen]  # noqa: E731
+        return self._memo.get("seen", (self.recipe, self.knobs, self.seen), {"n": len(self.seen)}, compute)
+
+    def _vector(self, params: dict[str, Any], knobs: KnobMemory) -> tuple[float, ...]:
+        extra, _ = knobs.split(params)
+        trl = constraints.as_trl(params, self.recipe)
+        return memory_vector(trl, self.recipe.dp_gpus(trl)) + extra
 
     def expected_to_fit(self, params: dict[str, Any]) -> bool:
         """Whether the calibrated model, where it may judge, expects ``params`` to keep the
@@ -169,7 +184,9 @@ class Planner:
     def verdict(self, params: dict[str, Any]) -> Verdict:
         """Skip or run, in the order of the evidence's strength.
 
-        A measured success that needs at least as much memory in every knob proves the candidate
+        First a success whose measured peak left less than the headroom free: a candidate that
+        needs at least its memory in every knob could never be exported, so it is not worth a trial.
+        Then a measured success that needs at least as much memory in every knob proves the candidate
         fits, so it is never skipped, whatever an OOM or the model says (an OOM it contradicts was
         noise, or another trial's leftovers). Then a measured OOM that the candidate dominates in
         the knobs that kind of failure depends on; an OOM that started on GPUs still holding an
@@ -177,18 +194,15 @@ class Planner:
         """
         vec = self.vector(params)
         predicted = self.predict(params) if self.use_model else None
-        fits_surely = next(
-            (
-                s
-                for s in self.seen
-                if s.status == "ok"
-                and at_least(self.vector(s.params), vec)
-                and self.knobs.same_unknown(s.params, params)
-            ),
-            None,
-        )
-        if fits_surely is not None:
-            return Verdict(False, None, predicted)
+        limit = headroom_limit(self.recipe) or math.inf
+        ok = [(s, v) for s, v in self.seen_vectors() if s.status == "ok"]
+        for s, other in ok:
+            if (s.peak_gib or 0.0) > limit and not s.leftover and at_least(vec, other):
+                if self.knobs.same_unknown(s.params, params):
+                    why = f"needs at least the memory of trial {s.number}, which peaked inside the headroom"
+                    return Verdict(True, why, predicted)
+        if any(at_least(other, vec) and self.knobs.same_unknown(s.params, params) for s, other in ok):
+            return Verdict(False, None, predicted)  # fits surely
         for s in self.seen:
             if s.status == "oom" and not s.leftover and self._dominates_oom(params, vec, s):
                 why = f"needs at least the memory of trial {s.number}, which hit oom/{s.oom_kind}"
@@ -274,7 +288,8 @@ class Planner:
         return False
 
     def prior(self, params: dict[str, Any]) -> float:
-        return prior_for(self.model, self.recipe, self.gpu, params)
+        compute = lambda: prior_for(self.model, self.recipe, self.gpu, params)  # noqa: E731
+        return self._memo.get("prior", (self.model, self.recipe, self.gpu), params, compute)
 
     def next_local(
         self,
@@ -316,16 +331,16 @@ class Planner:
         vec, mine = self.vector(params), set(self.knobs.split(params)[1])
         ways = {
             frozenset(set(self.knobs.split(s.params)[1]) - mine)
-            for s in self.seen
+            for s, other in self.seen_vectors()
             if s.status == "oom" and s.oom_kind == "cuda" and not s.leftover
-            if at_least(vec, self.vector(s.params)) and not self.knobs.same_unknown(s.params, params)
+            if at_least(vec, other) and not self.knobs.same_unknown(s.params, params)
         }
         prior = self.prior(params) * 0.5 ** len(ways)
-        ok = [(s, s.params) for s in self.seen if s.status == "ok" and s.throughput]
+        ok = [(s, other) for s, other in self.seen_vectors() if s.status == "ok" and s.throughput]
         if not ok:
             return prior
-        nearest = sorted(ok, key=lambda t: distance(vec, self.vector(t[1])))[:NEAREST]
-        ratios = [s.throughput / self.prior(p) for s, p in nearest]
+        nearest = sorted(ok, key=lambda t: distance(vec, t[1]))[:NEAREST]
+        ratios = [s.throughput / self.prior(s.params) for s, _ in nearest]
         return prior * statistics.fmean(ratios)
 
     # -- the candidate pool -----------------------------------------------------------------
