@@ -3,6 +3,8 @@
 The planner judges each candidate against every trial it has seen, and its walks over the grid (the
 open candidates, the convergence test) ask for the same few hundred candidates thousands of times a
 search: recomputing their memory estimate and vector took most of a simulated search's CPU time.
+The planner empties its memo at every trial it learns from, so the controller holds at most what one
+step between two trials asked for, and does not grow with the grid over a long search.
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ class Memo:
 
     def __init__(self) -> None:
         self._tables: dict[str, tuple[tuple[Any, ...], dict[Any, Any]]] = {}
+
+    def clear(self) -> None:
+        self._tables.clear()
 
     def get(self, name: str, owners: tuple[Any, ...], params: dict[str, Any], compute: Callable[[], T]) -> T:
         key, held = candidate_key(params), self._tables.get(name)

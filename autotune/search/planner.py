@@ -108,6 +108,7 @@ class Planner:
         leftover: bool = False,
     ) -> None:
         self.seen.append(Seen(number, dict(params), status, oom_kind, peak_gib, throughput, leftover))
+        self._memo.clear()  # bounded by one step's questions, not the grid's size
         self.knobs = learn(self.knobs, self.seen)  # directions of unknown knobs that trials showed
         self.calibrate()
 
