@@ -3,8 +3,9 @@
 The planner judges each candidate against every trial it has seen, and its walks over the grid (the
 open candidates, the convergence test) ask for the same few hundred candidates thousands of times a
 search: recomputing their memory estimate and vector took most of a simulated search's CPU time.
-The planner empties its memo at every trial it learns from, so the controller holds at most what one
-step between two trials asked for, and does not grow with the grid over a long search.
+The planner empties its memo at every trial it learns from, and a table that reaches ``LIMIT``
+entries starts again: a walk over a large grid (30,000 candidates) would otherwise leave megabytes of
+keys the controller's heap keeps (test_report_rewrites_do_not_grow_the_controller saw 12 MiB).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+LIMIT = 1024  # entries per table
 
 
 def candidate_key(params: dict[str, Any]) -> tuple[tuple[str, Any], ...] | None:
@@ -41,6 +43,9 @@ class Memo:
             held = self._tables[name] = (owners, {})
         if key is None:
             return compute()
-        if key not in held[1]:
-            held[1][key] = compute()
-        return held[1][key]
+        table = held[1]
+        if key not in table:
+            if len(table) >= LIMIT:
+                table.clear()
+            table[key] = compute()
+        return table[key]

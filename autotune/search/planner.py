@@ -81,13 +81,12 @@ class Planner:
     rel_error: float = 0.25  # typical |measured - predicted| / measured after calibration
     _pool: list[tuple[float, dict[str, Any]]] | None = None
     knobs: KnobMemory = field(default_factory=KnobMemory)  # which knobs' memory effect is known
-    _memo: Memo = field(default_factory=Memo, repr=False, compare=False)  # raw(), vector(), prior()
+    _memo: Memo = field(default_factory=Memo, repr=False, compare=False)  # vector(), prior()
 
     # -- predictions ------------------------------------------------------------------------
     def raw(self, params: dict[str, Any]) -> Estimate:
         """The uncalibrated estimate, as ``autotune estimate`` prints it."""
-        owners = (self.model, self.recipe)
-        return self._memo.get("raw", owners, params, lambda: estimate_for(self.model, self.recipe, params))
+        return estimate_for(self.model, self.recipe, params)
 
     def predict(self, params: dict[str, Any]) -> float:
         """Calibrated peak GiB per GPU: each part times its learned correction."""
