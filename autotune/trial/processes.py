@@ -82,10 +82,45 @@ def group_members(pgid: int) -> list[psutil.Process]:
     return members
 
 
-def _trial_of(proc: psutil.Process) -> str | None:
-    """The trial folder a process's environment names, or None (none, or unreadable)."""
+# How long a scan waits for a process caught inside execve(2) to get its environment (below).
+_EXEC_WAIT_S = 5.0
+_PF_KTHREAD = 0x00200000  # include/linux/sched.h: a kernel thread, which never has an environment
+
+
+def _exec_under_way(pid: int) -> bool:
+    """``pid`` is inside execve(2): its new image has no environment yet.
+
+    The kernel records where a new image's environment lies (``env_end``, field 51 of
+    /proc/<pid>/stat) at the very end of exec, after it has closed the close-on-exec descriptors
+    that tell a parent's ``Popen`` the exec went through. So a pid can be printed, written to a
+    pid file or found in a scan while /proc/<pid>/environ still reads empty: 11% of reads right
+    after ``Popen`` returned on an idle machine here, 67% on a loaded one (docs/reliability.md).
+    Kernel threads and the dead have no environment either, and are not waiting for one.
+    """
     try:
-        return proc.environ().get(TRIAL_ENV)
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    fields = stat[stat.rfind(")") + 2 :].split()
+    if len(fields) < 49 or fields[0] in ("Z", "X", "x"):
+        return False
+    return int(fields[6]) & _PF_KTHREAD == 0 and fields[48] == "0"
+
+
+def _trial_of(proc: psutil.Process) -> str | None:
+    """The trial folder a process's environment names, or None (none, or unreadable).
+
+    An empty environment is read again once the process is out of exec (:func:`_exec_under_way`):
+    a trial's worker caught mid-exec would otherwise count as nobody's and survive its trial.
+    """
+    try:
+        env = proc.environ()
+        if not env:
+            deadline = time.monotonic() + _EXEC_WAIT_S
+            while _exec_under_way(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.01)
+            env = proc.environ()
+        return env.get(TRIAL_ENV)
     except (psutil.Error, OSError):
         return None
 
