@@ -188,3 +188,18 @@ def test_global_batch_block_errors_name_file_and_line(tmp_path, block, expect):
     with pytest.raises(UsageError) as err:
         load_space(path)
     assert str(path) in str(err.value) and expect in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_stepped_knob_of_few_values_is_on_the_planners_grid_whole():
+    """The planner's pool takes 5 points of a continuous knob. For a vLLM fraction of 0.3-0.9 by 0.1
+    the 5 evenly spaced points snapped to the step were 0.3, 0.5, 0.6, 0.7, 0.9: no candidate of the
+    pool (seeds, the grid's best open candidate, the convergence test) had 0.4 or 0.8, where the
+    benchmark's PPO #64 has its best configuration."""
+    from autotune.search.planner import GRID_FLOAT_POINTS
+
+    ppo = load_space(Path(__file__).parents[1] / "autotune" / "sim" / "spaces" / "ppo.yaml")
+    fractions = {c["vllm_gpu_memory_utilization"] for c in ppo.grid({}, float_points=GRID_FLOAT_POINTS)}
+    assert sorted(fractions) == [0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+    # a knob with many steps keeps its few evenly spaced points (the pool's size)
+    grpo = load_space(default_space_path())
+    assert len(grpo.params["vllm_gpu_memory_utilization"].grid_values(GRID_FLOAT_POINTS)) == 5

@@ -100,6 +100,12 @@ class Param:
             return list(self.choices)
         if self.type == "int" and (self.high - self.low) / (self.step or 1) <= 64:
             return list(range(int(self.low), int(self.high) + 1, int(self.step or 1)))
+        if self.type == "float" and self.step:
+            # a stepped knob of few values is listed whole: evenly spaced points snapped to its step
+            # skip some (0.3-0.9 by 0.1 at 5 points has no 0.4, where a PPO landscape's best sat)
+            count = int(round((self.high - self.low) / self.step)) + 1
+            if count <= 2 * float_points - 1:
+                return [round(self.low + i * self.step, 10) for i in range(count)]
         values = [self.low + (self.high - self.low) * i / (float_points - 1) for i in range(float_points)]
         if self.type == "int":
             step = int(self.step or 1)
