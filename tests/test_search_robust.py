@@ -213,3 +213,38 @@ def test_moving_along_a_knob_while_it_pays_and_not_along_one_that_does_nothing(t
     for _ in range(3):  # every turn moves the batch; none is spent on checkpointing alone
         step = planner.next_local(cand(8), *args, flat={"gradient_checkpointing"})
         assert step is not None and step["per_device_train_batch_size"] != 8
+
+
+def test_a_step_that_paid_but_peaked_inside_the_headroom_is_followed_by_the_value_between(tmp_path):
+    """Seen in the benchmark's PPO #84: the vLLM fraction 0.3 -> 0.5 gained 19% but peaked at 77.7
+    of the 75.3 GiB the headroom allows, so neither end could be exported, and 0.4, the landscape's
+    best, was never run: the search converged at 0.91. The value between is proposed, when the
+    overshoot beat the best exportable throughput."""
+    from autotune.search.momentum import between
+
+    search = make_search(tmp_path, gpus=2, pins={"use_vllm": True, "vllm_mode": "colocate"})
+    study = search.open().study
+    planner = search.planner
+    base = next(
+        c
+        for _, c in planner.pool(search.space, search.fixed, search.rules)
+        if "vllm_gpu_memory_utilization" in c
+    )
+    limit = search.recipe.gpu_memory_gib * (1 - search.recipe.headroom)
+
+    def at(fraction):
+        return {**base, "vllm_gpu_memory_utilization": fraction}
+
+    args = (search.space, search.fixed, search.rules, tried(study), candidate_key)
+    planner.observe(1, at(0.3), "ok", None, 0.7 * limit, 4.0)
+    planner.observe(2, at(0.5), "ok", None, 1.02 * limit, 4.8)  # +20%, inside the headroom
+    step = between(planner, 4.0, *args)
+    assert step is not None and step["vllm_gpu_memory_utilization"] == 0.4
+    assert {k: v for k, v in step.items() if k != "vllm_gpu_memory_utilization"} == {
+        k: v for k, v in at(0.3).items() if k != "vllm_gpu_memory_utilization"
+    }
+    # not when the overshoot did not beat the best exportable throughput
+    assert between(planner, 4.8, *args) is None
+    # nor when both ends kept the headroom (nothing overshot: the walk goes on as it pays)
+    planner.seen[1].peak_gib = 0.9 * limit
+    assert between(planner, 4.0, *args) is None

@@ -6,6 +6,9 @@ incumbent beat a measured trial that differs from it in one knob only, the next 
 that knob in the same direction, unless the memory measured on the way (the slope between the two
 peaks) says the next value will not keep the headroom. A knob whose one-knob pairs of measurements all
 differ by less than the noise is measured to have no effect: the local search passes it over.
+A step along one knob that paid but peaked inside the headroom, from a success more than one value
+away, is followed by the values between (:func:`between`): the fastest configuration that keeps the
+headroom lies there, and neither end can be exported.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 
 from autotune.candidate import constraints
 from autotune.candidate.space import Space
+from autotune.search.headroom import fits_headroom
 from autotune.search.planner import Planner, Seen
+from autotune.study.ranking import headroom_limit
 
 FLAT = 0.05  # |log throughput ratio| under which a one-knob pair shows no effect
 MIN_GAIN = 0.03  # the incumbent must beat the trial it moved from by this much to keep going
@@ -130,3 +135,70 @@ def onward(
         if best is None or gain > best[0]:
             best = (gain, cand)
     return best
+
+
+def _line(param: Any) -> list[Any]:
+    """Every value of a knob, in order: its choices, or its own step's grid (``Param.grid_values``
+    lists a knob of few steps whole and takes evenly spaced points of a longer one)."""
+    if param.choices is not None:
+        return list(param.choices)
+    return param.grid_values(64)
+
+
+def _place(line: list[Any], value: Any) -> int | None:
+    """Where ``value`` sits on a knob's line (floats within rounding), or None."""
+    for i, v in enumerate(line):
+        if v == value or (
+            isinstance(v, float)
+            and isinstance(value, (int, float))
+            and not isinstance(value, bool)
+            and abs(v - value) < 1e-9
+        ):
+            return i
+    return None
+
+
+def between(
+    planner: Planner,
+    best: float,
+    space: Space,
+    fixed: dict[str, Any],
+    rules: Iterable[Callable[[dict[str, Any]], str | None]],
+    tried: set[str],
+    key: Callable[[dict[str, Any]], str],
+) -> dict[str, Any] | None:
+    """The value halfway between two successes one knob apart, more than one value apart, of which
+    the faster peaked inside the headroom (it cannot be exported) and the slower kept it: a step that
+    paid overshot the headroom. Taken when the overshoot beat the ``best`` exportable throughput;
+    the most promising first. Seen in a PPO search: the vLLM
+    fraction 0.3 -> 0.5 gained 19% but peaked at 77.7 of 75.3 GiB, and 0.4, the best configuration
+    of the landscape, was never run."""
+    names = [n for n in space.params if n not in fixed]
+    limit = headroom_limit(planner.recipe)
+    ok = [s for s in planner.seen if s.status == "ok" and s.throughput and not s.leftover]
+    top: tuple[float, dict[str, Any]] | None = None
+    for a in ok:
+        if not fits_headroom(a.peak_gib, limit):
+            continue
+        for b in ok:
+            if fits_headroom(b.peak_gib, limit) or (b.throughput or 0) <= (a.throughput or 0):
+                continue
+            differ = [k for k in names if a.params.get(k) != b.params.get(k)]
+            if len(differ) != 1:
+                continue
+            line = _line(space.params[differ[0]])
+            i, j = _place(line, a.params.get(differ[0])), _place(line, b.params.get(differ[0]))
+            if i is None or j is None or abs(i - j) < 2:
+                continue
+            mid = (i + j) // 2
+            cand = space.normalize(constraints.derive({**a.params, differ[0]: line[mid]}, planner.recipe))
+            if key(cand) in tried or constraints.violations(cand, planner.recipe, rules):
+                continue
+            # the overshoot's own throughput bounds what lies between (a knob's gain saturates, so
+            # the values between may hold most of it: PPO's fraction at 0.4 ran at 0.99 of 0.5's)
+            value = b.throughput or 0.0
+            if value <= best * (1 + MIN_GAIN) or planner.verdict(cand).skip:
+                continue
+            if top is None or value > top[0]:
+                top = (value, cand)
+    return top[1] if top else None

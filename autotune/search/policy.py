@@ -10,10 +10,10 @@ sample it:
    spread over ZeRO stages (:mod:`autotune.search.seeds`); without a usable
    model (CPU trials), hand-written starting points that find the memory boundary at once.
 2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial
-   so far (:meth:`Planner.next_local`, going on along a knob while it pays, and, when the
-   micro-batch cannot go up by itself, a memory saver traded for a larger one:
-   :mod:`autotune.search.trade`); while nothing has fit, a step from every OOM along its kind's
-   cure (:mod:`autotune.search.cures`).
+   so far (:meth:`Planner.next_local`, going on along a knob while it pays, the value between when
+   a step that paid peaked inside the headroom, and, when the micro-batch cannot go up by itself, a
+   memory saver traded for a larger one: :mod:`autotune.search.trade`); while nothing has fit, a
+   step from every OOM along its kind's cure (:mod:`autotune.search.cures`).
 3. **The best open candidate of the grid** after three proposals in a row that needed no launch
    (invalid, a repeat, skipped): the proposers can circle forever around what is ruled out while
    candidates no failure dominates are left (:mod:`autotune.search.candidates`); without a planner,
@@ -40,7 +40,7 @@ from autotune.candidate import constraints
 from autotune.candidate.space import Space
 from autotune.recipe import Recipe
 from autotune.search import candidates, cures
-from autotune.search.momentum import flat_knobs, keep_going, promising_onward
+from autotune.search.momentum import between, flat_knobs, keep_going, promising_onward
 from autotune.search.planner import Planner
 from autotune.search.seeds import seed_candidates
 from autotune.search.trade import next_trade
@@ -185,6 +185,11 @@ class PolicySampler(BaseSampler):
         )
         if further is not None:  # a runner-up whose paying knob, followed, would beat the best
             return further
+        inside = between(
+            self.planner, best.throughput or 0.0, self.space, self.fixed, self.rules, done, candidate_key
+        )
+        if inside is not None:  # a step that paid peaked inside the headroom: the value between
+            return inside
         traded = next_trade(
             self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key
         )
