@@ -170,35 +170,27 @@ def between(
     """The value halfway between two successes one knob apart, more than one value apart, of which
     the faster peaked inside the headroom (it cannot be exported) and the slower kept it: a step that
     paid overshot the headroom. Taken when the overshoot beat the ``best`` exportable throughput;
-    the most promising first. Seen in a PPO search: the vLLM
-    fraction 0.3 -> 0.5 gained 19% but peaked at 77.7 of 75.3 GiB, and 0.4, the best configuration
-    of the landscape, was never run."""
+    the most promising first. Seen in a PPO search: the vLLM fraction 0.3 -> 0.5 gained 19% but
+    peaked at 77.7 of 75.3 GiB, and 0.4, the best configuration of the landscape, was never run."""
     names = [n for n in space.params if n not in fixed]
     limit = headroom_limit(planner.recipe)
     ok = [s for s in planner.seen if s.status == "ok" and s.throughput and not s.leftover]
     top: tuple[float, dict[str, Any]] | None = None
-    for a in ok:
-        if not fits_headroom(a.peak_gib, limit):
+    for knob, a, b in one_knob_pairs(ok, names):
+        if fits_headroom(b.peak_gib, limit):
+            a, b = b, a  # a keeps the headroom, b (faster) peaked inside it
+        if not fits_headroom(a.peak_gib, limit) or fits_headroom(b.peak_gib, limit):
             continue
-        for b in ok:
-            if fits_headroom(b.peak_gib, limit) or (b.throughput or 0) <= (a.throughput or 0):
-                continue
-            differ = [k for k in names if a.params.get(k) != b.params.get(k)]
-            if len(differ) != 1:
-                continue
-            line = _line(space.params[differ[0]])
-            i, j = _place(line, a.params.get(differ[0])), _place(line, b.params.get(differ[0]))
-            if i is None or j is None or abs(i - j) < 2:
-                continue
-            mid = (i + j) // 2
-            cand = space.normalize(constraints.derive({**a.params, differ[0]: line[mid]}, planner.recipe))
-            if key(cand) in tried or constraints.violations(cand, planner.recipe, rules):
-                continue
-            # the overshoot's own throughput bounds what lies between (a knob's gain saturates, so
-            # the values between may hold most of it: PPO's fraction at 0.4 ran at 0.99 of 0.5's)
-            value = b.throughput or 0.0
-            if value <= best * (1 + MIN_GAIN) or planner.verdict(cand).skip:
-                continue
-            if top is None or value > top[0]:
-                top = (value, cand)
+        line = _line(space.params[knob])
+        i, j = _place(line, a.params.get(knob)), _place(line, b.params.get(knob))
+        # the overshoot's own throughput bounds what lies between (a knob's gain saturates, so the
+        # values between may hold most of it: PPO's fraction at 0.4 ran at 0.99 of 0.5's)
+        value = b.throughput or 0.0
+        if i is None or j is None or abs(i - j) < 2 or value <= best * (1 + MIN_GAIN):
+            continue
+        cand = space.normalize(constraints.derive({**a.params, knob: line[(i + j) // 2]}, planner.recipe))
+        if key(cand) in tried or constraints.violations(cand, planner.recipe, rules):
+            continue
+        if not planner.verdict(cand).skip and (top is None or value > top[0]):
+            top = (value, cand)
     return top[1] if top else None
