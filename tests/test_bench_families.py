@@ -12,6 +12,9 @@ import pytest
 from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
+from autotune.recipe import Recipe
+from autotune.runners import TrialContext
+from autotune.runners.sim import SimRunner
 from autotune.sim import evaluate
 from autotune.sim.error_text import failure_text
 from autotune.sim.families import FAMILIES, landscape
@@ -158,6 +161,39 @@ def test_a_family_executor_judges_a_crash_by_the_real_classifier(tmp_path):
     assert outcome.status == "crash", outcome
     truth = d.truth(params, env, 1, 12)
     assert "Watchdog caught collective operation timeout" in family_text(truth, env, d.program)
+
+
+def confirming() -> TrialControl:
+    return TrialControl(StopRule.confirming(Recipe(model="m", gpus=1)), None, 1.0, purpose="confirm")
+
+
+def test_a_run_of_the_same_number_again_is_another_run(tmp_path):
+    """A confirmation that died of an NCCL timeout is run once more under the same number
+    (search/confirm.py). Seeded by the number alone, the simulator replayed the same crash at the
+    same step every time, so the benchmark's re-run could never rescue its candidate (PPO #15: the
+    configuration at 1.00 of the best possible dropped, 0.94 exported). A second run draws anew; the
+    first stays what the study's seed says."""
+    d = landscape(first_of("ppo"))
+    env = type(d.env)(**{**d.env.__dict__, "physics": Physics(crash_rate=0.0, noise=0.08)})
+    params = some_params(d.index)
+    executor = FamilyExecutor(d.truth, env, d.program, seed=1, steps=0)
+    runs = [executor(params, tmp_path, 100_007, confirming()) for _ in range(3)]
+    assert len({r.throughput for r in runs}) == 3, runs  # three draws of the run's noise
+    fresh = FamilyExecutor(d.truth, env, d.program, seed=1, steps=0)
+    assert fresh(params, tmp_path, 100_007, confirming()).throughput == runs[0].throughput  # replays
+
+
+def test_the_sim_runner_seeds_a_run_of_the_same_number_again_anew(tmp_path):
+    recipe = Recipe(model="Qwen2.5-7B-Instruct", gpus=4, gpu_type="A100-80GB", gpu_memory_gib=80.0, seed=3)
+    model, gpu = resolve_model(recipe.model), find_gpu_type(recipe.gpu_type)
+    context = TrialContext(recipe, load_space(landscape(first_of("trl")).space), model, gpu)
+    runner, params = SimRunner(context), {"per_device_train_batch_size": 2}
+    seeds = []
+    for attempt in range(2):
+        runner.prepare(params, tmp_path / str(attempt), 5)
+        seeds.append(json.loads((tmp_path / str(attempt) / "sim_spec.json").read_text())["seed"])
+    assert seeds[0] == SimRunner(context).build_spec(params, 5)["seed"]  # a study replays from its seed
+    assert seeds[1] != seeds[0]
 
 
 def test_a_family_oom_is_read_as_an_oom():

@@ -10,6 +10,7 @@ handing the text the trainer would print to autotune's real classifier (``trial.
 from __future__ import annotations
 
 import zlib
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -84,14 +85,14 @@ class TruthExecutor:
         self.simulated_s = 0.0
         self.launches = 0
 
-    def spec(self, params: dict[str, Any], number: int) -> dict[str, Any]:
-        spec = self.runner.build_spec(params, number)
+    def spec(self, params: dict[str, Any], number: int, attempt: int = 0) -> dict[str, Any]:
+        spec = self.runner.build_spec(params, number, attempt=attempt)
         if self.physics is not None:
             spec["physics"] = self.physics.to_json()
         return spec
 
     def __call__(self, params: dict[str, Any], trial_dir: Path, number: int, control: Any) -> Outcome:
-        spec = self.spec(params, number)
+        spec = self.spec(params, number, self.runner.attempt(number))
         truth = evaluate(spec)
         self.launches += 1
         outcome, wall = replay(truth, control, lambda: error_text.failure_text(spec, parse_spec(spec), truth))
@@ -107,11 +108,17 @@ class FamilyExecutor:
     ) -> None:
         self.truth, self.env, self.program = truth, env, program
         self.seed, self.steps = seed, steps
+        self.launched: Counter[tuple[int, str]] = Counter()  # runs per (number, purpose)
         self.simulated_s = 0.0
         self.launches = 0
 
     def __call__(self, params: dict[str, Any], trial_dir: Path, number: int, control: Any) -> Outcome:
-        seed = zlib.crc32(f"{self.seed}:{number}:{control.purpose}".encode())
+        # a run of the same number again (a confirmation after a transient crash) is another run
+        self.launched[(number, control.purpose)] += 1
+        again = self.launched[(number, control.purpose)] - 1
+        seed = zlib.crc32(
+            f"{self.seed}:{number}:{control.purpose}".encode() + (f":{again}".encode() if again else b"")
+        )
         rule = control.rule
         needed = max(self.steps, rule.warmup + rule.measure + rule.extra + 2)
         truth = self.truth(params, self.env, seed, needed)
