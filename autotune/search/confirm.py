@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from autotune.candidate import constraints
 from autotune.recipe import Recipe
 from autotune.runners.base import on_gpus
-from autotune.search.state import MIN_NOISE, Finished, SearchState
+from autotune.search.state import Finished, SearchState, noise
 from autotune.search.transient import transient_error
 from autotune.study import (
     Confirmation,
@@ -31,20 +31,6 @@ from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import Outcome, Status
 
 CONFIRM_NUMBER_OFFSET = 100_000  # confirmation runs are numbered apart from search trials
-
-
-def noise(rows_: list[TrialRow], done: dict[int, Confirmation]) -> float:
-    """Relative measurement noise: how far confirmed throughputs landed from their short trials'.
-
-    The search trials already measured every candidate once; a confirmation measures it again,
-    longer, so the gap between the two is the noise that can reorder close candidates."""
-    short = {r.number: r.throughput for r in rows_ if r.throughput}
-    gaps = [
-        abs((c.throughput or 0) / short[n] - 1)
-        for n, c in done.items()
-        if c.status == Status.OK and c.throughput and short.get(n)
-    ]
-    return max([MIN_NOISE, *gaps])
 
 
 def confirm_duration(row: TrialRow, recipe: Recipe) -> float:

@@ -31,7 +31,7 @@ from autotune.progress import Reporter, short_params
 from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
 from autotune.search import candidates
-from autotune.search.confirm import confirm, noise
+from autotune.search.confirm import confirm
 from autotune.search.headroom import incumbent, unmeasured_risks
 from autotune.search.knobs import KnobMemory
 from autotune.search.momentum import flat_knobs
@@ -40,7 +40,7 @@ from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe, tried
 from autotune.search.prior_check import blind_knobs, local_optimum, neighbourhood_measured, prior_agrees
 from autotune.search.pruning import BelowBestPruner
-from autotune.search.state import Finished, Previous, SearchState
+from autotune.search.state import Finished, Previous, SearchState, noise
 from autotune.search.stopping import Budget, Stopping
 from autotune.search.transient import Reruns
 from autotune.study import (
