@@ -204,17 +204,14 @@ class PolicySampler(BaseSampler):
             return traded
         flat = flat_knobs(self.planner, [n for n in self.space.params if n not in self.fixed])
         self.local_turns += 1
-        for center in rotate(
-            co_leaders(self.planner, best.number, noise(rows(study), confirmations(study))), self.local_turns
-        ):
+        leaders = co_leaders(self.planner, best.number, noise(rows(study), confirmations(study)))
+        for center in rotate([s.params for s in leaders], self.local_turns) or [best.params]:
             step = self.planner.next_local(
-                center.params, self.space, self.fixed, self.rules, done, candidate_key, flat
+                center, self.space, self.fixed, self.rules, done, candidate_key, flat
             )
             if step is not None:
                 return step
-        return self.planner.next_local(
-            best.params, self.space, self.fixed, self.rules, done, candidate_key, flat
-        )
+        return None
 
     def random_valid(self, study: optuna.Study) -> dict[str, Any] | None:
         """A random untried candidate that passes the rules."""
