@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The GPU checks a CPU cannot make, sized for a 15-minute lease on one H100 (about 8 minutes of
-# commands): each part runs autotune itself, end to end, through its real TRL path.
+# The GPU checks a CPU cannot make: each part runs autotune itself, end to end, through its real TRL
+# path, on one H100. All four take about 10 minutes there (run 5, the others about 1.5 each), more
+# than one 10-minute call with its start: on a short lease run PARTS=run, then the other three.
 #
 #   bash scripts/gpu_checks.sh [RUNS_DIR] [DEADLINE_S]     (defaults: runs/gpu-checks, 480)
 #
@@ -45,6 +46,9 @@ collect() {
 }
 
 left() { echo $((DEADLINE - ($(date +%s) - START))); }
+# A step's time limit: its own, cut to what is left before the deadline (less a margin for the
+# report), so the deadline holds even when a step runs long and the last files still come back.
+upto() { local cap=$(($(left) - 10)); echo $(($1 < cap ? $1 : (cap > 1 ? cap : 1))); }
 log() { echo "[$(($(date +%s) - START))s] $*" | tee -a "$RUNS/steps.txt"; }
 
 # A one-point space: every knob pinned by its only choice, so a search runs exactly one trial.
@@ -65,7 +69,7 @@ EOF
 one_trial() {  # name model prompt completion timeout extra-flags...
   local name=$1 model=$2 prompt=$3 completion=$4 limit=$5
   shift 5
-  timeout "$limit" "${AT[@]}" search --model "$model" --gpus 1 --runner trl --space "$RUNS/$name.yaml" \
+  timeout "$(upto "$limit")" "${AT[@]}" search --model "$model" --gpus 1 --runner trl --space "$RUNS/$name.yaml" \
     --max-prompt-length "$prompt" --max-completion-length "$completion" --trials 1 --confirm 0 \
     --warmup-steps 1 --measure-steps 1 --trial-timeout 8m --hang-timeout 4m --name "$name" \
     --runs-dir "$RUNS" "${FLAGS[@]}" "$@" 2>&1 | tee "$RUNS/$name.txt" | tail -n 15
@@ -90,10 +94,12 @@ esac
 for part in $PARTS; do
   case $part in
   run)
-    # Completions of 128 tokens: batch 32 fits (~40 GiB predicted) and is exported. The production
-    # run's completions grow to 640 tokens: batch 32 needs ~107 GiB, a real CUDA OOM in step 3, and
-    # the run resumes from checkpoint-2 on batch 16 x accumulation 2 (~60 GiB), the global batch kept.
-    [ "$(left)" -lt 200 ] && { log "skip run: $(left)s left"; continue; }
+    # Completions of 128 tokens: batch 32 fits (35 GiB measured on an H100) and is exported. The
+    # production run's completions grow to 1024 tokens: batch 32 then needs far more than the card
+    # (at 640 it still squeezed in, at 79.5 of 79.6 GiB: docs/gpu-validation.md), a real CUDA OOM in
+    # step 3, and the run resumes from checkpoint-2 on batch 16 x accumulation 2, the global batch
+    # kept. About 5 minutes on an H100.
+    [ "$(left)" -lt 300 ] && { log "skip run: $(left)s left"; continue; }
     log "run: search"
     cat >"$RUNS/run.yaml" <<EOF
 version: 1
@@ -106,7 +112,7 @@ parameters:
   gradient_checkpointing: {type: bool, choices: [false], default: false}
   use_vllm: {type: bool, choices: [false], default: false}
 EOF
-    timeout 240 "${AT[@]}" search --model "${RUN_MODEL:-Qwen2.5-1.5B}" --gpus 1 --runner trl --space "$RUNS/run.yaml" \
+    timeout "$(upto 240)" "${AT[@]}" search --model "${RUN_MODEL:-Qwen2.5-1.5B}" --gpus 1 --runner trl --space "$RUNS/run.yaml" \
       --max-prompt-length 128 --max-completion-length "${RUN_SHORT:-128}" --trials 2 --confirm 0 --warmup-steps 1 \
       --measure-steps 1 --trial-timeout 4m --hang-timeout 3m --name run --runs-dir "$RUNS" "${FLAGS[@]}" \
       2>&1 | tee "$RUNS/run.txt" | tail -n 12
@@ -122,9 +128,9 @@ for trial in (study / "trials").iterdir():
         print("best/params.json <- trial", trial.name)
 PY
     log "run: 2 steps at ${RUN_SHORT:-128} tokens, a checkpoint each step"
-    timeout 150 "${AT[@]}" run run --runs-dir "$RUNS" --steps 2 --save-steps 1 2>&1 | tee "$RUNS/run-1.txt" | tail -n 8
-    log "run: 3 steps at ${RUN_LONG:-640} tokens (resumes from checkpoint-2)"
-    timeout 240 "${AT[@]}" run run --runs-dir "$RUNS" --steps 3 --save-steps 1 --max-completion-length "${RUN_LONG:-640}" \
+    timeout "$(upto 150)" "${AT[@]}" run run --runs-dir "$RUNS" --steps 2 --save-steps 1 2>&1 | tee "$RUNS/run-1.txt" | tail -n 8
+    log "run: 3 steps at ${RUN_LONG:-1024} tokens (resumes from checkpoint-2)"
+    timeout "$(upto 240)" "${AT[@]}" run run --runs-dir "$RUNS" --steps 3 --save-steps 1 --max-completion-length "${RUN_LONG:-1024}" \
       2>&1 | tee "$RUNS/run-2.txt" | tail -n 12
     "${AT[@]}" show run --runs-dir "$RUNS" >"$RUNS/run-show.txt" 2>&1
     ;;
@@ -133,19 +139,19 @@ PY
     log "zero3: Qwen2.5-7B, LoRA 16, ZeRO-3 optimizer+params offload"
     while ! grep -q '^exit' "$RUNS/cpu_adam.txt" 2>/dev/null && [ "$(left)" -gt 150 ]; do sleep 2; done
     space zero3 8 1 4 3 optimizer+params true
-    one_trial zero3 "${Z3_MODEL:-Qwen2.5-7B}" 128 64 $(($(left) - 10)) --lora-rank 16
+    one_trial zero3 "${Z3_MODEL:-Qwen2.5-7B}" 128 64 300 --lora-rank 16
     ;;
   qlora)
     [ "$(left)" -lt 80 ] && { log "skip qlora: $(left)s left"; continue; }
     log "qlora: Qwen2.5-1.5B, 4-bit NF4, LoRA 16"
     space qlora 16 1 4 0 none true
-    one_trial qlora "${QLORA_MODEL:-Qwen2.5-1.5B}" 128 128 $(($(left) - 5)) --lora-rank 16 --quantization 4bit
+    one_trial qlora "${QLORA_MODEL:-Qwen2.5-1.5B}" 128 128 240 --lora-rank 16 --quantization 4bit
     ;;
   vl)
     [ "$(left)" -lt 70 ] && { log "skip vl: $(left)s left"; continue; }
     log "vl: Qwen2.5-VL-3B, 256 image tokens"
     space vl 8 1 4 0 none true
-    one_trial vl "${VL_MODEL:-Qwen2.5-VL-3B}" 128 64 $(($(left) - 5)) --image-tokens 256
+    one_trial vl "${VL_MODEL:-Qwen2.5-VL-3B}" 128 64 240 --image-tokens 256
     ;;
   esac
   collect
