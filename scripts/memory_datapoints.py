@@ -68,6 +68,18 @@ _GV = dict(
     assumed=[],
 )
 
+# The second H100 lease (docs/gpu-validation.md, "Second lease"): scripts/gpu_checks.sh, TRL 1.16 on
+# transformers 5.17 with its generate, torch 2.11, beta 0; no DeepSpeed unless the row says so.
+_GC = {
+    **_GV,
+    "capacity_gib": 79.65,
+    "grad_accum": 1,
+    "zero_stage": 0,
+    "offload": "none",
+    "grad_ckpt": False,
+    "measured": "trainer peak (max of torch reserved and device used)",
+}
+
 DATAPOINTS: list[dict[str, Any]] = [
     # --- docs/gpu-validation.md: autotune's own H100 runs --------------------------------------
     {
@@ -136,6 +148,55 @@ DATAPOINTS: list[dict[str, Any]] = [
         "offload": "optimizer+params",
         "grad_ckpt": False,
         "reported": 42.0,
+    },
+    # --- docs/gpu-validation.md: the second H100 lease (scripts/gpu_checks.sh, 2026-11-26) --------
+    # The trainer's peak: the larger of torch.cuda.max_memory_reserved and the device's used memory.
+    *[
+        {
+            **_GC,
+            "id": f"gc-run-{completion}-bs{batch}",
+            "what": f"search trial, completions of {completion} tokens",
+            "prompt": 128,
+            "completion": completion,
+            "per_device_batch": batch,
+            "reported": peak,
+        }
+        for completion, batch, peak in [(128, 32, 35.3), (128, 16, 24.7), (64, 32, 29.2), (64, 16, 20.2)]
+    ],
+    {
+        **_GC,
+        "id": "gc-run-640-bs32",
+        "what": "production run attempt, completions grown to 640 tokens: ran, at 79.5 of 79.6 GiB",
+        "prompt": 128,
+        "completion": 640,
+        "per_device_batch": 32,
+        "reported": "fit",
+    },
+    {
+        **_GC,
+        "id": "gc-zero3-7b",
+        "what": "Qwen2.5-7B under ZeRO-3, optimizer+params offload, LoRA r16 (generation peak 17.6 GiB)",
+        "model": "Qwen2.5-7B",
+        "prompt": 128,
+        "completion": 64,
+        "per_device_batch": 8,
+        "zero_stage": 3,
+        "offload": "optimizer+params",
+        "grad_ckpt": True,
+        "lora_rank": 16,
+        "reported": 31.0,
+    },
+    {
+        **_GC,
+        "id": "gc-qlora-1.5b",
+        "what": "QLoRA (bitsandbytes NF4 on CUDA), LoRA r16: its first step's peak (then cut)",
+        "prompt": 128,
+        "completion": 128,
+        "per_device_batch": 16,
+        "grad_ckpt": True,
+        "lora_rank": 16,
+        "quantization": "4bit",
+        "reported": 3.1,
     },
     # --- TRL issues ---------------------------------------------------------------------------
     {
