@@ -28,6 +28,12 @@ def pytest_configure(config):
     for sig in (signal.SIGHUP, signal.SIGTERM):
         if signal.getsignal(sig) == signal.SIG_IGN:
             signal.signal(sig, signal.SIG_DFL)
+    # A CPU trial runs torch on as many OpenMP threads as there are cores (the runners set
+    # OMP_NUM_THREADS), and the suite runs two of them at once on 2 cores (two xdist workers).
+    # OpenMP's threads then spin-wait for cores the other trial holds: two tiny-qwen trials side by
+    # side took 5.5 s a step each instead of 2 (1.2 alone). Waiting threads that sleep instead give
+    # the same trials, trained the same way; every trial and command the suite starts inherits it.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shlex
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -81,6 +82,10 @@ def follow_ups(index: int) -> list[list[str]]:
 
 def test_readme_has_the_examples_this_test_runs():
     assert len(AUTOTUNE) >= 8 and sum(runs_here(b) for b in ALL) >= 3
+    # each kind of block has its own checks below (the sim search's replace a search of its own in
+    # test_search_e2e.py): a README without one of them would drop those checks silently
+    runners = {runner_of(b) for b in ALL if runs_here(b)}
+    assert runners == set(KEEPS_ITS_WORD), f"README's blocks that run here search with {runners}"
     installs = [c for b in ALL for c in b if is_install(c) and "install" in c]
     assert installs, "README's install line is gone"
     followed = [c for i, b in enumerate(ALL) if runs_here(b) for c in follow_ups(i)]
@@ -136,12 +141,87 @@ def test_readme_blocks_meant_for_this_machine_run_as_written(index, tmp_path):
         outputs[" ".join(argv[:2])] = done.stdout
     best = list((tmp_path / "runs").glob("*/best"))
     assert best and all((b / "launch.sh").is_file() and (b / "swift.sh").is_file() for b in best)
-    search = next(c for c in ALL[index] if c[:2] == ["autotune", "search"])
-    runner = flags(search).get("--runner", "trl")
-    if flags(search).get("--device") == "cpu":
-        {"trl": rehearsal_keeps_its_word, "swift": swift_example_keeps_its_word}[runner](
-            best[0].parent, outputs
-        )
+    KEEPS_ITS_WORD[runner_of(ALL[index])](best[0].parent, outputs)
+
+
+def runner_of(block: list[list[str]]) -> str:
+    """The runner of a block's search: ``sim``, ``trl`` (README's CPU rehearsal), ``swift``."""
+    search = next(c for c in block if c[:2] == ["autotune", "search"])
+    return flags(search).get("--runner", "trl")
+
+
+def search_of(runner: str) -> list[str]:
+    """README's search command with ``runner`` (one block of each, as the first test checks)."""
+    return next(
+        c
+        for b in ALL
+        if runs_here(b) and runner_of(b) == runner
+        for c in b
+        if c[:2] == ["autotune", "search"]
+    )
+
+
+def sim_example_keeps_its_word(study: Path, outputs: dict[str, str]) -> None:
+    """README's sim search: "you watch trials run, some run out of memory, ... At the end
+    `runs/<study>/best/` holds the configuration to launch". Every trial's files, the real SQLite
+    study, `show --json` and `export` (also into a folder that holds other things) on the study it
+    made."""
+    search = outputs["autotune search"]
+    limit = int(flags(search_of("sim"))["--trials"])
+    got = {int(f.parent.name): json.loads(f.read_text()) for f in (study / "trials").glob("*/outcome.json")}
+    launched = [o for o in got.values() if o["launched"]]
+    assert len(launched) <= limit and all(o["status"] != "invalid" for o in launched)
+    # --trials is a ceiling: a search that converged earlier says so on its last line
+    last = search.strip().splitlines()[-1]
+    assert last.startswith(f"stopped after {len(launched)} trials: ")
+    reason = last.split(": ", 1)[1]
+    assert reason.startswith("converged") or (reason == "the --trials limit" and len(launched) == limit), last
+    assert any(o["status"] == "oom" for o in got.values()), "a 7B search on 80 GB should meet OOMs"
+    ok = [o for o in got.values() if o["status"] == "ok"]
+    assert ok and all(o["throughput"] > 0 and o["peak_memory_gib"] > 0 for o in ok)
+    for n, o in got.items():
+        d = study / "trials" / str(n)
+        if o["status"] in ("ok", "oom"):
+            assert (d / "params.json").exists()
+            if o["launched"]:
+                assert (d / "command.txt").exists() and (d / "stdout.log").exists()
+                assert (d / "metrics.jsonl").exists() or o["status"] == "oom"
+    best = study / "best"
+    params = json.loads((best / "params.json").read_text())
+    best_ok = max(ok, key=lambda o: o["throughput"])
+    assert best_ok["peak_memory_gib"] <= 79.3
+    assert all(not isinstance(v, (dict, list)) for v in params.values())
+    cfg = yaml.safe_load((best / "grpo_config.yaml").read_text())
+    assert cfg["per_device_train_batch_size"] == params["per_device_train_batch_size"]
+    summary = (best / "summary.md").read_text()
+    assert "completions/s" in summary and "oom" in summary.lower()
+    assert "best: trial" in search
+    # storage is real SQLite with every trial in it
+    with sqlite3.connect(study / "study.db") as db:
+        (count,) = db.execute("select count(*) from trials").fetchone()
+    assert count == len(got)
+    cwd, name = study.parent.parent, study.name
+    rows = json.loads(_run(["autotune", "show", name, "--json"], cwd).stdout)
+    assert rows[0]["throughput"] == pytest.approx(best_ok["throughput"])
+    # export rewrites best/ from the study at any time
+    (best / "params.json").unlink()
+    again = _run(["autotune", "export", name, "--out", str(cwd / "elsewhere")], cwd)
+    assert again.returncode == 0 and json.loads((cwd / "elsewhere" / "params.json").read_text()) == params
+    # --out may name any folder: nothing the user has there is deleted, not even the study itself
+    (cwd / "notes.md").write_text("mine\n")
+    here = _run(["autotune", "export", name, "--out", "."], cwd)
+    assert here.returncode == 0, here.stderr
+    assert (cwd / "notes.md").read_text() == "mine\n" and (study / "study.db").exists()
+    inside = _run(["autotune", "export", name, "--out", str(study)], cwd)
+    assert inside.returncode == 0, inside.stderr
+    assert len(json.loads(_run(["autotune", "show", name, "--json"], cwd).stdout)) == len(rows)
+    assert (study / "trials").is_dir() and (study / "recipe.yaml").exists()
+    onto_file = _run(["autotune", "export", name, "--out", str(cwd / "notes.md")], cwd)
+    assert (
+        onto_file.returncode == 2
+        and onto_file.stderr.startswith("error: --out")
+        and "Traceback" not in onto_file.stderr
+    )
 
 
 def launched_by_batch(study: Path) -> dict[int, dict]:
@@ -180,11 +260,13 @@ def rehearsal_keeps_its_word(study: Path, outputs: dict[str, str]) -> None:
 
 
 def swift_example_keeps_its_word(study: Path, outputs: dict[str, str]) -> None:
-    """README's ms-swift example: "the batch of 64 meets ms-swift's real `DefaultCPUAllocator`
-    out-of-memory, the rest run. `best/swift.sh` is the measured command minus the trial-only flags
-    ..., naming the model by ... the local folder the trials loaded": the trial's argv is what the
-    installed ms-swift version takes, and swift.sh trains as written."""
+    """README's ms-swift example: "of its two trials, the batch of 64 meets ms-swift's real
+    `DefaultCPUAllocator` out-of-memory and the other runs and is confirmed. `best/swift.sh` is the
+    measured command minus the trial-only flags ..., naming the model by ... the local folder the
+    trials loaded": the trial's argv is what the installed ms-swift version takes, and swift.sh
+    trains as written."""
     trials = launched_by_batch(study)
+    assert len(trials) == int(flags(search_of("swift"))["--trials"]), trials  # "of its two trials"
     assert trials[64]["status"] == "oom" and trials[64]["oom_kind"] == "host", trials[64]
     assert "DefaultCPUAllocator: can't allocate memory" in trials[64]["error_line"]
     ok = [o for b, o in trials.items() if b != 64]
@@ -247,3 +329,11 @@ def swift_example_keeps_its_word(study: Path, outputs: dict[str, str]) -> None:
 def flags(argv: list[str]) -> dict[str, str]:
     """{--flag: the value after it} of a command line."""
     return {a: b for a, b in zip(argv, argv[1:]) if a.startswith("--")}
+
+
+#: what each kind of README block is checked for, on the study it made (by its search's runner)
+KEEPS_ITS_WORD = {
+    "sim": sim_example_keeps_its_word,
+    "trl": rehearsal_keeps_its_word,
+    "swift": swift_example_keeps_its_word,
+}

@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 
 import pytest
-import yaml
 from conftest import run_cli
 
 SIM = [
@@ -33,73 +32,8 @@ def outcomes(study_dir: Path) -> dict[int, dict]:
     return out
 
 
-@pytest.mark.slow
-def test_sim_search_sees_ooms_and_exports(tmp_path):
-    res = run_cli(*SIM, "--trials", "16", "--name", "s7b", "--sim-time-scale", "0.001", cwd=tmp_path)
-    assert res.returncode == 0, res.stderr
-    study = tmp_path / "runs" / "s7b"
-    got = outcomes(study)
-    launched = [o for o in got.values() if o["launched"]]
-    assert len(launched) <= 16 and all(o["status"] != "invalid" for o in launched)
-    # --trials is a ceiling: a search that converged earlier says so on its last line
-    last = res.stdout.strip().splitlines()[-1]
-    assert last.startswith(f"stopped after {len(launched)} trials: ")
-    reason = last.split(": ", 1)[1]
-    assert reason.startswith("converged, no untried candidate") or (
-        reason == "the --trials limit" and len(launched) == 16
-    ), last
-    assert any(o["status"] == "oom" for o in got.values()), "a 7B search on 80 GB should meet OOMs"
-    ok = [o for o in got.values() if o["status"] == "ok"]
-    assert ok and all(o["throughput"] > 0 and o["peak_memory_gib"] > 0 for o in ok)
-    for n, o in got.items():
-        d = study / "trials" / str(n)
-        if o["status"] in ("ok", "oom"):
-            assert (d / "params.json").exists()
-            if o["launched"]:
-                assert (d / "command.txt").exists() and (d / "stdout.log").exists()
-                assert (d / "metrics.jsonl").exists() or o["status"] == "oom"
-    best = study / "best"
-    params = json.loads((best / "params.json").read_text())
-    best_ok = max(ok, key=lambda o: o["throughput"])
-    assert best_ok["peak_memory_gib"] <= 79.3
-    assert all(not isinstance(v, (dict, list)) for v in params.values())
-    cfg = yaml.safe_load((best / "grpo_config.yaml").read_text())
-    assert cfg["per_device_train_batch_size"] == params["per_device_train_batch_size"]
-    summary = (best / "summary.md").read_text()
-    assert "completions/s" in summary and "oom" in summary.lower()
-    assert "best: trial" in res.stdout
-    # storage is real SQLite with every trial in it
-    with sqlite3.connect(study / "study.db") as db:
-        (count,) = db.execute("select count(*) from trials").fetchone()
-    assert count == len(got)
-    shown = run_cli("show", "s7b", "--json", cwd=tmp_path)
-    rows = json.loads(shown.stdout)
-    assert rows[0]["throughput"] == pytest.approx(best_ok["throughput"])
-    # export rewrites best/ from the study at any time
-    (best / "params.json").unlink()
-    again = run_cli("export", "s7b", "--out", tmp_path / "elsewhere", cwd=tmp_path)
-    assert (
-        again.returncode == 0 and json.loads((tmp_path / "elsewhere" / "params.json").read_text()) == params
-    )
-    # --out may name any folder: nothing the user has there is deleted, not even the study itself
-    (tmp_path / "notes.md").write_text("mine\n")
-    here = run_cli("export", "s7b", "--out", ".", cwd=tmp_path)
-    assert here.returncode == 0, here.stderr
-    assert (tmp_path / "notes.md").read_text() == "mine\n" and (
-        tmp_path / "runs" / "s7b" / "study.db"
-    ).exists()
-    inside = run_cli("export", "s7b", "--out", tmp_path / "runs" / "s7b", cwd=tmp_path)
-    assert inside.returncode == 0, inside.stderr
-    assert len(json.loads(run_cli("show", "s7b", "--json", cwd=tmp_path).stdout)) == len(rows)
-    assert (tmp_path / "runs" / "s7b" / "trials").is_dir() and (
-        tmp_path / "runs" / "s7b" / "recipe.yaml"
-    ).exists()
-    onto_file = run_cli("export", "s7b", "--out", tmp_path / "notes.md", cwd=tmp_path)
-    assert (
-        onto_file.returncode == 2
-        and onto_file.stderr.startswith("error: --out")
-        and "Traceback" not in onto_file.stderr
-    )
+# README's sim search (tests/test_readme.py) is this module's plain sim search: it checks the OOMs,
+# every trial's files, the SQLite study, show --json and export on the study README's command made
 
 
 TRAINER = textwrap.dedent('''
