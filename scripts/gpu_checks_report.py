@@ -1,5 +1,6 @@
-"""The GPU checks' report: every study under RUNS_DIR, trial by trial and production-run attempt by
-attempt, from the files autotune wrote (outcome.json, params.json, metrics.jsonl, run/).
+"""The report of a GPU run (scripts/gpu_checks.sh, scripts/gpu_validate.sh): every study under
+RUNS_DIR, trial by trial and production-run attempt by attempt, from the files autotune wrote
+(outcome.json, params.json, metrics.jsonl, run/).
 
     python scripts/gpu_checks_report.py RUNS_DIR        # writes RUNS_DIR/report.md and prints it
 
@@ -61,8 +62,8 @@ def _row(label: str, folder: Path) -> str:
 
 
 def report(runs: Path) -> str:
-    lines = ["# GPU checks", ""]
-    for name in ("nvidia-smi.txt", "versions.txt", "steps.txt"):
+    lines = ["# GPU run", ""]
+    for name in ("nvidia-smi.txt", "versions.txt", "doctor.txt", "estimate.txt", "steps.txt"):
         if (runs / name).exists():
             lines += ["```", (runs / name).read_text().strip(), "```", ""]
     lines += [
@@ -84,7 +85,17 @@ def report(runs: Path) -> str:
                 f"- {study.name} run attempt {attempt.name}: checkpoints {', '.join(checkpoints) or 'none'}"
                 + (f"; resumed from {resumed.read_text().strip()}" if resumed.exists() else "")
             )
-    for name in ("run-1.txt", "run-2.txt", "run-show.txt", "cpu_adam.txt"):
+    # what the two scripts' commands printed (gpu_checks.sh's production run, gpu_validate.sh's
+    # search, show and verify), last lines only
+    for name in (
+        "run-1.txt",
+        "run-2.txt",
+        "run-show.txt",
+        "cpu_adam.txt",
+        "search.txt",
+        "show.txt",
+        "verify.txt",
+    ):
         path = runs / name
         if path.exists():
             tail = path.read_text().strip().splitlines()[-25:]

@@ -30,33 +30,5 @@ python -m autotune search --model Qwen2.5-1.5B --gpus 1 --runner trl --max-promp
   2>&1 | tee "$RUNS/search.txt" || true
 python -m autotune show gpu-1.5b --runs-dir "$RUNS" | tee "$RUNS/show.txt" || true
 python -m autotune verify gpu-1.5b --runs-dir "$RUNS" --steps "${VERIFY_STEPS:-6}" 2>&1 | tee "$RUNS/verify.txt" || true
-python - "$RUNS" <<'PY'
-import json, sys
-from pathlib import Path
-runs = Path(sys.argv[1])
-study = runs / "gpu-1.5b"
-recipe = (study / "recipe.yaml").read_text()
-lines = ["# GPU validation", "", "Produced by `bash scripts/gpu_validate.sh`.", "",
-         "```", (runs / "nvidia-smi.txt").read_text().strip(), "```", "",
-         "| trial | params | status | kind | completions/s | peak GiB (NVML) | predicted GiB | mean GPU util | wall s | error line |",
-         "|---|---|---|---|---|---|---|---|---|---|"]
-for f in sorted(study.glob("trials/*/outcome.json"), key=lambda p: int(p.parent.name)):
-    o = json.loads(f.read_text())
-    if not o.get("extra", {}).get("launched"):
-        continue
-    util = "" if o.get("mean_gpu_util") is None else f"{o['mean_gpu_util']:.0%}"
-    params = json.loads((f.parent / "params.json").read_text())
-    short = " ".join(f"{k}={v}" for k, v in params.items())
-    tput = "" if o.get("throughput") is None else f"{o['throughput']:.2f}"
-    peak = "" if o.get("peak_memory_gib") is None else f"{o['peak_memory_gib']:.1f}"
-    pred = o["extra"].get("predicted_gib")
-    lines.append(f"| {f.parent.name} | {short} | {o['status']} | {o.get('oom_kind') or ''} | {tput} | {peak} | "
-                 f"{'' if pred is None else f'{pred:.1f}'} | {util} | {o.get('wall_time_s') or ''} | "
-                 f"{(o.get('error_line') or '').replace('|', '/')[:160]} |")
-for name in ("search", "show", "verify"):
-    text = runs / f"{name}.txt"
-    if text.exists():
-        lines += ["", f"## {name}", "", "```", text.read_text().strip(), "```"]
-(runs / "report.md").write_text("\n".join(lines) + "\n")
-print(f"wrote {runs / 'report.md'}")
-PY
+python scripts/gpu_checks_report.py "$RUNS" >/dev/null
+echo "wrote $RUNS/report.md"
