@@ -105,6 +105,22 @@ def test_every_autotune_command_in_readme_parses(argv):
         pytest.fail(f"{shlex.join(argv)}: {exc.format_message()}")
 
 
+def test_readme_searches_run_one_after_another_in_one_folder(monkeypatch):
+    """A reader runs README's blocks in order in one folder: each search that runs here makes a
+    study of its own (its --name, else the name autotune derives), or the second stops with "already
+    exists with a different recipe" (the ms-swift block after the CPU rehearsal did)."""
+    from autotune.cli import main, recipe_from_flags
+
+    monkeypatch.chdir(ROOT)
+    names = {}
+    for block in ALL:
+        if runs_here(block):
+            search = next(c for c in block if c[:2] == ["autotune", "search"])
+            params = main.commands["search"].make_context("search", search[2:]).params
+            names[shlex.join(search)] = recipe_from_flags(dict(params)).name
+    assert len(set(names.values())) == len(names), names
+
+
 def is_install(argv: list[str]) -> bool:
     """README's install line: it made this environment (``.ci/run`` runs it in a fresh one)."""
     words = [w for w in argv if "=" not in w or w.startswith("-")]
