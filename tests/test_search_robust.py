@@ -31,6 +31,22 @@ def test_a_stall_is_not_exhaustion_the_grid_decides(tmp_path):
     assert pinned.stopping.reason()[0] == "space exhausted"
 
 
+def test_exhaustion_answered_from_the_last_open_candidate_follows_what_was_tried(tmp_path):
+    """The open candidate the last test found answers the next one without a walk over the grid,
+    but only while it is still untried and not ruled out."""
+    pinned = make_search(tmp_path, pins=LEAN)
+    pinned.open()
+    pool = pinned.planner.pool(pinned.space, pinned.fixed, pinned.rules)
+    keys = [candidate_key(c) for _, c in pool]
+    assert not candidates.exhausted(pinned.planner, pool, set(), candidate_key)
+    first = pinned.planner.open_hint
+    assert candidate_key(first) == keys[0]
+    assert not candidates.exhausted(pinned.planner, pool, {keys[0]}, candidate_key)
+    assert candidate_key(pinned.planner.open_hint) == keys[1]  # the next in the prior's order
+    assert candidates.exhausted(pinned.planner, pool, set(keys), candidate_key)
+    assert not candidates.exhausted(pinned.planner, pool, set(keys[1:]), candidate_key)
+
+
 def test_a_tiny_space_stops_exhausted_without_repeat_trials_or_folders(tmp_path):
     """Issue 22 item 13: a tiny space made hundreds of dummy 'repeat' trials (each with a folder)
     before 'exhausted'. The grid is checked before every proposal, and a repeat gets no folder."""

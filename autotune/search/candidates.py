@@ -55,15 +55,20 @@ def next_open(
 
 
 def exhausted(planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict[str, Any]], str]) -> bool:
-    """Whether no untried candidate is left that nothing rules out."""
-    return next(open_candidates(planner, pool, tried, key), None) is None
+    """Whether no untried candidate is left that nothing rules out. Asked after every trial: the
+    open candidate found last time is checked first, since one that is still open answers it
+    without walking the grid again (the walk took a sixth of a simulated search's time)."""
+    hint = planner.open_hint
+    if hint is not None and key(hint) not in tried and not planner.verdict(hint).skip:
+        return False
+    planner.open_hint = next(open_candidates(planner, pool, tried, key), None)
+    return planner.open_hint is None
 
 
 def leanest(planner: Planner, pool: Pool) -> tuple[dict[str, Any], Estimate] | None:
     """The candidate the (uncalibrated) model predicts smallest, with its estimate."""
-    best: tuple[dict[str, Any], Estimate] | None = None
-    for _, cand in pool:
-        est = planner.raw(cand)
-        if best is None or est.total_gib < best[1].total_gib:
-            best = (cand, est)
-    return best
+    if not pool:
+        return None
+    sizes = planner.sizes(pool)
+    i = min(range(len(pool)), key=lambda j: sizes[j][0])
+    return pool[i][1], planner.raw(pool[i][1])

@@ -42,10 +42,11 @@ def model_seeds(
     the best per ZeRO stage, then the rest by prior; fastest by prior first."""
     recipe = planner.recipe
     limit = recipe.gpu_memory_gib * (1 - max(recipe.headroom, SEED_MARGIN) - SEED_MARGIN)
+    pool = planner.pool(space, fixed, rules)
     scored = [
         cand
-        for _score, cand in planner.pool(space, fixed, rules)
-        if not (planner.raw(cand).vllm_problem or planner.predict(cand) > limit)
+        for (_score, cand), (raw_gib, no_vllm) in zip(pool, planner.sizes(pool))
+        if not (no_vllm or (planner.predict(cand) if planner.weights else raw_gib) > limit)
     ]
     picked: list[dict[str, Any]] = []
     stages: set[Any] = set()
