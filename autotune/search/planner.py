@@ -7,31 +7,31 @@ It combines three kinds of knowledge, cheapest first:
 2. the memory model (``autotune.candidate.memory``), calibrated by per-part corrections fitted to
    every measured peak, so its error shrinks as the night goes on (OOMs teach through dominance, above);
 3. a speed prior (``autotune.candidate.speed``) to rank the candidates the model expects to fit, so the
-   first trials of a study are already good ones.
+   first trials of a study are already good ones, corrected by what was measured nearby
+   (:mod:`autotune.search.expectation`, the speed side, mixed into :class:`Planner`).
 Skipped candidates cost no GPU time and are told to Optuna as infeasible, like OOMs.
 """
 
 from __future__ import annotations
 
-import heapq
 import logging
 import math
-import statistics
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.candidate import constraints
 from autotune.candidate.defaults import knob
-from autotune.candidate.estimate import estimate_for, prior_for
+from autotune.candidate.estimate import estimate_for
 from autotune.candidate.memo import Memo
 from autotune.candidate.memory import Estimate
 from autotune.candidate.moves import neighbors
 from autotune.candidate.space import Space
-from autotune.candidate.vector import OFFLOAD_RANK, MemoryVector, at_least, distance, memory_vector
+from autotune.candidate.vector import OFFLOAD_RANK, MemoryVector, at_least, memory_vector
 from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
+from autotune.search.expectation import SpeedExpectation
 from autotune.search.knobs import KnobMemory, learn, vllm_beside_trainer
 from autotune.study.ranking import headroom_limit
 
@@ -41,11 +41,7 @@ log = logging.getLogger(__name__)
 CALIBRATED_PARTS = ("model_states", "activations", "logits", "vllm", "overhead")
 RIDGE = 1.0  # how hard calibration pulls each correction towards 1.0
 CORRECTION_BOUNDS = (0.3, 3.0)  # a part is never trusted below 0.3x or above 3x the model
-NEAREST = 3  # measured trials that correct the speed prior of a candidate
 GRID_FLOAT_POINTS = 5  # values of each continuous knob in the candidate pool
-#: The prior's log error that :meth:`Planner.improvable` allows: half a standard deviation of what
-#: was measured, never less than 5%; 50% while fewer than 3 trials say how wrong it is.
-SPREAD_STDEVS, MIN_SPREAD, EARLY_SPREAD, SPREAD_TRIALS = 0.5, 1.05, 1.5, 3
 
 
 @dataclass
@@ -67,7 +63,7 @@ class Seen:
 
 
 @dataclass
-class Planner:
+class Planner(SpeedExpectation):
     """Decides, before launch, whether a candidate is worth a trial."""
 
     model: ModelSpec
@@ -290,10 +286,6 @@ class Planner:
             )
         return False
 
-    def prior(self, params: dict[str, Any]) -> float:
-        compute = lambda: prior_for(self.model, self.recipe, self.gpu, params)  # noqa: E731
-        return self._memo.get("prior", (self.model, self.recipe, self.gpu), params, compute)
-
     def next_local(
         self,
         incumbent: dict[str, Any],
@@ -326,47 +318,6 @@ class Planner:
                 return max(group, key=self.expected_throughput)
         return max(options, key=self.expected_throughput)
 
-    def expected_throughput(self, params: dict[str, Any]) -> float:
-        """The speed prior corrected by what was measured nearby (prior x the mean measured/prior
-        ratio of the closest successful trials, in knob space), halved for each way of differing in
-        unknown knobs from clean CUDA OOMs that need no more memory by every known knob: no proof,
-        but odds (OOMs that all differ from it the same way are one piece of evidence, not many)."""
-        vec, mine = self.vector(params), self.knobs.split(params)[1]
-        ooms, ok = self.speed_evidence()
-        ways = {
-            frozenset(set(unknown) - set(mine))
-            for other, unknown in ooms
-            if unknown != mine and at_least(vec, other)
-        }
-        prior = self.prior(params) * 0.5 ** len(ways)
-        if not ok:
-            return prior
-        nearest = heapq.nsmallest(NEAREST, ok, key=lambda t: distance(vec, t[0]))
-        return prior * statistics.fmean(ratio for _, ratio in nearest)
-
-    def speed_evidence(
-        self,
-    ) -> tuple[list[tuple[tuple[float, ...], tuple]], list[tuple[tuple[float, ...], float]]]:
-        """What :meth:`expected_throughput` reads of the trials seen, once per trial learned (the
-        convergence test asks it of thousands of candidates): each clean CUDA OOM's memory vector
-        and unknown knobs, each success's vector and measured/prior ratio."""
-
-        def compute() -> tuple[list, list]:
-            ooms = [
-                (other, self.knobs.split(s.params)[1])
-                for s, other in self.seen_vectors()
-                if s.status == "oom" and s.oom_kind == "cuda" and not s.leftover
-            ]
-            ok = [
-                (other, s.throughput / self.prior(s.params))
-                for s, other in self.seen_vectors()
-                if s.status == "ok" and s.throughput
-            ]
-            return ooms, ok
-
-        owners = (self.recipe, self.knobs, self.seen)
-        return self._memo.get("speed", owners, {"n": len(self.seen)}, compute)
-
     # -- the candidate pool -----------------------------------------------------------------
     def pool(
         self,
@@ -398,41 +349,3 @@ class Planner:
         if self._sizes is None or len(self._sizes) != len(pool):
             self._sizes = [(est.total_gib, bool(est.vllm_problem)) for est in (self.raw(c) for _, c in pool)]
         return self._sizes
-
-    def improvable(
-        self,
-        pool: list[tuple[float, dict[str, Any]]],
-        tried: set[str],
-        key: Callable[[dict[str, Any]], str],
-        best: float,
-        noise: float,
-    ) -> dict[str, Any] | None:
-        """An untried candidate that could still beat ``best`` by more than ``noise``, or None.
-
-        A candidate could win when its expected throughput (the prior corrected by the nearest
-        measurements), raised by how far measurements have strayed from the prior, beats the
-        incumbent by more than the noise, and nothing known rules it out as too big. The pool is
-        sorted by prior, so the walk stops at the first prior that even the most favourable
-        correction measured so far cannot lift over the bar.
-        """
-        ok = [s for s in self.seen if s.status == "ok" and s.throughput]
-        if not ok or not self.use_model:
-            return pool[0][1] if pool else None  # nothing to judge by: keep searching
-        logs = [math.log(s.throughput / self.prior(s.params)) for s in ok]
-        # half a standard deviation of the prior's log error, never less than 5%: the caller has
-        # already waited out its patience, so this guards against a prior that is wrong nearby
-        spread = (
-            max(MIN_SPREAD, math.exp(SPREAD_STDEVS * statistics.pstdev(logs)))
-            if len(logs) >= SPREAD_TRIALS
-            else EARLY_SPREAD
-        )
-        ceiling = math.exp(max(logs)) * spread
-        bar = best * (1 + noise)
-        for prior, cand in pool:
-            if prior * ceiling <= bar:
-                return None
-            if key(cand) in tried or self.expected_throughput(cand) * spread <= bar:
-                continue
-            if not self.verdict(cand).skip:
-                return cand
-        return None
