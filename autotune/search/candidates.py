@@ -58,11 +58,13 @@ def exhausted(planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict
     """Whether no untried candidate is left that nothing rules out. Asked after every trial: the
     open candidate found last time is checked first, since one that is still open answers it
     without walking the grid again (the walk took a sixth of a simulated search's time)."""
-    hint = planner.open_hint
+    held = planner.open_hint
+    hint = held[1] if held is not None and held[0] is pool else None
     if hint is not None and key(hint) not in tried and not planner.verdict(hint).skip:
         return False
-    planner.open_hint = next(open_candidates(planner, pool, tried, key), None)
-    return planner.open_hint is None
+    found = next(open_candidates(planner, pool, tried, key), None)
+    planner.open_hint = (pool, found)
+    return found is None
 
 
 def leanest(planner: Planner, pool: Pool) -> tuple[dict[str, Any], Estimate] | None:

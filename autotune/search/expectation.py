@@ -85,7 +85,7 @@ class SpeedExpectation:
             ]
             return ooms, ok
 
-        owners = (self.recipe, self.knobs, self.seen)
+        owners = (self.model, self.recipe, self.gpu, self.knobs, self.seen)
         return self._memo.get("speed", owners, {"n": len(self.seen)}, compute)
 
     def improvable(

@@ -44,6 +44,9 @@ CORRECTION_BOUNDS = (0.3, 3.0)  # a part is never trusted below 0.3x or above 3x
 GRID_FLOAT_POINTS = 5  # values of each continuous knob in the candidate pool
 
 
+KEPT: dict[str, Any] = {"init": False, "repr": False, "compare": False}  # a field that is a cache
+
+
 @dataclass
 class Verdict:
     skip: bool
@@ -76,11 +79,14 @@ class Planner(SpeedExpectation):
     weights: dict[str, float] = field(default_factory=dict)  # per-part corrections
     _turn: int = 0  # which knob the local search moves next
     rel_error: float = 0.25  # typical |measured - predicted| / measured after calibration
-    _pool: list[tuple[float, dict[str, Any]]] | None = None
-    _sizes: list[tuple[float, bool]] | None = None  # per pool entry: raw GiB, whether vLLM cannot start
-    open_hint: dict[str, Any] | None = None  # the open candidate the last exhaustion test found
     knobs: KnobMemory = field(default_factory=KnobMemory)  # which knobs' memory effect is known
-    _memo: Memo = field(default_factory=Memo, repr=False, compare=False)  # vector(), prior()
+    # what is kept between calls (the grid is 48,720 candidates for a 7B on 4 GPUs: never printed)
+    _memo: Memo = field(default_factory=Memo, init=False, repr=False, compare=False)  # vector(), prior()
+    _pool: list[tuple[float, dict[str, Any]]] | None = field(default=None, **KEPT)
+    # the pool it was computed for, and per entry: raw GiB, whether vLLM cannot start
+    _sizes: tuple[list, list[tuple[float, bool]]] | None = field(default=None, **KEPT)
+    # the pool, and the open candidate of it the last exhaustion test found
+    open_hint: tuple[list, dict[str, Any] | None] | None = field(default=None, **KEPT)
 
     # -- predictions ------------------------------------------------------------------------
     def raw(self, params: dict[str, Any]) -> Estimate:
@@ -346,6 +352,7 @@ class Planner(SpeedExpectation):
         :meth:`pool` returns), computed once: the start-up check and the seeds both walk the whole
         grid (48,720 candidates for a 7B on 4 GPUs), and estimating it twice took a fifth of a
         simulated search's time."""
-        if self._sizes is None or len(self._sizes) != len(pool):
-            self._sizes = [(est.total_gib, bool(est.vllm_problem)) for est in (self.raw(c) for _, c in pool)]
-        return self._sizes
+        if self._sizes is None or self._sizes[0] is not pool:
+            sizes = [(est.total_gib, bool(est.vllm_problem)) for est in (self.raw(c) for _, c in pool)]
+            self._sizes = (pool, sizes)
+        return self._sizes[1]
