@@ -44,6 +44,15 @@ def test_exhaustion_answered_from_the_last_open_candidate_follows_what_was_tried
     assert candidate_key(pinned.planner.open_hint[1]) == keys[1]  # the next in the prior's order
     assert candidates.exhausted(pinned.planner, pool, set(keys), candidate_key)
     assert not candidates.exhausted(pinned.planner, pool, set(keys[1:]), candidate_key)
+    judged = []  # the walk's cost is its verdicts: a hint still open takes one
+    verdict = pinned.planner.verdict
+    pinned.planner.verdict = lambda c: judged.append(c) or verdict(c)
+    assert not candidates.exhausted(pinned.planner, pool, set(keys[1:]), candidate_key)
+    assert len(judged) == 1
+    pinned.planner.observe(2, pool[0][1], "oom", "cuda", None)  # the hint is ruled out: a walk
+    judged.clear()
+    assert candidates.exhausted(pinned.planner, pool, set(keys[1:]), candidate_key)
+    assert judged == [pool[0][1], pool[0][1]]  # the hint, then the walk over what is left untried
 
 
 def test_a_tiny_space_stops_exhausted_without_repeat_trials_or_folders(tmp_path):

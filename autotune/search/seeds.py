@@ -45,8 +45,9 @@ def model_seeds(
     pool = planner.pool(space, fixed, rules)
     scored = [
         cand
-        for (_score, cand), (raw_gib, no_vllm) in zip(pool, planner.sizes(pool))
-        if not (no_vllm or (planner.predict(cand) if planner.weights else raw_gib) > limit)
+        for (_score, cand), (raw_gib, vllm_fails) in zip(pool, planner.sizes(pool))
+        # before any peak is measured (no corrections yet) the prediction is the raw estimate
+        if not (vllm_fails or (planner.predict(cand) if planner.weights else raw_gib) > limit)
     ]
     picked: list[dict[str, Any]] = []
     stages: set[Any] = set()
