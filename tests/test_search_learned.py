@@ -6,11 +6,13 @@ from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
-from autotune.search.headroom import unmeasured_risks
+from autotune.search.headroom import save_risks, unmeasured_risks
 from autotune.search.knobs import KnobMemory
 from autotune.search.momentum import flat_knobs
 from autotune.search.planner import Planner
-from autotune.study import candidate_key
+from autotune.study import candidate_key, rows
+from autotune.study.ranking import Confirmation, choose_best, eligible
+from autotune.trial.outcome import Status
 
 PPO_SPACE = """
 version: 1
@@ -80,13 +82,62 @@ def test_a_knobs_direction_is_learned_from_a_one_knob_pair(tmp_path):
     assert "trial 1" in planner.verdict(big).reason
     # but a learned direction does not take an unmeasured peak off the edge: seen, plain 8B on
     # 8 x 80 GB, micro 16 at the edge ran in some trials and died in others, three do-nothing knobs
-    # were 'learned' from those pairs, and what was exported died in the long run (0.00)
-    assert set(unmeasured_risks(planner)) == {"3"}
+    # were 'learned' from those pairs, and what was exported died in the long run (0.00); only a
+    # longer run that holds clears it (the next test)
+    risks, clears = unmeasured_risks(planner)
+    assert set(risks) == {"3"} and clears == ["3"]
     assert planner.knobs.learned == {"adam_offload": "down"}
     # a pair that says the opposite leaves the knob unknown again
     planner.observe(4, {**PPO, "micro_train_batch_size": 4}, "ok", None, None, 1.5)
     planner.observe(5, {**PPO, "micro_train_batch_size": 4, "adam_offload": True}, "oom", "cuda", None)
     assert planner.knobs.learned == {}
+
+
+def test_an_unmeasured_peak_a_learned_knob_sets_apart_is_cleared_by_a_longer_run_that_holds(tmp_path):
+    """Seen: a plain trainer logging no memory on 8 x 80 GB: micro-batch 8 ran out of memory without
+    activation offload, ten trials of micro-batch 8 with it ran fine, and all ten were passed over as
+    at the edge of that OOM; micro-batch 4 was exported (0.85 of the best possible). A knob measured
+    to need less memory may be why one ran and the other died, or an edge's coin: the confirmation, a
+    run as long as the export is judged by, tells them apart. Where nothing learned sets a success
+    apart from the OOM, no run clears it."""
+    planner, _ = ppo_planner(tmp_path)
+    planner.observe(0, PPO, "oom", "cuda", None)
+    off = {**PPO, "adam_offload": True}
+    planner.observe(1, off, "ok", None, None, 2.0)  # no peak logged; adam_offload alone apart
+    wide = {**PPO, "micro_train_batch_size": 16, "colocate_all_models": True}
+    planner.observe(2, wide, "ok", None, None, 3.0)  # apart only in a knob nothing showed the way of
+    small = {**PPO, "micro_train_batch_size": 4}
+    planner.observe(3, small, "ok", None, None, 1.0)
+    assert planner.knobs.learned == {"adam_offload": "down"}
+    risks, clears = unmeasured_risks(planner)
+    assert set(risks) == {"1", "2"} and clears == ["1"]
+
+    # kept in the study where the ranking reads it
+    import optuna
+
+    study = optuna.create_study(direction="maximize")
+    for params, value in ((PPO, None), (off, 2.0), (wide, 3.0), (small, 1.0)):  # trials 0-3
+        attrs = {"candidate": params, "launched": True, "status": "ok" if value else "oom"}
+        if value:
+            attrs["throughput"] = value
+        study.add_trial(optuna.trial.create_trial(value=value or 0.0, user_attrs=attrs))
+    save_risks(study, planner)
+    table = rows(study)
+    assert [r.long_run_clears for r in table] == [False, True, False, False]
+    recipe = planner.recipe
+
+    # no longer run yet: the export passes both over; the confirmations may run the cleared one
+    assert [r.number for r in eligible(table, recipe)[0]] == [3]
+    assert [r.number for r in eligible(table, recipe, confirming=True)[0]] == [1, 3]
+    held = Confirmation(Status.OK, 2.1, None, 11)
+    best, _ = choose_best(table, recipe, {1: held})
+    assert best.number == 1
+    died = Confirmation(Status.OOM, steps=7, oom_kind="cuda")
+    best, notes = choose_best(table, recipe, {1: died})
+    assert best.number == 3 and any("died in its longer confirmation run" in n for n in notes), notes
+    # a held run does not clear a success nothing learned sets apart from the OOM
+    best, notes = choose_best(table, recipe, {2: held})
+    assert best.number == 3 and any("peak was not measured and trial 0" in n for n in notes), notes
 
 
 def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path):

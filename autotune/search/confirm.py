@@ -76,7 +76,7 @@ def confirm(
     while runs < recipe.confirm + 2:
         done = confirmations(study)
         all_rows = rows(study)
-        candidates, _ = eligible(all_rows, recipe, done)
+        candidates, _ = eligible(all_rows, recipe, done, confirming=True)
         held = [c for c in done.values() if held_up(c)]
         best = max((c.throughput or 0.0 for c in held), default=0.0)
         spread = noise(all_rows, done)

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import optuna
+
 from autotune.candidate.vector import at_least
 from autotune.search.planner import Planner, Seen
 from autotune.study.ranking import headroom_limit
+from autotune.study.record import AT_RISK_ATTR, LONG_RUN_CLEARS_ATTR
 
 
 def fits_headroom(peak_gib: float | None, limit: float | None) -> bool:
@@ -36,8 +39,19 @@ def incumbent(planner: Planner) -> Seen | None:
     return max(ok, key=lambda s: s.throughput or 0.0, default=None)
 
 
-def unmeasured_risks(planner: Planner) -> dict[str, str]:
-    """{trial number: why} for successful trials without a measured peak that may not keep headroom."""
+def unmeasured_risks(planner: Planner) -> tuple[dict[str, str], list[str]]:
+    """{trial number: why} for successful trials without a measured peak that may not keep headroom,
+    and the numbers among them whose risk a longer run that holds clears.
+
+    An OOM of a configuration that needs no more memory by every knob whose effect is known puts a
+    success at the edge. Where the two also differ in a knob whose direction measurements showed
+    (``KnobMemory.learned``) and this one has the value that needs less, that knob may be why one
+    ran and the other died, or the learned direction may be an edge's coin (both ran at the edge,
+    one died): a confirmation, a run as long as the export is judged by, tells the two apart. Seen:
+    a trainer logging no memory, micro-batch 8 out of memory without activation offload and ten
+    trials of it with offload fine; all ten were passed over and micro-batch 4 exported (0.85).
+    Learned directions alone never take a success off the edge (tests/test_search_learned.py).
+    """
     recipe = planner.recipe
     limit = recipe.gpu_memory_gib * (1 - recipe.headroom)
     ooms = [s for s in planner.seen if s.status == "oom" and s.oom_kind == "cuda" and not s.leftover]
@@ -45,16 +59,20 @@ def unmeasured_risks(planner: Planner) -> dict[str, str]:
     # configuration runs once and dies the next time, are no proof that a knob moved it off the edge
     known = replace(planner.knobs, learned={})
     out: dict[str, str] = {}
+    clears: list[str] = []
     for s in planner.seen:
         if s.status != "ok" or s.peak_gib is not None:
             continue
         vec = planner.vector(s.params, known)
-        edge = next((o for o in ooms if at_least(vec, planner.vector(o.params, known))), None)
-        if edge is not None:
+        edges = [o for o in ooms if at_least(vec, planner.vector(o.params, known))]
+        if edges:
             out[str(s.number)] = (
-                f"trial {edge.number}, which needs no more memory by every knob whose effect is known, "
-                "ran out of memory"
+                f"trial {edges[0].number}, which needs no more memory by every knob whose effect is "
+                "known, ran out of memory"
             )
+            full = planner.vector(s.params)
+            if all(not at_least(full, planner.vector(o.params)) for o in edges):
+                clears.append(str(s.number))
             continue
         if planner.use_model and planner.model_trusted:
             predicted = planner.predict(s.params)
@@ -64,4 +82,13 @@ def unmeasured_risks(planner: Planner) -> dict[str, str]:
                     f"the calibrated model predicts {predicted:.1f} GiB (+{margin:.0%} margin), above the "
                     f"{limit:.1f} GiB headroom limit"
                 )
-    return out
+    return out, clears
+
+
+def save_risks(study: optuna.Study, planner: Planner | None) -> None:
+    """Keep :func:`unmeasured_risks` in the study, where the export's ranking reads them."""
+    risks, clears = unmeasured_risks(planner) if planner is not None else ({}, [])
+    if risks != (study.user_attrs.get(AT_RISK_ATTR) or {}):
+        study.set_user_attr(AT_RISK_ATTR, risks)
+    if clears != (study.user_attrs.get(LONG_RUN_CLEARS_ATTR) or []):
+        study.set_user_attr(LONG_RUN_CLEARS_ATTR, clears)

@@ -32,7 +32,7 @@ from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
 from autotune.search import candidates
 from autotune.search.confirm import confirm
-from autotune.search.headroom import incumbent, unmeasured_risks
+from autotune.search.headroom import incumbent, save_risks
 from autotune.search.knobs import KnobMemory
 from autotune.search.momentum import flat_knobs
 from autotune.search.parallel import Scheduler, answered  # noqa: F401  (answered: tests import it from here)
@@ -58,7 +58,6 @@ from autotune.study import (
 from autotune.study.incidents import incidents, long_run_failures
 from autotune.study.lock import StudyLock
 from autotune.study.ranking import Confirmation
-from autotune.study.record import AT_RISK_ATTR
 from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.outcome import Outcome, Status
 
@@ -399,9 +398,7 @@ class Search:
             return
         state.study.set_user_attr("elapsed_s", round(state.stopping.budget.elapsed(), 1))
         new_best = state.observe(Finished.of_outcome(trial.number, params, outcome, launched=True))
-        risks = unmeasured_risks(self.planner) if self.planner is not None else {}
-        if risks != (state.study.user_attrs.get(AT_RISK_ATTR) or {}):
-            state.study.set_user_attr(AT_RISK_ATTR, risks)
+        save_risks(state.study, self.planner)
         self.reporter.trial_finished(trial.number, outcome)
         fine = [s.params for s in self.planner.seen if s.status == Status.OK] if self.planner else []
         again = self.reruns.after(state.study, trial.number, key, params, outcome, fine)

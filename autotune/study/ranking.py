@@ -72,9 +72,12 @@ def eligible(
     confirmed: dict[int, Confirmation] | None = None,
     passed_over: dict[int, str] | None = None,
     failed_long: dict[str, str] | None = None,
+    confirming: bool = False,
 ) -> tuple[list[TrialRow], list[str]]:
     """Launched ok trials, fastest first, that left ``headroom`` of GPU memory free and, when a
     longer confirmation run was made, survived it with headroom too; plus why others were not.
+    An unmeasured peak at risk that a longer run clears (``TrialRow.long_run_clears``) qualifies
+    once its confirmation held, and is a candidate for one when ``confirming``.
     ``passed_over``, when given, receives each passed-over trial's reason by number (for ``show``);
     ``failed_long`` holds the configurations a production run lost to OOM or a hang (by candidate key,
     :func:`autotune.study.incidents.failed_long`): a long run outweighs any short trial. When no
@@ -92,7 +95,10 @@ def eligible(
         if failed_long and candidate_key(row.params) in failed_long:
             return failed_long[candidate_key(row.params)]
         if check_peak and row.peak_memory_gib is None and row.at_risk:
-            return f"its peak was not measured and {row.at_risk}"
+            if not row.long_run_clears:
+                return f"its peak was not measured and {row.at_risk}"
+            if c is None and not confirming:
+                return f"its peak was not measured and {row.at_risk}; no longer run has cleared it"
         if check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
             return (
                 f"peak {row.peak_memory_gib:.1f} GiB is within {recipe.headroom:.0%} of the "

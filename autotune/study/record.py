@@ -56,6 +56,7 @@ class TrialRow:
     mean_gpu_util: float | None = None  # over the measured steps, a fraction
     diagnosis: str | None = None  # the low-utilization diagnosis of a trial that ran ok, or None
     at_risk: str | None = None  # its peak was not measured and the search judges it near capacity: why
+    long_run_clears: bool = False  # ... and a longer run that holds clears it (headroom.unmeasured_risks)
 
 
 def candidate_key(params: dict[str, Any]) -> str:
@@ -168,11 +169,13 @@ def launched_rows(study: optuna.Study) -> list[FrozenTrial]:
 
 
 AT_RISK_ATTR = "at_risk"  # study user attribute: {trial number: why its unmeasured peak is near capacity}
+LONG_RUN_CLEARS_ATTR = "at_risk_long_run"  # [trial number]: those of them a held confirmation clears
 
 
 def rows(study: optuna.Study) -> list[TrialRow]:
     """All finished or interrupted trials, as the reports want them."""
     risky = study.user_attrs.get(AT_RISK_ATTR) or {}
+    clears = set(study.user_attrs.get(LONG_RUN_CLEARS_ATTR) or ())
     out = [
         row_of(t)
         for t in study.get_trials(deepcopy=False)
@@ -180,4 +183,5 @@ def rows(study: optuna.Study) -> list[TrialRow]:
     ]
     for row in out:
         row.at_risk = risky.get(str(row.number))
+        row.long_run_clears = row.at_risk is not None and str(row.number) in clears
     return out
