@@ -259,6 +259,9 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     # each run says whether it had measured a configuration at 0.95 (the choice missed it) or not
     assert "## Why runs miss 0.95" in text and "never measured one" in text
     assert all(0.0 <= r["measured_best"] <= 1.0 + 1e-9 for r in rows)
+    # and whether its export kept the headroom in truth: the same score, or 0 where it peaked inside
+    assert all(r["final_safe"] in (0.0, r["final"]) and r["final_safe"] <= 1.0 + 1e-9 for r in rows)
+    assert "| inside headroom |" in text
     # and by which proposer each launched trial was made (autotune: every launched trial counted once)
     assert "## Launched trials by proposer" in text
     ours = [r for r in rows if r["policy"] == "autotune"]
