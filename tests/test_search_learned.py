@@ -264,3 +264,57 @@ def test_a_runner_up_whose_knob_pays_is_followed_when_it_promises_a_new_best(tmp
     assert nxt == {**lean, "micro_train_batch_size": 8}
     # a runner-up whose step gained too little to beat the best is not followed
     assert promising_onward(planner, 7.5, space, fixed, [], tried, candidate_key) is None
+
+
+def plain_planner():
+    """The benchmark's plain trainer (its space as the repository ships it: no knob declares its
+    effect on memory) on 8 x 80 GB."""
+    from pathlib import Path
+
+    import autotune.sim
+
+    path = Path(autotune.sim.__file__).parent / "spaces" / "plain.yaml"
+    space = load_space(path)
+    gpu = find_gpu_type("A100-80GB")
+    recipe = Recipe(
+        model="Llama-3.1-8B",
+        gpus=8,
+        gpu_type=gpu.name,
+        gpu_memory_gib=gpu.memory_gib,
+        runner="command",
+        space=str(path),
+        global_batch=64,
+    )
+    return Planner(resolve_model(recipe.model), recipe, gpu, knobs=KnobMemory.of(space)), space
+
+
+def test_a_knob_measured_to_cost_speed_is_asked_whether_it_saves_the_memory_the_next_batch_needs():
+    """Seen: a trainer logging no memory, 8 x 80 GB: micro-batch 8 ran out of memory without
+    activation offload; offload ran 24% slower at micro-batch 4 and was never tried at 8, where the
+    best configurations are (offload halves the activations' memory); micro-batch 4 was exported at
+    0.81 of the best possible. Without peaks no pair shows offload's direction, so the trade (a saver
+    on, a larger micro-batch) never took it: the OOM is now asked again with offload on."""
+    from autotune.search.trade import saver_experiment
+
+    planner, space = plain_planner()
+    base = dict(
+        micro_batch_size=4, activation_offload=False, dataloader_workers=0, log_interval=1, fused_adam=True
+    )
+    planner.observe(1, base, "ok", None, None, 4.78)  # no peak: the trainer logs none
+    planner.observe(2, {**base, "log_interval": 10}, "ok", None, None, 4.77)  # costs nothing
+    planner.observe(4, {**base, "micro_batch_size": 8}, "oom", "cuda", None)
+    tried = {candidate_key(p) for p in (base, {**base, "log_interval": 10}, {**base, "micro_batch_size": 8})}
+
+    def ask():
+        return saver_experiment(planner, base, space, {}, [], tried, candidate_key, 0.03)
+
+    assert ask() is None  # nothing measured to cost speed: no knob looks like a saver
+    slow = {**base, "activation_offload": True}
+    planner.observe(5, slow, "ok", None, None, 3.63)
+    tried.add(candidate_key(slow))
+    assert ask() == {**base, "activation_offload": True, "micro_batch_size": 8}
+    # it ran: the pair with the OOM shows offload's direction, and the trade and the walk take over
+    planner.observe(6, ask(), "ok", None, None, 5.97)
+    assert planner.knobs.learned == {"activation_offload": "down"}
+    tried.add(candidate_key({**base, "activation_offload": True, "micro_batch_size": 8}))
+    assert ask() is None

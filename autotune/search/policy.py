@@ -47,7 +47,7 @@ from autotune.search.momentum import between, flat_knobs, keep_going, promising_
 from autotune.search.planner import Planner, Seen
 from autotune.search.seeds import seed_candidates
 from autotune.search.state import noise
-from autotune.search.trade import next_trade
+from autotune.search.trade import next_trade, saver_experiment
 from autotune.study import candidate_key, choose_best, confirmations, measured_configs, rows
 from autotune.study.claims import pending_keys
 from autotune.study.ranking import headroom_limit
@@ -202,9 +202,15 @@ class PolicySampler(BaseSampler):
         )
         if traded is not None:  # the micro-batch is stuck: a memory saver on, and what it frees spent
             return traded
+        spread = noise(rows(study), confirmations(study))
+        asked = saver_experiment(
+            self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, spread
+        )
+        if asked is not None:  # ... and a knob nobody knows the memory of may be the saver
+            return asked
         flat = flat_knobs(self.planner, [n for n in self.space.params if n not in self.fixed])
         self.local_turns += 1
-        leaders = co_leaders(self.planner, best.number, noise(rows(study), confirmations(study)))
+        leaders = co_leaders(self.planner, best.number, spread)
         for center in rotate([s.params for s in leaders], self.local_turns) or [best.params]:
             step = self.planner.next_local(
                 center, self.space, self.fixed, self.rules, done, candidate_key, flat

@@ -11,6 +11,12 @@ Each incumbent gets each trade once: one that ran out of memory is tried again o
 smaller, one that ran is not (on the benchmark that rule took the share at 0.95 from 73% to 76%).
 The trade backwards (a saver off, paid for with a smaller micro-batch) was measured too and lost
 (67%): see docs/benchmarks-notes.md.
+
+A knob whose effect on memory nobody knows can be a saver too, and where the trainer logs no memory
+no pair of peaks ever shows it. :func:`saver_experiment` asks it directly: the micro-batch's next
+step ran out of memory, and a knob measured to cost speed (as every saver does: it recomputes,
+moves or shards to save memory) is moved alone from that OOM. If the copy runs, the pair teaches the
+knob's direction (``knobs.learn``) and the trade and the walk go on from there.
 """
 
 from __future__ import annotations
@@ -93,3 +99,68 @@ def next_trade(
                     trades.append(cand)
                     break
     return max(trades, key=planner.expected_throughput) if trades else None
+
+
+def saver_experiment(
+    planner: Planner,
+    incumbent: dict[str, Any],
+    space: Space,
+    fixed: dict[str, Any],
+    rules: Rules,
+    tried: set[str],
+    key: Callable[[dict[str, Any]], str],
+    spread: float,
+) -> dict[str, Any] | None:
+    """An OOM at the incumbent's next micro-batch with one knob of unknown effect moved to the value
+    measured slower (by more than twice the noise ``spread``, in a pair of successes that differ in
+    it alone), or None. Seen: a trainer logging no memory, micro-batch 8 out of memory twice without
+    activation offload, which halves the activations' memory; offload was measured 24% slower at
+    micro-batch 4 and never tried at 8, and micro-batch 4 was exported (0.81 of the best possible)."""
+    micro = micro_name(space)
+    here = incumbent.get(micro) if micro is not None else None
+    if micro is None or micro in fixed or here is None:
+        return None
+    larger = [m for m in sorted(space.params[micro].choices or []) if m > here]
+    if not larger:
+        return None
+    known = planner.knobs
+    step = planner.vector(
+        space.normalize(constraints.derive({**incumbent, micro: larger[0]}, planner.recipe))
+    )
+    stuck = [
+        o
+        for o in planner.seen
+        if o.status == "oom"
+        and o.oom_kind == "cuda"
+        and not o.leftover
+        and o.params.get(micro) == larger[0]
+        and at_least(step, planner.vector(o.params))
+    ]
+    slower = costly_values(planner, space, spread)
+    out = []
+    for o in stuck:
+        for name, value in slower:
+            if name in fixed or known.direction(name, o.params) is not None or o.params.get(name) == value:
+                continue
+            cand = space.normalize(constraints.derive({**o.params, name: value}, planner.recipe))
+            if key(cand) in tried or constraints.violations(cand, planner.recipe, list(rules)):
+                continue
+            if not planner.verdict(cand).skip:
+                out.append(cand)
+    return max(out, key=planner.expected_throughput) if out else None
+
+
+def costly_values(planner: Planner, space: Space, spread: float) -> list[tuple[str, Any]]:
+    """(knob, value) pairs measured slower than another value of the same knob, all else equal, by
+    more than twice the noise: what a memory saver looks like from its speed alone."""
+    ok = [s for s in planner.seen if s.status == "ok" and s.throughput]
+    out: set[tuple[str, Any]] = set()
+    for i, a in enumerate(ok):
+        for b in ok[i + 1 :]:
+            differ = [n for n in set(a.params) | set(b.params) if a.params.get(n) != b.params.get(n)]
+            if len(differ) != 1 or differ[0] not in space.params:
+                continue
+            slow, fast = (a, b) if (a.throughput or 0) < (b.throughput or 0) else (b, a)
+            if (slow.throughput or 0) * (1 + 2 * spread) < (fast.throughput or 0):
+                out.add((differ[0], slow.params.get(differ[0])))
+    return sorted(out, key=repr)
