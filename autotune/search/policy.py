@@ -12,7 +12,8 @@ sample it:
 2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial
    so far (:meth:`Planner.next_local`, going on along a knob while it pays, the value between when
    a step that paid peaked inside the headroom, and, when the micro-batch cannot go up by itself, a
-   memory saver traded for a larger one: :mod:`autotune.search.trade`); the one-knob steps leave in
+   memory saver traded for a larger one, or a knob of unknown effect on memory measured to cost speed
+   asked whether it is one: :mod:`autotune.search.trade`); the one-knob steps leave in
    turn from the incumbent and from runners-up a second run could rank above it (within twice the
    noise, elsewhere in the space: :func:`co_leaders`); while nothing has fit, a step from every OOM
    along its kind's cure (:mod:`autotune.search.cures`).
