@@ -166,6 +166,7 @@ def run_fixed_list(
             confirm_rule = StopRule.confirming(land.recipe)
             outcome = tracker(params, Path(tmp) / "confirm", 0, TrialControl(confirm_rule, purpose="confirm"))
             if outcome.status == "ok" and (outcome.peak_memory_gib or 0) <= limit:
+                tracker.run.exported = params
                 tracker.run.final = land.value(params)
                 break
     tracker.run.total_hours = tracker.hours

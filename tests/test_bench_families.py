@@ -261,6 +261,7 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     assert all(0.0 <= r["measured_best"] <= 1.0 + 1e-9 for r in rows)
     # and whether its export kept the headroom in truth: the same score, or 0 where it peaked inside
     assert all(r["final_safe"] in (0.0, r["final"]) and r["final_safe"] <= 1.0 + 1e-9 for r in rows)
+    assert all(r["exported"] or r["final"] == 0 for r in rows)  # every policy names what it exported
     assert "| inside headroom |" in text
     # and by which proposer each launched trial was made (autotune: every launched trial counted once)
     assert "## Launched trials by proposer" in text
