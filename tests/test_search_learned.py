@@ -37,10 +37,15 @@ PPO = dict(
 def ppo_planner(tmp_path):
     path = tmp_path / "ppo.yaml"
     path.write_text(PPO_SPACE)
+    return space_planner(path, "Qwen2.5-7B-Instruct")
+
+
+def space_planner(path, model):
+    """A planner for a trainer in its own knob names (the space at ``path``) on 8 x A100-80GB."""
     space = load_space(path)
     gpu = find_gpu_type("A100-80GB")
     recipe = Recipe(
-        model="Qwen2.5-7B-Instruct",
+        model=model,
         gpus=8,
         gpu_type=gpu.name,
         gpu_memory_gib=gpu.memory_gib,
@@ -273,19 +278,7 @@ def plain_planner():
 
     import autotune.sim
 
-    path = Path(autotune.sim.__file__).parent / "spaces" / "plain.yaml"
-    space = load_space(path)
-    gpu = find_gpu_type("A100-80GB")
-    recipe = Recipe(
-        model="Llama-3.1-8B",
-        gpus=8,
-        gpu_type=gpu.name,
-        gpu_memory_gib=gpu.memory_gib,
-        runner="command",
-        space=str(path),
-        global_batch=64,
-    )
-    return Planner(resolve_model(recipe.model), recipe, gpu, knobs=KnobMemory.of(space)), space
+    return space_planner(Path(autotune.sim.__file__).parent / "spaces" / "plain.yaml", "Llama-3.1-8B")
 
 
 def test_a_knob_measured_to_cost_speed_is_asked_whether_it_saves_the_memory_the_next_batch_needs():
