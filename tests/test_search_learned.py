@@ -143,6 +143,11 @@ def test_an_unmeasured_peak_a_learned_knob_sets_apart_is_cleared_by_a_longer_run
     # a held run does not clear a success nothing learned sets apart from the OOM
     best, notes = choose_best(table, recipe, {2: held})
     assert best.number == 3 and any("peak was not measured and trial 0" in n for n in notes), notes
+    # the dashboard reads the same verdicts from the storage (it exported trial 2 before)
+    from autotune.study.dashboard import decisions
+
+    exported, verdicts = decisions(study.get_trials(), study.user_attrs, recipe)
+    assert exported == 3 and verdicts[2].startswith("passed over: its peak was not measured"), verdicts
 
 
 def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path):

@@ -174,14 +174,19 @@ LONG_RUN_CLEARS_ATTR = "at_risk_long_run"  # [trial number]: those of them a hel
 
 def rows(study: optuna.Study) -> list[TrialRow]:
     """All finished or interrupted trials, as the reports want them."""
-    risky = study.user_attrs.get(AT_RISK_ATTR) or {}
-    clears = set(study.user_attrs.get(LONG_RUN_CLEARS_ATTR) or ())
     out = [
         row_of(t)
         for t in study.get_trials(deepcopy=False)
         if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
     ]
-    for row in out:
+    return mark_risks(out, study.user_attrs)
+
+
+def mark_risks(rows_: list[TrialRow], attrs: dict[str, Any]) -> list[TrialRow]:
+    """Each row's unmeasured-peak verdict, from the study's attributes (what the search judged)."""
+    risky = attrs.get(AT_RISK_ATTR) or {}
+    clears = set(attrs.get(LONG_RUN_CLEARS_ATTR) or ())
+    for row in rows_:
         row.at_risk = risky.get(str(row.number))
         row.long_run_clears = row.at_risk is not None and str(row.number) in clears
-    return out
+    return rows_
