@@ -100,7 +100,7 @@ def test_a_knobs_direction_is_learned_from_a_one_knob_pair(tmp_path):
 
 def test_an_unmeasured_peak_a_learned_knob_sets_apart_is_cleared_by_a_longer_run_that_holds(tmp_path):
     """Seen: a plain trainer logging no memory on 8 x 80 GB: micro-batch 8 ran out of memory without
-    activation offload, ten trials of micro-batch 8 with it ran fine, and all ten were passed over as
+    activation offload, nine trials of micro-batch 8 with it ran fine, and all nine were passed over as
     at the edge of that OOM; micro-batch 4 was exported (0.85 of the best possible). A knob measured
     to need less memory may be why one ran and the other died, or an edge's coin: the confirmation, a
     run as long as the export is judged by, tells them apart. Where nothing learned sets a success

@@ -48,8 +48,8 @@ def unmeasured_risks(planner: Planner) -> tuple[dict[str, str], list[str]]:
     (``KnobMemory.learned``) and this one has the value that needs less, that knob may be why one
     ran and the other died, or the learned direction may be an edge's coin (both ran at the edge,
     one died): a confirmation, a run as long as the export is judged by, tells the two apart. Seen:
-    a trainer logging no memory, micro-batch 8 out of memory without activation offload and ten
-    trials of it with offload fine; all ten were passed over and micro-batch 4 exported (0.85).
+    a trainer logging no memory, micro-batch 8 out of memory without activation offload and nine
+    trials of it with offload fine; all nine were passed over and micro-batch 4 exported (0.85).
     Learned directions alone never take a success off the edge (tests/test_search_learned.py).
     """
     recipe = planner.recipe
