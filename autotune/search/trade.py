@@ -41,6 +41,21 @@ def micro_name(space: Space) -> str | None:
     return name
 
 
+def larger_sizes(space: Space, incumbent: dict[str, Any], fixed: dict[str, Any]) -> tuple[str | None, list]:
+    """The space's micro-batch knob and its values above the incumbent's, or (None, []) where the
+    micro-batch is not the search's to move."""
+    micro = micro_name(space)
+    here = incumbent.get(micro) if micro is not None else None
+    if micro is None or micro in fixed or here is None:
+        return None, []
+    return micro, [m for m in sorted(space.params[micro].choices or []) if m > here]
+
+
+def moved(planner: Planner, space: Space, params: dict[str, Any], name: str, value: Any) -> dict[str, Any]:
+    """``params`` with one knob moved, derived and normalized as a candidate."""
+    return space.normalize(constraints.derive({**params, name: value}, planner.recipe))
+
+
 def next_trade(
     planner: Planner,
     incumbent: dict[str, Any],
@@ -53,15 +68,13 @@ def next_trade(
     """The untried trade from ``incumbent`` with the best expected throughput, or None (no trade is
     needed while the micro-batch can still go up by itself). A trade that ran is not followed by the
     same trade one micro-batch smaller; only one that ran out of memory is."""
-    micro = micro_name(space)
-    here = incumbent.get(micro) if micro is not None else None
-    if micro is None or micro in fixed or here is None:
+    micro, larger = larger_sizes(space, incumbent, fixed)
+    if micro is None:
         return None
     rules = list(rules)
-    larger = [m for m in sorted(space.params[micro].choices or []) if m > here]
 
     def with_micro(params: dict[str, Any], m: Any) -> dict[str, Any]:
-        return space.normalize(constraints.derive({**params, micro: m}, planner.recipe))
+        return moved(planner, space, params, micro, m)
 
     def fits(cand: dict[str, Any]) -> bool:
         if key(cand) in tried or constraints.violations(cand, planner.recipe, rules):
@@ -116,17 +129,11 @@ def saver_experiment(
     it alone), or None. Seen: a trainer logging no memory, micro-batch 8 out of memory twice without
     activation offload, which halves the activations' memory; offload was measured 24% slower at
     micro-batch 4 and never tried at 8, and micro-batch 4 was exported (0.81 of the best possible)."""
-    micro = micro_name(space)
-    here = incumbent.get(micro) if micro is not None else None
-    if micro is None or micro in fixed or here is None:
-        return None
-    larger = [m for m in sorted(space.params[micro].choices or []) if m > here]
-    if not larger:
+    micro, larger = larger_sizes(space, incumbent, fixed)
+    if micro is None or not larger:
         return None
     known = planner.knobs
-    step = planner.vector(
-        space.normalize(constraints.derive({**incumbent, micro: larger[0]}, planner.recipe))
-    )
+    step = planner.vector(moved(planner, space, incumbent, micro, larger[0]))
     stuck = [
         o
         for o in planner.seen
@@ -142,7 +149,7 @@ def saver_experiment(
         for name, value in slower:
             if name in fixed or known.direction(name, o.params) is not None or o.params.get(name) == value:
                 continue
-            cand = space.normalize(constraints.derive({**o.params, name: value}, planner.recipe))
+            cand = moved(planner, space, o.params, name, value)
             if key(cand) in tried or constraints.violations(cand, planner.recipe, list(rules)):
                 continue
             if not planner.verdict(cand).skip:
