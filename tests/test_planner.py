@@ -460,11 +460,11 @@ def test_an_unmeasured_peak_at_the_edge_is_not_exported(tmp_path, recipe_factory
     planner = ppo_planner(tmp_path)
     planner.observe(1, ppo, "ok", None, None, 9.0)  # no peak: the trainer logs none
     planner.observe(2, {**ppo, "micro_train_batch_size": 4}, "ok", None, None, 6.0)
-    assert unmeasured_risks(planner) == ({}, [])
+    assert unmeasured_risks(planner, 0.03) == ({}, [])
     # same batch, two unknown knobs apart (one apart would show that knob's direction: see
     # test_search_learned.py): the OOM needs no more memory by every knob whose effect is known
     planner.observe(3, {**ppo, "adam_offload": False, "colocate_all_models": True}, "oom", "cuda", None)
-    risks, clears = unmeasured_risks(planner)
+    risks, clears = unmeasured_risks(planner, 0.03)
     assert set(risks) == {"1"} and "trial 3" in risks["1"]
     assert clears == []  # two unknown knobs apart, neither's direction measured: no run clears it
     rows_ = [
@@ -476,7 +476,7 @@ def test_an_unmeasured_peak_at_the_edge_is_not_exported(tmp_path, recipe_factory
     assert any("peak was not measured and trial 3" in n for n in notes), notes
     # a measured peak is judged by the measurement, not by the neighbours
     planner.observe(4, {**ppo, "zero_stage": 3}, "ok", None, 50.0, 8.0)
-    assert "4" not in unmeasured_risks(planner)[0]
+    assert "4" not in unmeasured_risks(planner, 0.03)[0]
 
 
 @pytest.mark.parametrize(

@@ -96,3 +96,42 @@ def search_rows(search):
     from autotune.study import rows
 
     return rows(optuna.load_study(study_name="r", storage=search.storage))
+
+
+def test_a_confirmation_that_runs_out_of_memory_puts_what_needs_more_at_the_edge(tmp_path):
+    """A trainer that logs no memory: micro-batch 4 with checkpointing and without it ran, 2% apart.
+    The faster (checkpointing off) held its longer run; the other, which needs less memory by every
+    known knob, ran out of memory in its own. That OOM puts the first at the edge (it may be the
+    next to die), so the confirmations and the export judge it at risk at once, not only after the
+    next search trial (there is none after the confirmations). The confirmations also run only what
+    the export may pick or a held run clears (``eligible(confirming=True)``)."""
+    confirmed = []
+
+    def no_peaks(params, trial_dir, number, control):
+        micro, gc = params["per_device_train_batch_size"], params["gradient_checkpointing"]
+        if micro > 4 or (control.purpose == "confirm" and micro == 4 and gc):
+            return Outcome(status="oom", oom_kind="cuda", error_line="CUDA out of memory", wall_time_s=1.0)
+        if control.purpose == "confirm":
+            confirmed.append((micro, gc))
+        speed = micro * (1.0 if gc else 1.02)
+        return Outcome(status="ok", throughput=speed, steps=5, wall_time_s=1.0)  # no peak measured
+
+    pins = {k: v for k, v in LEAN.items() if k != "gradient_checkpointing"}
+    search = make_search(tmp_path, gpus=2, execute=no_peaks, trials=12, confirm=2, pins=pins, patience=0)
+    result = search.run()
+    table = {
+        (r.params["per_device_train_batch_size"], r.params["gradient_checkpointing"]): r
+        for r in search_rows(search)
+    }
+    assert confirmed[0] == (4, False), confirmed
+    assert table[(4, False)].at_risk, table[(4, False)]
+    assert result.best is None or result.best.params["per_device_train_batch_size"] < 4, result.best
+    if result.best is None:
+        # best/ had been written for micro-batch 4 when it was found; its files are moved aside,
+        # not left to be launched and not deleted
+        best = tmp_path / "r" / "best"
+        summary = (best / "summary.md").read_text()
+        assert summary.startswith("# autotune: nothing to export"), summary
+        assert "died in its longer confirmation run" in summary, summary
+        assert not (best / "launch.sh").exists() and (best / "withdrawn" / "launch.sh").is_file()
+        assert '"per_device_train_batch_size": 4' in (best / "withdrawn" / "params.json").read_text()

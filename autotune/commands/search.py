@@ -81,8 +81,8 @@ def finish_lines(recipe: Recipe, paths: StudyPaths, result: SearchResult) -> Non
     best = result.best
     if best is None:
         print(
-            f"no configuration ran successfully in {result.launched} trial(s); see "
-            f"autotune show {paths.name} (runs dir {paths.runs_dir})"
+            f"nothing to export after {result.launched} trial(s): none ran and kept the headroom "
+            f"through its checks; see autotune show {paths.name} (runs dir {paths.runs_dir})"
         )
         if result.stopped_reason:
             print(result.stopped_reason)

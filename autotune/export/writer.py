@@ -35,6 +35,7 @@ from autotune.export.layout import (
 from autotune.export.summary import summary_md
 from autotune.export.swift import swift_sh
 from autotune.export.trl import grpo_yaml, launch_sh
+from autotune.files import write_text
 from autotune.recipe import Recipe
 from autotune.study import choose_best, confirmations, rows
 from autotune.study.incidents import long_run_failures
@@ -43,11 +44,18 @@ from autotune.study.record import TrialRow
 OWN_FILES = frozenset(BEST_FILES)
 
 
-def export_study(study: optuna.Study, recipe: Recipe, out_dir: Path) -> list[Path]:
-    """(Re)write best/ from whatever the study holds now; nothing to write without an ok trial."""
+WITHDRAWN = "withdrawn"  # best/'s subfolder for files of a configuration no longer exported
+
+
+def export_study(study: optuna.Study, recipe: Recipe, out_dir: Path, *, withdraw: bool = False) -> list[Path]:
+    """(Re)write best/ from whatever the study holds now; nothing to write without an exportable
+    trial. With ``withdraw`` (the search's last export), files exported earlier for a configuration
+    the study no longer exports are moved aside (:func:`withdraw_best`)."""
     all_rows = rows(study)
     best, notes = choose_best(all_rows, recipe, confirmations(study), long_run_failures(study))
     if best is None:
+        if withdraw:
+            withdraw_best(out_dir, notes)
         return []
     return write_best(out_dir, best, recipe, all_rows, notes=notes, stopped=study.user_attrs.get("stopped"))
 
@@ -166,3 +174,32 @@ def _named(exc: OSError, target: Path) -> OSError:
     named = OSError(exc.errno, exc.strerror, str(target))
     named.__cause__ = exc
     return named
+
+
+def withdraw_best(out_dir: Path, notes: Iterable[str]) -> Path | None:
+    """Move autotune's files in ``out_dir`` into its ``withdrawn/`` subfolder and say why in a new
+    summary.md; returns that summary, or None where nothing was exported before.
+
+    A search exports each new best as it is found; the confirmations that follow may find it dying
+    in a longer run, or an OOM may put it at the edge, and then nothing is exportable. Left in
+    place, the earlier files would name a configuration the search has judged unsafe as its choice;
+    deleted, the user would lose them. Moved aside, they stay for whoever wants to read them.
+    """
+    final = Path(out_dir).resolve()
+    own = sorted(final / n for n in OWN_FILES if (final / n).is_file())
+    if not own:
+        return None
+    aside = final / WITHDRAWN
+    with _folder_lock(final.parent):
+        aside.mkdir(exist_ok=True)
+        for path in own:
+            os.replace(path, aside / path.name)
+        reasons = "".join(f"- {n}\n" for n in notes) or "- no trial is exportable\n"
+        text = (
+            "# autotune: nothing to export\n\n"
+            f"The configuration exported earlier in this search is no longer one it would launch; its "
+            f"files are in `{WITHDRAWN}/`, kept for reading, not for launching. Why:\n\n{reasons}"
+        )
+        summary = final / SUMMARY_MD
+        write_text(summary, text)
+    return summary

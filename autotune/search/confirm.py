@@ -13,7 +13,8 @@ from concurrent.futures import ThreadPoolExecutor
 from autotune.candidate import constraints
 from autotune.recipe import Recipe
 from autotune.runners.base import on_gpus
-from autotune.search.state import Finished, SearchState, noise
+from autotune.search.headroom import save_risks
+from autotune.search.state import Finished, SearchState
 from autotune.search.transient import transient_error
 from autotune.study import (
     Confirmation,
@@ -24,7 +25,7 @@ from autotune.study import (
     rows,
     save_confirmation,
 )
-from autotune.study.ranking import headroom_limit
+from autotune.study.ranking import headroom_limit, noise
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.execute import abort_on_error
 from autotune.trial.layout import TrialFiles
@@ -120,6 +121,8 @@ def confirm(
             budget.spent(outcome.wall_time_s)
             if outcome.status == Status.OOM:
                 state.observe(Finished.of_outcome(row.number, row.params, outcome, launched=True))
+                # the next leader is chosen by the at-risk list this OOM may have grown
+                save_risks(study, state.planner)
             reporter.message(
                 f"confirmation of trial {row.number}: {outcome.status}"
                 + (f" {outcome.throughput:.3g}/s" if outcome.throughput else "")

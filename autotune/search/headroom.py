@@ -17,8 +17,9 @@ import optuna
 
 from autotune.candidate.vector import at_least
 from autotune.search.planner import Planner, Seen
-from autotune.study.ranking import headroom_limit
-from autotune.study.record import AT_RISK_ATTR, LONG_RUN_CLEARS_ATTR
+from autotune.search.trade import costly_values
+from autotune.study.ranking import confirmations, headroom_limit, noise
+from autotune.study.record import AT_RISK_ATTR, LONG_RUN_CLEARS_ATTR, rows
 
 
 def fits_headroom(peak_gib: float | None, limit: float | None) -> bool:
@@ -39,7 +40,7 @@ def incumbent(planner: Planner) -> Seen | None:
     return max(ok, key=lambda s: s.throughput or 0.0, default=None)
 
 
-def unmeasured_risks(planner: Planner) -> tuple[dict[str, str], list[str]]:
+def unmeasured_risks(planner: Planner, spread: float) -> tuple[dict[str, str], list[str]]:
     """{trial number: why} for successful trials without a measured peak that may not keep headroom,
     and the numbers among them whose risk a longer run that holds clears.
 
@@ -47,7 +48,10 @@ def unmeasured_risks(planner: Planner) -> tuple[dict[str, str], list[str]]:
     success at the edge. Where the two also differ in a knob whose direction measurements showed
     (``KnobMemory.learned``) and this one has the value that needs less, that knob may be why one
     ran and the other died, or the learned direction may be an edge's coin (both ran at the edge,
-    one died): a confirmation, a run as long as the export is judged by, tells the two apart. Seen:
+    one died): a confirmation, a run as long as the export is judged by, tells the two apart. One
+    OOM/ok pair at a 50/50 edge and one held confirmation are two coins, so the learned knob counts
+    only where this success's value was also measured to cost speed, as every saver does
+    (``trade.costly_values``, ``spread`` the measured noise). Seen:
     a trainer logging no memory, micro-batch 8 out of memory without activation offload and nine
     trials of it with offload fine; all nine were passed over and micro-batch 4 exported (0.85).
     Learned directions alone never take a success off the edge (tests/test_search_learned.py).
@@ -58,20 +62,24 @@ def unmeasured_risks(planner: Planner) -> tuple[dict[str, str], list[str]]:
     # by what is known beforehand only: directions learned from trials at the edge, where the same
     # configuration runs once and dies the next time, are no proof that a knob moved it off the edge
     known = replace(planner.knobs, learned={})
+    slower = set(costly_values(planner, spread)) if planner.knobs.learned else set()
     out: dict[str, str] = {}
     clears: list[str] = []
     for s in planner.seen:
         if s.status != "ok" or s.peak_gib is not None:
             continue
         vec = planner.vector(s.params, known)
-        edges = [o for o in ooms if at_least(vec, planner.vector(o.params, known))]
+        # (its own longer run that died is the ranking's to tell, in its own words)
+        edges = [o for o in ooms if o.number != s.number and at_least(vec, planner.vector(o.params, known))]
         if edges:
             out[str(s.number)] = (
                 f"trial {edges[0].number}, which needs no more memory by every knob whose effect is "
                 "known, ran out of memory"
             )
-            full = planner.vector(s.params)
-            if all(not at_least(full, planner.vector(o.params)) for o in edges):
+            savers = {n: d for n, d in planner.knobs.learned.items() if (n, s.params.get(n)) in slower}
+            apart = replace(planner.knobs, learned=savers)
+            full = planner.vector(s.params, apart)
+            if savers and all(not at_least(full, planner.vector(o.params, apart)) for o in edges):
                 clears.append(str(s.number))
             continue
         if planner.use_model and planner.model_trusted:
@@ -87,7 +95,8 @@ def unmeasured_risks(planner: Planner) -> tuple[dict[str, str], list[str]]:
 
 def save_risks(study: optuna.Study, planner: Planner | None) -> None:
     """Keep :func:`unmeasured_risks` in the study, where the export's ranking reads them."""
-    risks, clears = unmeasured_risks(planner) if planner is not None else ({}, [])
+    spread = noise(rows(study), confirmations(study))
+    risks, clears = unmeasured_risks(planner, spread) if planner is not None else ({}, [])
     if risks != (study.user_attrs.get(AT_RISK_ATTR) or {}):
         study.set_user_attr(AT_RISK_ATTR, risks)
     if clears != (study.user_attrs.get(LONG_RUN_CLEARS_ATTR) or []):

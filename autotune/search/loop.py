@@ -40,7 +40,7 @@ from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe, tried
 from autotune.search.prior_check import blind_knobs, local_optimum, neighbourhood_measured, prior_agrees
 from autotune.search.pruning import BelowBestPruner
-from autotune.search.state import Finished, Previous, SearchState, noise
+from autotune.search.state import Finished, Previous, SearchState
 from autotune.search.stopping import Budget, Stopping
 from autotune.search.transient import Reruns
 from autotune.study import (
@@ -57,7 +57,7 @@ from autotune.study import (
 )
 from autotune.study.incidents import incidents, long_run_failures
 from autotune.study.lock import StudyLock
-from autotune.study.ranking import Confirmation
+from autotune.study.ranking import Confirmation, noise
 from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.outcome import Outcome, Status
 
@@ -169,7 +169,7 @@ class Search:
             recover_interrupted(study, self.paths, sweep=True)
             confirmed = confirm(state, self.execute, self.slots)
             study.set_user_attr("elapsed_s", round(state.stopping.budget.elapsed(), 1))  # the study's clock
-            exported = export_study(study, self.recipe, self.paths.best)
+            exported = export_study(study, self.recipe, self.paths.best, withdraw=True)
             self.refresh_report(study)
         done = confirmations(study)
         best, _ = choose_best(rows(study), self.recipe, done, long_run_failures(study))

@@ -47,11 +47,10 @@ from autotune.search.headroom import fits_headroom
 from autotune.search.momentum import between, flat_knobs, keep_going, promising_onward
 from autotune.search.planner import Planner, Seen
 from autotune.search.seeds import seed_candidates
-from autotune.search.state import noise
 from autotune.search.trade import next_trade, saver_experiment
 from autotune.study import candidate_key, choose_best, confirmations, measured_configs, rows
 from autotune.study.claims import pending_keys
-from autotune.study.ranking import headroom_limit
+from autotune.study.ranking import headroom_limit, noise
 from autotune.study.recovery import claim_owner
 
 PROPOSAL_ATTR = "autotune:proposal"  # trial system attribute: seed | local | pool | valid

@@ -23,11 +23,9 @@ from autotune.search.headroom import fits_headroom
 from autotune.search.planner import Planner
 from autotune.search.stopping import Stopping
 from autotune.study import StudyPaths, TrialRow, launched_rows
-from autotune.study.ranking import Confirmation, headroom_limit
+from autotune.study.ranking import MIN_NOISE, headroom_limit
 from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import STATUSES, UNINFORMATIVE, Outcome, Status, read_outcome
-
-MIN_NOISE = 0.03  # relative run-to-run noise assumed before any run was repeated
 
 #: How an answered configuration is remembered: the first trial that answered it and its attributes.
 Previous = tuple[int, dict[str, Any]]
@@ -144,20 +142,6 @@ class SearchState:
         if row.status not in STATUSES:
             return False
         return self.observe(Finished.of_row(row, self.leftover))
-
-
-def noise(rows_: list[TrialRow], done: dict[int, Confirmation]) -> float:
-    """Relative measurement noise: how far confirmed throughputs landed from their short trials'.
-
-    The search trials already measured every candidate once; a confirmation measures it again,
-    longer, so the gap between the two is the noise that can reorder close candidates."""
-    short = {r.number: r.throughput for r in rows_ if r.throughput}
-    gaps = [
-        abs((c.throughput or 0) / short[n] - 1)
-        for n, c in done.items()
-        if c.status == Status.OK and c.throughput and short.get(n)
-    ]
-    return max([MIN_NOISE, *gaps])
 
 
 class TrialSteps(Protocol):

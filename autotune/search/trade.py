@@ -124,16 +124,17 @@ def saver_experiment(
     key: Callable[[dict[str, Any]], str],
     spread: float,
 ) -> dict[str, Any] | None:
-    """An OOM at the incumbent's next micro-batch with one knob of unknown effect moved to the value
-    measured slower (by more than twice the noise ``spread``, in a pair of successes that differ in
-    it alone), or None. Seen: a trainer logging no memory, micro-batch 8 out of memory twice without
-    activation offload, which halves the activations' memory; offload was measured 24% slower at
-    micro-batch 4 and never tried at 8, and micro-batch 4 was exported (0.81 of the best possible)."""
+    """An OOM at the incumbent's next micro-batch with one knob of unknown effect moved to a value
+    measured to cost speed (:func:`costly_values`), or None. Seen: a trainer logging no memory,
+    micro-batch 8 out of memory twice without activation offload, which halves the activations'
+    memory; offload was measured 24% slower at micro-batch 4 and never tried at 8, and micro-batch 4
+    was exported (0.81 of the best possible)."""
     micro, larger = larger_sizes(space, incumbent, fixed)
     if micro is None or not larger:
         return None
     known = planner.knobs
     step = planner.vector(moved(planner, space, incumbent, micro, larger[0]))
+    slower = [(n, v) for n, v in costly_values(planner, spread) if n in space.params]
     stuck = [
         o
         for o in planner.seen
@@ -142,8 +143,10 @@ def saver_experiment(
         and not o.leftover
         and o.params.get(micro) == larger[0]
         and at_least(step, planner.vector(o.params))
+        # not from an experiment's own OOM: one that holds a costly value the incumbent does not
+        # would start a second experiment from the first, then a third (every subset of them)
+        and not any(o.params.get(n) == v and incumbent.get(n) != v for n, v in slower)
     ]
-    slower = costly_values(planner, space, spread)
     out = []
     for o in stuck:
         for name, value in slower:
@@ -157,17 +160,22 @@ def saver_experiment(
     return max(out, key=planner.expected_throughput) if out else None
 
 
-def costly_values(planner: Planner, space: Space, spread: float) -> list[tuple[str, Any]]:
-    """(knob, value) pairs measured slower than another value of the same knob, all else equal, by
-    more than twice the noise: what a memory saver looks like from its speed alone."""
+def costly_values(planner: Planner, spread: float) -> list[tuple[str, Any]]:
+    """(knob, value) pairs measured slower than the knob's other values, all else equal: what a
+    memory saver looks like from its speed alone. Slower in every one-knob pair of successes the
+    value takes part in, and in at least one by more than twice the noise ``spread``: one pair at
+    8-10% noise makes a knob that does nothing look costly about half the time (before any
+    confirmation has measured the noise, ``spread`` is only the 3% assumed)."""
     ok = [s for s in planner.seen if s.status == "ok" and s.throughput]
-    out: set[tuple[str, Any]] = set()
+    ratios: dict[tuple[str, Any], list[float]] = {}
     for i, a in enumerate(ok):
         for b in ok[i + 1 :]:
             differ = [n for n in set(a.params) | set(b.params) if a.params.get(n) != b.params.get(n)]
-            if len(differ) != 1 or differ[0] not in space.params:
+            if len(differ) != 1:
                 continue
-            slow, fast = (a, b) if (a.throughput or 0) < (b.throughput or 0) else (b, a)
-            if (slow.throughput or 0) * (1 + 2 * spread) < (fast.throughput or 0):
-                out.add((differ[0], slow.params.get(differ[0])))
+            name = differ[0]
+            for x, y in ((a, b), (b, a)):
+                ratio = (x.throughput or 0) / (y.throughput or 1)
+                ratios.setdefault((name, x.params.get(name)), []).append(ratio)
+    out = [nv for nv, rs in ratios.items() if max(rs) < 1 and min(rs) * (1 + 2 * spread) < 1]
     return sorted(out, key=repr)

@@ -17,6 +17,8 @@ from autotune.recipe import Recipe
 from autotune.study.record import TrialRow, candidate_key
 from autotune.trial.outcome import Outcome, Status
 
+MIN_NOISE = 0.03  # relative run-to-run noise assumed before any run was repeated
+
 
 @dataclass(frozen=True)
 class Confirmation:
@@ -187,3 +189,17 @@ def confirmations(study: optuna.Study) -> dict[int, Confirmation]:
 
 def save_confirmation(study: optuna.Study, number: int, outcome: Outcome) -> None:
     study.set_user_attr(f"confirm:{number}", outcome.to_json())
+
+
+def noise(rows_: list[TrialRow], done: dict[int, Confirmation]) -> float:
+    """Relative measurement noise: how far confirmed throughputs landed from their short trials'.
+
+    The search trials already measured every candidate once; a confirmation measures it again,
+    longer, so the gap between the two is the noise that can reorder close candidates."""
+    short = {r.number: r.throughput for r in rows_ if r.throughput}
+    gaps = [
+        abs((c.throughput or 0) / short[n] - 1)
+        for n, c in done.items()
+        if c.status == Status.OK and c.throughput and short.get(n)
+    ]
+    return max([MIN_NOISE, *gaps])
