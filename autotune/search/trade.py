@@ -143,9 +143,14 @@ def saver_experiment(
         and not o.leftover
         and o.params.get(micro) == larger[0]
         and at_least(step, planner.vector(o.params))
-        # not from an experiment's own OOM: one that holds a costly value the incumbent does not
-        # would start a second experiment from the first, then a third (every subset of them)
-        and not any(o.params.get(n) == v and incumbent.get(n) != v for n, v in slower)
+        # not from an experiment's own OOM (a costly value of a knob of unknown effect that the
+        # incumbent does not hold): it would start a second experiment from the first, then a
+        # third (every subset of them). Known knobs (ZeRO-3, fewer generations) may cost speed too
+        # and are the walk's, not experiments: an OOM holding them is a start like any other.
+        and not any(
+            o.params.get(n) == v and incumbent.get(n) != v and known.direction(n, o.params) is None
+            for n, v in slower
+        )
     ]
     out = []
     for o in stuck:
