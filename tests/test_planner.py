@@ -170,25 +170,6 @@ def test_confirmation_rejects_a_near_limit_candidate():
     assert best.number == 2 and any("died" in n for n in notes)
 
 
-def test_two_runs_of_a_candidate_judge_it_not_the_longer_alone():
-    """The noise that reorders near-ties is mostly a run's (placement, clocks, the allocator's
-    luck), which a longer run does not average away: seen on the benchmark's physics and in the
-    confirmations' own gaps (as large as the short trials'). A candidate's short trial and its
-    confirmation are two draws of it; the choice uses both (their geometric mean), which, where
-    the steps' noise dominates instead, is as good as the confirmation's three times the steps."""
-    from autotune.study.ranking import judged
-
-    recipe, _, _ = setup()
-    a = TrialRow(1, dict(BASE), "ok", throughput=110.0, peak_memory_gib=60.0)
-    b = TrialRow(2, dict(BASE, per_device_train_batch_size=2), "ok", throughput=100.0, peak_memory_gib=50.0)
-    rows_ = [a, b]
-    held = {1: Confirmation(Status.OK, 100.0, None, 9), 2: Confirmation(Status.OK, 102.0, None, 9)}
-    assert judged(a, held[1]) == pytest.approx((110.0 * 100.0) ** 0.5)
-    best, notes = choose_best(rows_, recipe, held)
-    assert best.number == 1, notes  # 104.9 against 101.0; the confirmation alone would say trial 2
-    assert judged(a, Confirmation(Status.OOM, steps=3)) == 110.0  # a run that died measured nothing
-
-
 def test_a_pruned_trial_is_exported_once_the_long_run_failed_everything_measured_in_full():
     """A production run lost batch 8 to OOM and restarted on batch 4, which the pruner had stopped
     early (under load it measured slower than half of batch 8). best/ must not go on recommending

@@ -25,7 +25,7 @@ from autotune.study import (
     rows,
     save_confirmation,
 )
-from autotune.study.ranking import headroom_limit, judged, noise
+from autotune.study.ranking import headroom_limit, noise
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.execute import abort_on_error
 from autotune.trial.layout import TrialFiles
@@ -48,15 +48,15 @@ def confirm(
     """Confirm leaders by longer runs, only as many as it takes to separate them from the noise.
 
     The fastest eligible trial is confirmed first. A runner-up is confirmed too only while its
-    short-trial throughput, plus twice the noise, could still beat the best confirmed one (a
-    near-tie is decided by both runs of each, ``study.ranking.judged``), until ``recipe.confirm``
-    have held, in at most ``recipe.confirm`` + 2 runs (the two more stand in for leaders that die in
-    their longer run). A candidate ahead of every confirmed one by more than the noise is always
-    confirmed, so a resumed search that found a better configuration exports it. Each run is
-    admitted only if its own expected length fits the time budget, and the study's clock is saved
-    after each. With several GPU ``slots`` the leaders still needed are confirmed at once, one per
-    slot. A run that ran out of memory is learned from (:meth:`SearchState.observe`); one that held
-    teaches nothing the short trial did not. Returns the runs made now.
+    short-trial throughput, plus twice the noise, could still beat the best confirmed throughput
+    (a near-tie is decided by confirmed throughput), until ``recipe.confirm`` have held, in at most
+    ``recipe.confirm`` + 2 runs (the two more stand in for leaders that die in their longer run). A
+    candidate ahead of every confirmed one by more than the noise is always confirmed, so a resumed
+    search that found a better configuration exports it. Each run is admitted only if its own
+    expected length fits the time budget, and the study's clock is saved after each. With several
+    GPU ``slots`` the leaders still needed are confirmed at once, one per slot. A run that ran out
+    of memory is learned from (:meth:`SearchState.observe`); one that held teaches nothing the short
+    trial did not. Returns the runs made now.
     """
     study, recipe, paths, reporter, budget = (
         state.study,
@@ -79,12 +79,9 @@ def confirm(
         all_rows = rows(study)
         candidates, _ = eligible(all_rows, recipe, done, confirming=True)
         held = [c for c in done.values() if held_up(c)]
-        by_number = {r.number: r for r in all_rows}
-        best = max(
-            (judged(by_number[n], c) for n, c in done.items() if held_up(c) and n in by_number), default=0.0
-        )
+        best = max((c.throughput or 0.0 for c in held), default=0.0)
         spread = noise(all_rows, done)
-        # a near-tie is decided by both runs of each: a short trial can be lucky (or unlucky) by
+        # a near-tie is decided by confirmed throughput: a short trial can be lucky (or unlucky) by
         # the noise, and so can the one it is compared with, hence twice the noise
         todo = [
             r for r in candidates if r.number not in done and (r.throughput or 0) * (1 + 2 * spread) > best

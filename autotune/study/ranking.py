@@ -2,13 +2,12 @@
 
 A trial is exportable only when it ran, measured its throughput, left ``headroom`` of GPU memory
 free (on CPU: of ``--memory-limit``, when one is given; see :func:`headroom_limit`) and, when it
-was re-run longer, survived that run too. Among those, two runs beat one (:func:`judged`):
+was re-run longer, survived that run too. Among those, confirmed throughput beats a short trial's:
 short trials of configurations within a few percent of each other are ranked by noise.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -146,20 +145,6 @@ def eligible(
     return out, notes
 
 
-def judged(row: TrialRow, c: Confirmation | None) -> float:
-    """The throughput a candidate is judged by: its short trial's and, once it held a longer run,
-    the geometric mean of the two. Two runs of one configuration are two draws of the run-to-run
-    noise (placement, clocks, the allocator's luck), and a longer run averages away only the
-    step-to-step part of it: where the run's part dominates, the mean of both halves the variance
-    the confirmation alone has; where the steps' does, it costs nothing (a run of n measured steps
-    and one of 3n, equally weighted, have the variance of the 3n alone: the confirmation measures
-    three times the steps)."""
-    short = row.throughput or 0.0
-    if c is None or c.status != Status.OK or not c.throughput or not short:
-        return short
-    return math.sqrt(short * c.throughput)
-
-
 def choose_best(
     rows_: list[TrialRow],
     recipe: Recipe,
@@ -169,8 +154,8 @@ def choose_best(
     """The configuration to export, with notes on what was passed over and why.
 
     Before any confirmation: the fastest eligible trial. Once leading trials were confirmed by
-    longer runs, the one judged fastest by both its runs wins (:func:`judged`): short trials of
-    configs within a few percent of each other are ranked by noise, two runs less so.
+    longer runs, the one with the best confirmed throughput wins: short trials of configs within
+    a few percent of each other are ranked by noise, nine measured steps much less so.
     """
     confirmed = confirmed or {}
     candidates, notes = eligible(rows_, recipe, confirmed, failed_long=failed_long)
@@ -181,7 +166,7 @@ def choose_best(
         if confirmed:
             notes.append(f"trial {candidates[0].number} was not confirmed by a longer run")
         return candidates[0], notes
-    best = max(held, key=lambda r: judged(r, confirmed[r.number]))
+    best = max(held, key=lambda r: confirmed[r.number].throughput or 0.0)
     c = confirmed[best.number]
     peak = c.peak_memory_gib
     notes.append(
