@@ -135,3 +135,34 @@ def test_a_confirmation_that_runs_out_of_memory_puts_what_needs_more_at_the_edge
         assert "died in its longer confirmation run" in summary, summary
         assert not (best / "launch.sh").exists() and (best / "withdrawn" / "launch.sh").is_file()
         assert '"per_device_train_batch_size": 4' in (best / "withdrawn" / "params.json").read_text()
+
+
+def test_the_confirmations_run_an_at_risk_success_a_held_run_clears(tmp_path):
+    """A success at the edge of an OOM that a learned saver sets apart is not exportable until a
+    run as long as the export is judged by has held: the confirmations must be allowed to run it
+    (``eligible(confirming=True)``), or it is passed over for good and the slower one exported."""
+    import optuna
+
+    from autotune.search.confirm import confirm
+    from autotune.study import choose_best, confirmations, rows
+    from autotune.study.record import AT_RISK_ATTR, LONG_RUN_CLEARS_ATTR
+
+    confirmed = []
+
+    def holds(params, trial_dir, number, control):
+        confirmed.append(number)
+        return Outcome(status="ok", throughput=10.0, steps=15, wall_time_s=1.0)
+
+    search = make_search(tmp_path, gpus=2, execute=holds, confirm=1, pins=LEAN)
+    state = search.open()
+    study = state.study
+    pool = [c for _, c in search.planner.pool(search.space, search.fixed, search.rules)]
+    for params, value in ((pool[0], 10.0), (pool[1], 8.0)):  # trials 0 and 1, no peak measured
+        attrs = {"candidate": params, "launched": True, "status": "ok", "throughput": value}
+        study.add_trial(optuna.trial.create_trial(value=value, user_attrs=attrs))
+    study.set_user_attr(AT_RISK_ATTR, {"0": "trial 7, which needs no more memory, ran out of memory"})
+    study.set_user_attr(LONG_RUN_CLEARS_ATTR, ["0"])
+    assert confirm(state, holds) == 1
+    assert [n % 100_000 for n in confirmed] == [0]
+    best, notes = choose_best(rows(study), search.recipe, confirmations(study))
+    assert best.number == 0, notes
