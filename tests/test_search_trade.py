@@ -133,3 +133,20 @@ def test_a_vl_search_reaches_the_trade_its_prior_ranks_low():
     land = build_landscape(landscape(63, 0), 30)
     run = bench_search.policy_autotune(land, 63, 30)
     assert run.final / land.best >= 0.95, run.log
+
+
+def test_a_plain_search_asks_the_saver_nobody_declared():
+    """The benchmark's plain 8B on 8 x 80 GB, seed 2 #79, a trainer that logs no memory: micro-batch 8
+    ran out of memory without activation offload, offload measured slower at micro-batch 4 and was
+    never tried at 8 (0.81 of the best possible). The search's policy asks it
+    (``trade.saver_experiment``) and the walk goes on from the copy that ran."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_search
+    from bench_landscapes import build_landscape
+
+    from autotune.sim.families import landscape
+
+    land = build_landscape(landscape(79, 2), 30)
+    run = bench_search.policy_autotune(land, 2079, 30)
+    assert any("activation_offload=True" in line and "micro_batch_size=8 -> ok" in line for line in run.log)
+    assert run.final / land.best >= 0.95, run.log
