@@ -98,7 +98,7 @@ def search_rows(search):
     return rows(optuna.load_study(study_name="r", storage=search.storage))
 
 
-def test_a_confirmation_that_runs_out_of_memory_puts_what_needs_more_at_the_edge(tmp_path):
+def test_a_confirmation_that_runs_out_of_memory_puts_what_needs_more_at_the_edge(tmp_path, capsys):
     """A trainer that logs no memory: micro-batch 4 with checkpointing and without it ran, 2% apart.
     The faster (checkpointing off) held its longer run; the other, which needs less memory by every
     known knob, ran out of memory in its own. That OOM puts the first at the edge (it may be the
@@ -125,16 +125,21 @@ def test_a_confirmation_that_runs_out_of_memory_puts_what_needs_more_at_the_edge
     }
     assert confirmed[0] == (4, False), confirmed
     assert table[(4, False)].at_risk, table[(4, False)]
-    assert result.best is None or result.best.params["per_device_train_batch_size"] < 4, result.best
-    if result.best is None:
-        # best/ had been written for micro-batch 4 when it was found; its files are moved aside,
-        # not left to be launched and not deleted
-        best = tmp_path / "r" / "best"
-        summary = (best / "summary.md").read_text()
-        assert summary.startswith("# autotune: nothing to export"), summary
-        assert "died in its longer confirmation run" in summary, summary
-        assert not (best / "launch.sh").exists() and (best / "withdrawn" / "launch.sh").is_file()
-        assert '"per_device_train_batch_size": 4' in (best / "withdrawn" / "params.json").read_text()
+    # micro-batch 4 with checkpointing died, without it is at the edge, nothing smaller ran
+    assert result.best is None, result.best
+    # best/ had been written for micro-batch 4 when it was found; its files are moved aside, not
+    # left to be launched and not deleted
+    best = tmp_path / "r" / "best"
+    summary = (best / "summary.md").read_text()
+    assert summary.startswith("# autotune: nothing to export"), summary
+    assert "died in its longer confirmation run" in summary, summary
+    assert not (best / "launch.sh").exists() and (best / "withdrawn" / "launch.sh").is_file()
+    assert '"per_device_train_batch_size": 4' in (best / "withdrawn" / "params.json").read_text()
+    # and the console says what happened, not that nothing ran
+    from autotune.commands.search import finish_lines
+
+    finish_lines(search.recipe, search.paths, result)
+    assert "nothing to export after 6 trial(s)" in capsys.readouterr().out
 
 
 def test_the_confirmations_run_an_at_risk_success_a_held_run_clears(tmp_path):
@@ -143,7 +148,7 @@ def test_the_confirmations_run_an_at_risk_success_a_held_run_clears(tmp_path):
     (``eligible(confirming=True)``), or it is passed over for good and the slower one exported."""
     import optuna
 
-    from autotune.search.confirm import confirm
+    from autotune.search.confirm import CONFIRM_NUMBER_OFFSET, confirm
     from autotune.study import choose_best, confirmations, rows
     from autotune.study.record import AT_RISK_ATTR, LONG_RUN_CLEARS_ATTR
 
@@ -163,6 +168,6 @@ def test_the_confirmations_run_an_at_risk_success_a_held_run_clears(tmp_path):
     study.set_user_attr(AT_RISK_ATTR, {"0": "trial 7, which needs no more memory, ran out of memory"})
     study.set_user_attr(LONG_RUN_CLEARS_ATTR, ["0"])
     assert confirm(state, holds) == 1
-    assert [n % 100_000 for n in confirmed] == [0]
+    assert confirmed == [CONFIRM_NUMBER_OFFSET + 0]  # trial 0's confirmation, and only it
     best, notes = choose_best(rows(study), search.recipe, confirmations(study))
     assert best.number == 0, notes

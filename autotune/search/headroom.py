@@ -18,7 +18,7 @@ import optuna
 from autotune.candidate.vector import at_least
 from autotune.search.planner import Planner, Seen
 from autotune.search.trade import costly_values
-from autotune.study.ranking import confirmations, headroom_limit, noise
+from autotune.study.ranking import MIN_NOISE, confirmations, headroom_limit, noise
 from autotune.study.record import AT_RISK_ATTR, LONG_RUN_CLEARS_ATTR, rows
 
 
@@ -95,8 +95,12 @@ def unmeasured_risks(planner: Planner, spread: float) -> tuple[dict[str, str], l
 
 def save_risks(study: optuna.Study, planner: Planner | None) -> None:
     """Keep :func:`unmeasured_risks` in the study, where the export's ranking reads them."""
-    spread = noise(rows(study), confirmations(study))
-    risks, clears = unmeasured_risks(planner, spread) if planner is not None else ({}, [])
+    if planner is None:
+        risks, clears = {}, []
+    else:
+        # the noise is read from the storage (every trial) only where a learned knob may clear a risk
+        spread = noise(rows(study), confirmations(study)) if planner.knobs.learned else MIN_NOISE
+        risks, clears = unmeasured_risks(planner, spread)
     if risks != (study.user_attrs.get(AT_RISK_ATTR) or {}):
         study.set_user_attr(AT_RISK_ATTR, risks)
     if clears != (study.user_attrs.get(LONG_RUN_CLEARS_ATTR) or []):

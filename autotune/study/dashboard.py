@@ -32,7 +32,7 @@ from autotune.errors import UsageError
 from autotune.recipe import Recipe
 from autotune.study.paths import StudyPaths
 from autotune.study.ranking import Confirmation, choose_best, eligible
-from autotune.study.record import mark_risks, row_of
+from autotune.study.record import FINISHED, mark_risks, row_of
 
 EXTRA = "pip install 'autotune[dashboard]'"
 VERDICT = "verdict"  # the user attribute the dashboard shows with autotune's decision on a trial
@@ -53,8 +53,7 @@ def decisions(
 
     The same decisions as the export and ``autotune show``: ranking, the headroom rule and the
     confirmation runs, read from the storage as they are now."""
-    finished = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
-    rows = mark_risks([row_of(t) for t in trials if t.state in finished], study_attrs)
+    rows = mark_risks([row_of(t) for t in trials if t.state in FINISHED], study_attrs)
     confirmed = {
         int(k.split(":", 1)[1]): Confirmation.from_attr(v)
         for k, v in study_attrs.items()

@@ -172,13 +172,13 @@ AT_RISK_ATTR = "at_risk"  # study user attribute: {trial number: why its unmeasu
 LONG_RUN_CLEARS_ATTR = "at_risk_long_run"  # [trial number]: those of them a held confirmation clears
 
 
+#: the trial states a row is made of (finished, or interrupted and told as failed)
+FINISHED = (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
+
+
 def rows(study: optuna.Study) -> list[TrialRow]:
     """All finished or interrupted trials, as the reports want them."""
-    out = [
-        row_of(t)
-        for t in study.get_trials(deepcopy=False)
-        if t.state in (TrialState.COMPLETE, TrialState.FAIL, TrialState.PRUNED)
-    ]
+    out = [row_of(t) for t in study.get_trials(deepcopy=False) if t.state in FINISHED]
     return mark_risks(out, study.user_attrs)
 
 
