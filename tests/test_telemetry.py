@@ -31,7 +31,7 @@ from autotune.trial.execute import add_monitor_summary
 from autotune.trial.outcome import Outcome
 from autotune.trial.processes import owned_by_trial
 from autotune.trial.telemetry import CSV_COLUMNS, GpuReading, GpuSampler, Tick
-from autotune.trial.utilization import phase_times, summarize
+from autotune.trial.utilization import phase_times, read_ticks, summarize
 
 # A busy 2-GPU trial (ZeRO-2, colocated vLLM): model load, warm-up, measured steps, teardown.
 # (phase, [(util %, used GiB) on GPU 0, on GPU 1])
@@ -94,37 +94,6 @@ GENERATION_CSV = textwrap.dedent("""\
 def _csv_rows(path: Path) -> list[dict[str, str]]:
     with open(path, newline="") as fh:
         return list(csv.DictReader(fh))
-
-
-def _number(text: str | None) -> float | None:
-    return None if text is None or text.strip() == "" else float(text)
-
-
-def ticks_from_csv(path: Path) -> list[Tick]:
-    """A gpu.csv read back into ticks (rows of one tick share time_s and phase), so recorded files
-    go through the same summary as live samples."""
-    ticks: list[Tick] = []
-    for row in _csv_rows(path):
-        t, phase = float(row["time_s"]), row["phase"]
-        if not ticks or ticks[-1].time_s != t or ticks[-1].phase != phase:
-            ticks.append(
-                Tick(
-                    t,
-                    phase,
-                    host_rss_gib=_number(row["host_rss_gib"]),
-                    host_cpu_pct=_number(row["host_cpu_pct"]),
-                )
-            )
-        if row["gpu"] != "":
-            ticks[-1].gpus.append(
-                GpuReading(
-                    int(row["gpu"]),
-                    _number(row["util_pct"]),
-                    _number(row["mem_used_gib"]),
-                    _number(row["mem_total_gib"]),
-                )
-            )
-    return ticks
 
 
 def replay(table: list[tuple[str, list[tuple[float, float]]]]) -> ReplayNvml:
@@ -190,7 +159,7 @@ def test_busy_trial_writes_gpu_csv_and_summarises_measured_steps_only(tmp_path: 
     assert summary.peak_host_rss_gib and summary.peak_host_rss_gib > 0.01
     assert nvml.inits == nvml.shutdowns == 1
 
-    again = summarize(ticks_from_csv(tmp_path / "gpu.csv"))  # the file says what the summary says
+    again = summarize(read_ticks(tmp_path / "gpu.csv"))  # the file says what the summary says
     assert again.mean_gpu_util == pytest.approx(summary.mean_gpu_util)
     assert again.peak_memory_gib_per_gpu == pytest.approx(summary.peak_memory_gib_per_gpu, abs=1e-3)
     assert again.samples == summary.samples
@@ -265,7 +234,7 @@ def test_root_pid_comes_from_the_launchers_pid_file(tmp_path: Path) -> None:
 def test_offload_bound_trial_is_flagged_with_the_offload_reason(tmp_path: Path) -> None:
     path = tmp_path / "gpu.csv"
     path.write_text(OFFLOAD_CSV)
-    ticks = ticks_from_csv(path)
+    ticks = read_ticks(path)
     assert len(ticks) == 14 and ticks[-1].host_cpu_pct is None
     summary = summarize(
         ticks,
@@ -307,7 +276,7 @@ def test_generation_bound_trial_with_small_vllm_cache(tmp_path: Path) -> None:
         "zero_stage": 0,
         "offload": "none",
     }
-    summary = summarize(ticks_from_csv(tmp_path / "gpu.csv"), params=params, step_times=times)
+    summary = summarize(read_ticks(tmp_path / "gpu.csv"), params=params, step_times=times)
     assert summary.mean_gpu_util == pytest.approx(0.44)  # the 96% spike is one training step
     assert summary.peak_memory_gib_per_gpu == pytest.approx([61.30])
     assert summary.low_util
@@ -317,14 +286,14 @@ def test_generation_bound_trial_with_small_vllm_cache(tmp_path: Path) -> None:
 
     # the same samples without the step times: nothing in the parameters explains it, and the one
     # busy core (the trainer spin-waiting on CUDA) is not taken for a CPU-bound step
-    blind = summarize(ticks_from_csv(tmp_path / "gpu.csv"), params=params)
+    blind = summarize(read_ticks(tmp_path / "gpu.csv"), params=params)
     assert blind.low_util and "no cause stands out" in blind.diagnosis
     # a threshold the mean passes still diagnoses a GPU that spent 6 of 8 samples below it
-    near = summarize(ticks_from_csv(tmp_path / "gpu.csv"), params=params, min_util=0.4)
+    near = summarize(read_ticks(tmp_path / "gpu.csv"), params=params, min_util=0.4)
     assert near.low_util and near.idle_share == pytest.approx(0.75)
     assert near.diagnosis.startswith("GPU utilization below 40% for 75% of the time (mean 44%)")
     # a threshold under every measured sample: not low
-    assert not summarize(ticks_from_csv(tmp_path / "gpu.csv"), params=params, min_util=0.3).low_util
+    assert not summarize(read_ticks(tmp_path / "gpu.csv"), params=params, min_util=0.3).low_util
 
 
 def test_a_failed_trial_gets_no_low_utilization_advice(tmp_path: Path) -> None:
@@ -332,7 +301,7 @@ def test_a_failed_trial_gets_no_low_utilization_advice(tmp_path: Path) -> None:
     dying run idles because it dies, so only a trial that ran is diagnosed."""
     (tmp_path / "gpu.csv").write_text(GENERATION_CSV)
     params = {"per_device_train_batch_size": 32, "zero_stage": 0, "offload": "none", "use_vllm": False}
-    summary = summarize(ticks_from_csv(tmp_path / "gpu.csv"), params=params)
+    summary = summarize(read_ticks(tmp_path / "gpu.csv"), params=params)
     assert summary.low_util
     oom = Outcome(status="oom", oom_kind="cuda", error_line="torch.OutOfMemoryError: CUDA out of memory.")
     add_monitor_summary(oom, summary, "cuda")

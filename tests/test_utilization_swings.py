@@ -99,3 +99,14 @@ def test_a_torn_or_missing_file(tmp_path: Path) -> None:
     assert summarize_file(tmp_path / "missing.csv") is None
     (tmp_path / "empty.csv").write_text(SWING_CSV.splitlines()[0] + "\n")  # the header only
     assert summarize_file(tmp_path / "empty.csv") is None
+
+
+def test_ticks_within_one_millisecond_read_back_as_ticks(tmp_path: Path) -> None:
+    """time_s has three decimals: a sampler ticked faster (a loaded CI machine's replay, a clock
+    step) writes ticks that share it, and each GPU's second row is the next tick, not a third GPU."""
+    header, *rows = SWING_CSV.splitlines()
+    path = tmp_path / "gpu.csv"
+    path.write_text("\n".join([header, *("1.000," + row.split(",", 1)[1] for row in rows)]) + "\n")
+    ticks = read_ticks(path)
+    assert len(ticks) == 36 and all([r.gpu for r in t.gpus] == [0, 1] for t in ticks)
+    assert summarize(ticks).samples == summarize(read_ticks(swing(tmp_path))).samples == 36

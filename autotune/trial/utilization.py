@@ -200,7 +200,9 @@ def idle_share(utils: Sequence[float], min_util: float) -> float | None:
 def read_ticks(path: Path) -> list[Tick]:
     """A gpu.csv (the columns of :data:`autotune.trial.telemetry.CSV_COLUMNS`) read back into ticks.
 
-    Rows of one tick share ``time_s`` and ``phase``. Empty cells are None; a torn last line or a
+    Rows of one tick share ``time_s`` and ``phase``, one row a GPU; a GPU seen again starts the next
+    tick even at the same millisecond (ticks driven fast, or a clock step). Empty cells are None; a
+    torn last line or a
     row that is not numbers (a trainer may die mid-write) is skipped rather than trusted. Missing or
     unreadable file: no ticks.
     """
@@ -212,7 +214,9 @@ def read_ticks(path: Path) -> list[Tick]:
                 if t is None or None in row.values():  # a short row: DictReader fills it with None
                     continue
                 phase = (row.get("phase") or "").strip()
-                if not ticks or ticks[-1].time_s != t or ticks[-1].phase != phase:
+                gpu = number(row.get("gpu"))
+                seen = gpu is not None and ticks and any(r.gpu == int(gpu) for r in ticks[-1].gpus)
+                if not ticks or ticks[-1].time_s != t or ticks[-1].phase != phase or seen:
                     ticks.append(
                         Tick(
                             t,
@@ -221,7 +225,6 @@ def read_ticks(path: Path) -> list[Tick]:
                             host_cpu_pct=number(row.get("host_cpu_pct")),
                         )
                     )
-                gpu = number(row.get("gpu"))
                 if gpu is not None:
                     ticks[-1].gpus.append(
                         GpuReading(
