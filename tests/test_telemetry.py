@@ -30,7 +30,7 @@ from autotune.trial.diagnosis import diagnose_low_util
 from autotune.trial.execute import add_monitor_summary
 from autotune.trial.outcome import Outcome
 from autotune.trial.processes import owned_by_trial
-from autotune.trial.telemetry import CSV_COLUMNS, GpuReading, GpuSampler, Tick
+from autotune.trial.telemetry import CSV_COLUMNS, GpuSampler
 from autotune.trial.utilization import phase_times, read_ticks, summarize
 
 # A busy 2-GPU trial (ZeRO-2, colocated vLLM): model load, warm-up, measured steps, teardown.
