@@ -34,6 +34,12 @@ def metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def run_name(row: dict[str, Any], seeds: int) -> str:
+    """A run's name in the tables: ``#29``, or ``1/#29`` (seed 1's landscape 29) when several seeds
+    are reported together."""
+    return f"{row.get('seed', 0)}/#{row['landscape']}" if seeds > 1 else f"#{row['landscape']}"
+
+
 def table(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
     lines = [
         "| | runs | >= 0.95 | 10th pct | worst | < 0.85 | empty export | inside headroom | median cost "
@@ -112,6 +118,17 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
         f"python scripts/bench_search.py --landscapes {args.landscapes} --families {args.families} "
         f"--trials {args.trials} --seed {args.seed} --jobs {args.jobs}"
     )
+    seeds = sorted({r.get("seed", 0) for r in rows})
+    per_seed = (
+        [
+            "Each seed draws its own landscapes and searches; a run is named seed/#landscape below.",
+            "",
+            *table([(f"seed {s}", [r for r in ours if r.get("seed", 0) == s]) for s in seeds]),
+            "",
+        ]
+        if len(seeds) > 1
+        else []
+    )
     lines = [
         "# Search benchmark",
         "",
@@ -143,6 +160,7 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
         "",
         *table(by_family(ours, families)),
         "",
+        *per_seed,
         "## Baselines beside it (all families)",
         "",
         *table([(p, [r for r in rows if r["policy"] == p]) for p in policies]),
@@ -168,7 +186,7 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
     for r in worst:
         exported = ", ".join(f"{k}={v}" for k, v in sorted((r["exported"] or {}).items())) or "nothing"
         lines.append(
-            f"| #{r['landscape']} | {r['family']} | {r['case']} | {r['final']:.2f} | "
+            f"| {run_name(r, len(seeds))} | {r['family']} | {r['case']} | {r['final']:.2f} | "
             f"{r.get('measured_best', 0.0):.2f} | {r['at30']:.2f} | "
             f"{r['cost']:.1f} | {r['launched']} | {r['ooms']} | {r['crashes']} | {r['stopped']} "
             f"| {exported} |"
@@ -180,7 +198,7 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
     ]
     for i, r in enumerate(worst):
         drawn = ", ".join(f"{k}={v}" for k, v in r["drawn"].items() if k != "case")
-        lines.append(f"- #{r['landscape']} ({r['case']}): {drawn}")
+        lines.append(f"- {run_name(r, len(seeds))} ({r['case']}): {drawn}")
         if i < 3:
             lines += [f"  - {line}" for line in r["log"]]
     lines += [
@@ -192,7 +210,7 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
     ]
     for r in ours:
         lines.append(
-            f"| #{r['landscape']} | {r['family']} | {r['case']} | {r['final']:.2f} | {r['at10']:.2f} | "
-            f"{r['at20']:.2f} | {r['cost']:.1f} | {r['stopped']} |"
+            f"| {run_name(r, len(seeds))} | {r['family']} | {r['case']} | {r['final']:.2f} | "
+            f"{r['at10']:.2f} | {r['at20']:.2f} | {r['cost']:.1f} | {r['stopped']} |"
         )
     return lines

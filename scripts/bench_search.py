@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Benchmark autotune's search against the baselines people use, on landscapes of several families.
 
-    python scripts/bench_search.py [--landscapes 105] [--families trl,ppo,plain] [--trials 30]
+    python scripts/bench_search.py [--landscapes 105] [--families trl,ppo,plain] [--trials 30] [--seed 0,1,2]
 
 Each landscape (autotune/sim/families.py) is a trainer family (the GRPO simulator in TRL's names, a
 four-model PPO trainer and a plain micro-batch trainer in their own names, through template spaces)
@@ -9,7 +9,9 @@ on drawn hardware under drawn physics (every memory and speed term x 0.7-1.4, vL
 moved, 2-10% step-time noise, 0-5% transient NCCL crashes). Its ground truth is enumerated over the
 whole valid grid: *best possible* is the fastest configuration that survives long runs (warm-up +
 3 x measured steps, three truth seeds averaged, no transient crash, no run-to-run noise: its expected
-throughput) with the headroom left free.
+throughput) with the headroom left free. Each ``--seed`` draws its own landscapes (the same cases by
+index, every physics term drawn anew) and searches: several seeds report their runs together, so the
+worst runs are those of landscapes no tuning looked at.
 Every policy spends up to ``--trials`` launched trials and is charged its whole cost (every trial and
 confirmation, in trial-equivalents: loading plus 7 steps of the best configuration). autotune runs
 through the real search loop (planner, Optuna, pruning, confirmation) with an in-process executor
@@ -46,7 +48,7 @@ from bench_landscapes import (  # noqa: E402
     build_landscape,
     make_recipe,
 )
-from bench_report import write_report  # noqa: E402
+from bench_report import run_name, write_report  # noqa: E402
 
 from autotune.candidate import constraints  # noqa: E402
 from autotune.runners import TrialContext  # noqa: E402
@@ -348,7 +350,18 @@ def run_landscape(job: tuple[Any, list[str], int, int]) -> tuple[Any, list[dict[
     logging.getLogger("autotune").setLevel(logging.ERROR)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     land = build_landscape(d, trials)
-    return d, [record(land, name, POLICIES[name](land, seed * 1000 + d.index, trials)) for name in policies]
+    return d, [
+        {"seed": seed, **record(land, name, POLICIES[name](land, seed * 1000 + d.index, trials))}
+        for name in policies
+    ]
+
+
+def seeds_of(text: str) -> list[int]:
+    """``--seed``: one seed or several, comma-separated (``0,1,2``); ValueError if not whole numbers."""
+    seeds = [int(part) for part in text.split(",") if part.strip()]
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+        raise ValueError(text)
+    return seeds
 
 
 def main() -> int:
@@ -356,7 +369,11 @@ def main() -> int:
     parser.add_argument("--landscapes", type=int, default=105)
     parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated: trl,ppo,plain")
     parser.add_argument("--trials", type=int, default=30)
-    parser.add_argument("--seed", type=int, default=0, help="draws the landscapes and the searches")
+    parser.add_argument(
+        "--seed",
+        default="0",
+        help="draws the landscapes and the searches; several, comma-separated, are reported together",
+    )
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--jobs", type=int, default=1, help="landscapes run in parallel processes")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
@@ -371,17 +388,24 @@ def main() -> int:
             f"policies {', '.join(POLICIES)}"
         )
         return 2
+    try:
+        seeds = seeds_of(args.seed)
+    except ValueError:
+        print(f"error: --seed {args.seed}: give whole numbers >= 0, each once, comma-separated: --seed 0,1,2")
+        return 2
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("autotune").setLevel(logging.ERROR)
     optuna.logging.set_verbosity(optuna.logging.ERROR)
     started = time.time()
-    chosen, index = [], 0
-    while len(chosen) < args.landscapes:
-        d = landscape(index, args.seed)
-        index += 1
-        if d.family in families:
-            chosen.append(d)
-    jobs = [(d, args.policies.split(","), args.trials, args.seed) for d in chosen]
+    jobs = []
+    for seed in seeds:
+        chosen, index = [], 0
+        while len(chosen) < args.landscapes:
+            d = landscape(index, seed)
+            index += 1
+            if d.family in families:
+                chosen.append(d)
+        jobs += [(d, args.policies.split(","), args.trials, seed) for d in chosen]
     rows: list[dict[str, Any]] = []
     # landscapes are independent: processes change the wall time, not one figure (rows keep their order)
     with multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else nullcontext() as pool:
@@ -390,7 +414,7 @@ def main() -> int:
             rows += landscape_rows
             ours = landscape_rows[0]
             print(
-                f"[{done}/{args.landscapes}] #{d.index} {d.family} {d.name}: {ours['policy']} "
+                f"[{done}/{len(jobs)}] {run_name(ours, len(seeds))} {d.family} {d.name}: {ours['policy']} "
                 f"{ours['final']:.0%} cost {ours['cost']:.1f} ({ours['stopped'][:60]})",
                 flush=True,
             )

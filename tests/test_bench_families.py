@@ -268,3 +268,40 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     ours = [r for r in rows if r["policy"] == "autotune"]
     assert all(sum(sum(c.values()) for c in r["by_proposer"].values()) == r["launched"] for r in ours)
     assert all(set(r["by_proposer"]) <= {"seed", "local", "pool", "valid", "tpe"} for r in ours)
+
+
+def test_several_seeds_are_reported_together_and_a_bad_seed_is_one_line(tmp_path):
+    """--seed 0,1: each seed's landscapes and searches, one table with a row per seed, and every run
+    named seed/#landscape (the worst runs are those of landscapes no tuning looked at)."""
+    out = tmp_path / "bench.md"
+    script = str(ROOT / "scripts" / "bench_search.py")
+    tiny = ["--landscapes", "1", "--families", "plain", "--trials", "6", "--policies", "autotune"]
+    run = subprocess.run(
+        [sys.executable, script, *tiny, "--seed", "0,1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.with_suffix(".json").read_text())
+    assert [(r["seed"], r["landscape"]) for r in rows] == [
+        (0, rows[0]["landscape"]),
+        (1, rows[1]["landscape"]),
+    ]
+    assert rows[0]["drawn"] != rows[1]["drawn"]  # the same case, its physics drawn anew
+    text = out.read_text()
+    assert "--seed 0,1" in text and "| seed 0 | 1 |" in text and "| seed 1 | 1 |" in text
+    assert f"| 1/#{rows[1]['landscape']} | plain |" in text
+    for bad in ("1,x", "0,0", "-1"):
+        run = subprocess.run(
+            [sys.executable, script, *tiny, "--seed", bad, "--out", str(tmp_path / "bad.md")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+        )
+        assert run.returncode == 2 and run.stdout.strip().splitlines() == [
+            f"error: --seed {bad}: give whole numbers >= 0, each once, comma-separated: --seed 0,1,2"
+        ], (run.stdout, run.stderr[-500:])
+        assert "Traceback" not in run.stderr and not (tmp_path / "bad.md").exists()
