@@ -215,7 +215,7 @@ def read_ticks(path: Path) -> list[Tick]:
                     continue
                 phase = (row.get("phase") or "").strip()
                 gpu = number(row.get("gpu"))
-                seen = gpu is not None and ticks and any(r.gpu == int(gpu) for r in ticks[-1].gpus)
+                seen = gpu is not None and bool(ticks) and any(r.gpu == int(gpu) for r in ticks[-1].gpus)
                 if not ticks or ticks[-1].time_s != t or ticks[-1].phase != phase or seen:
                     ticks.append(
                         Tick(
