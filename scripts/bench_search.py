@@ -11,7 +11,7 @@ whole valid grid: *best possible* is the fastest configuration that survives lon
 3 x measured steps, three truth seeds averaged, no transient crash, no run-to-run noise: its expected
 throughput) with the headroom left free. Each ``--seed`` draws its own landscapes (the same cases by
 index, every physics term drawn anew) and searches: several seeds report their runs together, so the
-worst runs are those of landscapes no tuning looked at.
+worst runs include landscapes no tuning looked at.
 Every policy spends up to ``--trials`` launched trials and is charged its whole cost (every trial and
 confirmation, in trial-equivalents: loading plus 7 steps of the best configuration). autotune runs
 through the real search loop (planner, Optuna, pruning, confirmation) with an in-process executor

@@ -202,9 +202,8 @@ def read_ticks(path: Path) -> list[Tick]:
 
     Rows of one tick share ``time_s`` and ``phase``, one row a GPU; a GPU seen again starts the next
     tick even at the same millisecond (ticks driven fast, or a clock step). Empty cells are None; a
-    torn last line or a
-    row that is not numbers (a trainer may die mid-write) is skipped rather than trusted. Missing or
-    unreadable file: no ticks.
+    torn last line or a row that is not numbers (a trainer may die mid-write) is skipped rather than
+    trusted. Missing or unreadable file: no ticks.
     """
     ticks: list[Tick] = []
     try:
