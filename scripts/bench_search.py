@@ -52,6 +52,7 @@ from bench_report import run_name, write_report  # noqa: E402
 
 from autotune.candidate import constraints  # noqa: E402
 from autotune.runners import TrialContext  # noqa: E402
+from autotune.search.confirm import CONFIRM_NUMBER_OFFSET  # noqa: E402
 from autotune.search.loop import Search  # noqa: E402
 from autotune.search.policy import PROPOSAL_ATTR  # noqa: E402
 from autotune.sim.families import FAMILIES, landscape  # noqa: E402
@@ -80,6 +81,7 @@ class Run:
     exported: dict[str, Any] | None = None
     crashes: int = 0
     log: list[str] = field(default_factory=list)  # one line per launched trial
+    confirms: list[str] = field(default_factory=list)  # one line per confirmation run
     measured: float = 0.0  # best possible value of any configuration a launched trial ran (kept headroom)
     # launched search trials by proposer (seed, local, pool, valid, tpe): {status: count}
     by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -104,6 +106,7 @@ class Tracker:
         outcome = self.executor(params, trial_dir, number, control)
         self.hours += (self.executor.simulated_s - before) * self.land.recipe.gpus / 3600
         if control.purpose == "confirm":
+            self.run.confirms.append(f"{self.line(params, outcome)} (trial {number % CONFIRM_NUMBER_OFFSET})")
             return outcome
         if outcome.status == "oom":
             self.run.ooms += 1
@@ -112,13 +115,7 @@ class Tracker:
         self.statuses[number] = str(outcome.status)
         if outcome.status == "ok":  # measured: whether the choice then finds it is another matter
             self.run.measured = max(self.run.measured, self.land.safe_value(params))
-        self.run.log.append(
-            f"{number}: {short(params)} -> {outcome.status}"
-            f"{'/' + outcome.oom_kind if outcome.oom_kind else ''}"
-            f"{f' {outcome.throughput:.3g}/s' if outcome.throughput else ''}"
-            f"{f' peak {outcome.peak_memory_gib:.1f}' if outcome.peak_memory_gib else ''}"
-            f" (true {self.land.value(params) / max(self.land.best, 1e-9):.2f})"
-        )
+        self.run.log.append(f"{number}: {self.line(params, outcome)}")
         limit = self.land.recipe.gpu_memory_gib * (1 - self.land.recipe.headroom)
         if (
             outcome.status == "ok"
@@ -131,6 +128,16 @@ class Tracker:
         self.run.values.append(self.land.value(self.choice[1] if self.choice else None))
         self.run.hours.append(self.hours)
         return outcome
+
+    def line(self, params: dict[str, Any], outcome: Outcome) -> str:
+        """A run as the log keeps it: its knobs, what it measured, and its value in truth."""
+        return (
+            f"{short(params)} -> {outcome.status}"
+            f"{'/' + outcome.oom_kind if outcome.oom_kind else ''}"
+            f"{f' {outcome.throughput:.3g}/s' if outcome.throughput else ''}"
+            f"{f' peak {outcome.peak_memory_gib:.1f}' if outcome.peak_memory_gib else ''}"
+            f" (true {self.land.value(params) / max(self.land.best, 1e-9):.2f})"
+        )
 
 
 def simple_executor(land: Landscape, seed: int) -> Any:

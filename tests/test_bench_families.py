@@ -308,3 +308,52 @@ def test_several_seeds_are_reported_together_and_a_bad_seed_is_one_line(tmp_path
             f"error: --seed {bad}: give whole numbers >= 0, each once, comma-separated: --seed 0,1,2"
         ], (run.stdout, run.stderr[-500:])
         assert "Traceback" not in run.stderr and not (tmp_path / "bad.md").exists()
+
+
+def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_is_one_line(tmp_path):
+    """scripts/bench_inspect.py SEED/INDEX replays the benchmark's run of that landscape (the same
+    decisions, so the same launches and score) and prints each trial's value in truth beside it."""
+    out = tmp_path / "bench.md"
+    tiny = ["--trials", "6"]
+    run = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "scripts" / "bench_search.py"),
+            "--landscapes",
+            "1",
+            "--families",
+            "plain",
+        ]
+        + [*tiny, "--policies", "autotune", "--seed", "1", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    (row,) = json.loads(out.with_suffix(".json").read_text())
+    inspect = str(ROOT / "scripts" / "bench_inspect.py")
+    shown = subprocess.run(
+        [sys.executable, inspect, f"1/#{row['landscape']}", *tiny],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith(f"1/#{row['landscape']} plain {row['case']}: best possible ")
+    trials = lines[
+        lines.index("launched trials (knobs apart from the best):") + 1 : lines.index("confirmations:")
+    ]
+    assert len(trials) == row["launched"] and all("(true " in t for t in trials)
+    assert f"score {row['final']:.3f}" in shown.stdout
+    assert any(line.strip().startswith("1.000 (the best)") for line in lines)
+    for bad in ("1/x", "x", "1/-2"):
+        refused = subprocess.run(
+            [sys.executable, inspect, bad], capture_output=True, text=True, timeout=120, cwd=tmp_path
+        )
+        assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [
+            f"error: {bad}: name a run as SEED/INDEX, both whole numbers >= 0: 1/6"
+        ], (refused.stdout, refused.stderr[-500:])
+        assert "Traceback" not in refused.stderr

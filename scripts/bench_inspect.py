@@ -1,0 +1,90 @@
+#!/usr/bin/env python
+"""One benchmark run, trial by trial, beside its landscape's truth: what the notes read a miss by.
+
+    python scripts/bench_inspect.py 1/6 [--trials 30]
+
+``SEED/INDEX`` names a run as docs/benchmarks.md does (seed 1, landscape #6). The run is autotune's
+search on that landscape exactly as ``scripts/bench_search.py --seed SEED`` runs it (the same
+recipe, executor and seeds, so the same decisions), printed with what the benchmark knows and the
+search does not: each launched trial's and each confirmation's value in truth, the export's score,
+and the landscape's best configurations. A trial's knobs are shown where they differ from the
+landscape's best, so a walk that never reached it shows which knobs it never moved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+import optuna
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_landscapes import build_landscape  # noqa: E402
+from bench_search import policy_autotune  # noqa: E402
+
+from autotune.sim.families import landscape  # noqa: E402
+from autotune.study import candidate_key  # noqa: E402
+
+TOP = 6  # the landscape's best configurations listed
+
+
+def run_of(text: str) -> tuple[int, int]:
+    """``SEED/INDEX`` (``1/6``; ``1/#6`` as the report writes it); ValueError otherwise."""
+    seed, _, index = text.partition("/")
+    seed_n, index_n = int(seed), int(index.lstrip("#"))
+    if seed_n < 0 or index_n < 0:
+        raise ValueError(text)
+    return seed_n, index_n
+
+
+def apart(params: dict[str, Any], best: dict[str, Any]) -> str:
+    """The knobs of ``params`` that differ from ``best``, as knob=value."""
+    return " ".join(f"{k}={params[k]}" for k in sorted(params) if params[k] != best.get(k)) or "(the best)"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run", help="SEED/INDEX, as docs/benchmarks.md names a run (1/6 or 1/#6)")
+    parser.add_argument("--trials", type=int, default=30)
+    args = parser.parse_args()
+    try:
+        seed, index = run_of(args.run)
+    except ValueError:
+        print(f"error: {args.run}: name a run as SEED/INDEX, both whole numbers >= 0: 1/6")
+        return 2
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("autotune").setLevel(logging.ERROR)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    d = landscape(index, seed)
+    land = build_landscape(d, args.trials)
+    run = policy_autotune(land, seed * 1000 + index, args.trials)
+    by_key = {candidate_key(c): c for c in land.candidates}
+    ranked = sorted(land.safe.items(), key=lambda kv: -kv[1])
+    best = by_key[ranked[0][0]]
+    limit = land.recipe.gpu_memory_gib * (1 - land.recipe.headroom)
+    noise = d.drawn.get("noise", 0.0)
+    print(f"{seed}/#{index} {d.family} {d.name}: best possible {land.best:.3g}/s, limit {limit:.1f} GiB,")
+    print(f"  drawn noise {noise:.1%}; the best: {' '.join(f'{k}={v}' for k, v in sorted(best.items()))}")
+    print("launched trials (knobs apart from the best):")
+    for line in run.log:
+        number, rest = line.split(": ", 1)
+        knobs, outcome = rest.split(" -> ", 1)
+        params = {k: v for k, v in (p.split("=", 1) for p in knobs.split())}
+        print(f"  {number:>3} {outcome}  {apart(params, {k: str(v) for k, v in best.items()})}")
+    print("confirmations:")
+    for line in run.confirms or ["(none)"]:
+        print(f"  {line.split(' -> ', 1)[-1]}")
+    exported = apart(run.exported, best) if run.exported else "nothing"
+    print(f"exported: {exported}; score {run.final / max(land.best, 1e-9):.3f} ({run.stopped})")
+    print(f"the landscape's best {TOP} (value, knobs apart from the best):")
+    for key, value in ranked[:TOP]:
+        print(f"  {value / max(land.best, 1e-9):.3f} {apart(by_key[key], best)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
