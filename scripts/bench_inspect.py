@@ -19,12 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import optuna
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_landscapes import build_landscape  # noqa: E402
-from bench_search import policy_autotune  # noqa: E402
+from bench_search import policy_autotune, quiet, search_seed  # noqa: E402
 
 from autotune.sim.families import landscape  # noqa: E402
 from autotune.study import candidate_key  # noqa: E402
@@ -57,11 +55,10 @@ def main() -> int:
         print(f"error: {args.run}: name a run as SEED/INDEX, both whole numbers >= 0: 1/6")
         return 2
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("autotune").setLevel(logging.ERROR)
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    quiet()
     d = landscape(index, seed)
     land = build_landscape(d, args.trials)
-    run = policy_autotune(land, seed * 1000 + index, args.trials)
+    run = policy_autotune(land, search_seed(seed, index), args.trials)
     by_key = {candidate_key(c): c for c in land.candidates}
     ranked = sorted(land.safe.items(), key=lambda kv: -kv[1])
     best = by_key[ranked[0][0]]

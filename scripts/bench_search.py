@@ -353,14 +353,24 @@ def record(land: Landscape, name: str, run: Run) -> dict[str, Any]:
     }
 
 
+def quiet() -> None:
+    """Errors only, from autotune and Optuna: hundreds of searches' progress would bury the table."""
+    logging.getLogger("autotune").setLevel(logging.ERROR)
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+
+
+def search_seed(seed: int, index: int) -> int:
+    """The seed a policy's search of landscape ``index`` under ``--seed seed`` runs with."""
+    return seed * 1000 + index
+
+
 def run_landscape(job: tuple[Any, list[str], int, int]) -> tuple[Any, list[dict[str, Any]]]:
     """Every policy on one landscape (a unit of work for --jobs)."""
     d, policies, trials, seed = job
-    logging.getLogger("autotune").setLevel(logging.ERROR)
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    quiet()
     land = build_landscape(d, trials)
     return d, [
-        {"seed": seed, **record(land, name, POLICIES[name](land, seed * 1000 + d.index, trials))}
+        {"seed": seed, **record(land, name, POLICIES[name](land, search_seed(seed, d.index), trials))}
         for name in policies
     ]
 
@@ -403,8 +413,7 @@ def main() -> int:
         print(f"error: --seed {args.seed}: give whole numbers >= 0, each once, comma-separated: --seed 0,1,2")
         return 2
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("autotune").setLevel(logging.ERROR)
-    optuna.logging.set_verbosity(optuna.logging.ERROR)
+    quiet()
     started = time.time()
     jobs = []
     for seed in seeds:
