@@ -26,6 +26,7 @@ from bench_search import policy_autotune, quiet, search_seed  # noqa: E402
 
 from autotune.sim.families import landscape  # noqa: E402
 from autotune.study import candidate_key  # noqa: E402
+from autotune.study.ranking import headroom_limit  # noqa: E402
 
 TOP = 6  # the landscape's best configurations listed
 
@@ -62,19 +63,18 @@ def main() -> int:
     by_key = {candidate_key(c): c for c in land.candidates}
     ranked = sorted(land.safe.items(), key=lambda kv: -kv[1])
     best = by_key[ranked[0][0]]
-    limit = land.recipe.gpu_memory_gib * (1 - land.recipe.headroom)
+    limit = headroom_limit(land.recipe) or 0.0
     noise = d.drawn.get("noise", 0.0)
     print(f"{seed}/#{index} {d.family} {d.name}: best possible {land.best:.3g}/s, limit {limit:.1f} GiB,")
     print(f"  drawn noise {noise:.1%}; the best: {' '.join(f'{k}={v}' for k, v in sorted(best.items()))}")
     print("launched trials (knobs apart from the best):")
-    for line in run.log:
-        number, rest = line.split(": ", 1)
-        knobs, outcome = rest.split(" -> ", 1)
-        params = {k: v for k, v in (p.split("=", 1) for p in knobs.split())}
-        print(f"  {number:>3} {outcome}  {apart(params, {k: str(v) for k, v in best.items()})}")
+    for ran in run.trials:
+        print(f"  {ran.number:>3} {ran.result}  {apart(ran.params, best)}")
     print("confirmations:")
-    for line in run.confirms or ["(none)"]:
-        print(f"  {line.split(' -> ', 1)[-1]}")
+    for ran in run.confirms:
+        print(f"  {ran.result} (trial {ran.number})")
+    if not run.confirms:
+        print("  (none)")
     exported = apart(run.exported, best) if run.exported else "nothing"
     print(f"exported: {exported}; score {run.final / max(land.best, 1e-9):.3f} ({run.stopped})")
     print(f"the landscape's best {TOP} (value, knobs apart from the best):")

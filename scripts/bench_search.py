@@ -68,6 +68,19 @@ def short(params: dict[str, Any]) -> str:
     return " ".join(f"{k}={v}" for k, v in sorted(params.items()))
 
 
+@dataclass(frozen=True)
+class Ran:
+    """One run a search made (a trial, or a confirmation of trial ``number``): its configuration, and
+    what it measured beside its value in truth (:meth:`Tracker.result`)."""
+
+    number: int
+    params: dict[str, Any]
+    result: str
+
+    def __str__(self) -> str:
+        return f"{self.number}: {short(self.params)} -> {self.result}"
+
+
 @dataclass
 class Run:
     """What one policy did in one seed: per launch, the value of what it would export then."""
@@ -80,11 +93,16 @@ class Run:
     stopped: str = ""
     exported: dict[str, Any] | None = None
     crashes: int = 0
-    log: list[str] = field(default_factory=list)  # one line per launched trial
-    confirms: list[str] = field(default_factory=list)  # one line per confirmation run
+    trials: list[Ran] = field(default_factory=list)  # each launched trial
+    confirms: list[Ran] = field(default_factory=list)  # each confirmation run
     measured: float = 0.0  # best possible value of any configuration a launched trial ran (kept headroom)
     # launched search trials by proposer (seed, local, pool, valid, tpe): {status: count}
     by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
+
+    @property
+    def log(self) -> list[str]:
+        """One line per launched trial, as docs/benchmarks.json keeps it."""
+        return [str(ran) for ran in self.trials]
 
 
 class Tracker:
@@ -106,7 +124,9 @@ class Tracker:
         outcome = self.executor(params, trial_dir, number, control)
         self.hours += (self.executor.simulated_s - before) * self.land.recipe.gpus / 3600
         if control.purpose == "confirm":
-            self.run.confirms.append(f"{self.line(params, outcome)} (trial {number % CONFIRM_NUMBER_OFFSET})")
+            self.run.confirms.append(
+                Ran(number % CONFIRM_NUMBER_OFFSET, params, self.result(params, outcome))
+            )
             return outcome
         if outcome.status == "oom":
             self.run.ooms += 1
@@ -115,7 +135,7 @@ class Tracker:
         self.statuses[number] = str(outcome.status)
         if outcome.status == "ok":  # measured: whether the choice then finds it is another matter
             self.run.measured = max(self.run.measured, self.land.safe_value(params))
-        self.run.log.append(f"{number}: {self.line(params, outcome)}")
+        self.run.trials.append(Ran(number, params, self.result(params, outcome)))
         limit = self.land.recipe.gpu_memory_gib * (1 - self.land.recipe.headroom)
         if (
             outcome.status == "ok"
@@ -129,10 +149,10 @@ class Tracker:
         self.run.hours.append(self.hours)
         return outcome
 
-    def line(self, params: dict[str, Any], outcome: Outcome) -> str:
-        """A run as the log keeps it: its knobs, what it measured, and its value in truth."""
+    def result(self, params: dict[str, Any], outcome: Outcome) -> str:
+        """What a run measured, and its configuration's value in truth, as the log keeps them."""
         return (
-            f"{short(params)} -> {outcome.status}"
+            f"{outcome.status}"
             f"{'/' + outcome.oom_kind if outcome.oom_kind else ''}"
             f"{f' {outcome.throughput:.3g}/s' if outcome.throughput else ''}"
             f"{f' peak {outcome.peak_memory_gib:.1f}' if outcome.peak_memory_gib else ''}"

@@ -29,6 +29,17 @@ from autotune.trial.control import StopRule, TrialControl
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def script(name: str, *args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    """One of the benchmark's scripts run as a user types it, from ``cwd``."""
+    return subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
 def first_of(family: str) -> int:
     return next(i for i in range(20) if landscape(i).family == family)
 
@@ -231,24 +242,10 @@ def test_the_ppo_space_loads_through_the_real_loader():
 
 def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     out = tmp_path / "bench.md"
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_search.py"),
-            "--landscapes",
-            "2",
-            "--families",
-            "plain",
-            "--trials",
-            "6",
-            "--policies",
-            "autotune,random",
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run = script(
+        "bench_search.py",
+        *["--landscapes", "2", "--families", "plain", "--trials", "6", "--policies", "autotune,random"],
+        *["--out", str(out)],
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr[-2000:]
@@ -278,15 +275,8 @@ def test_several_seeds_are_reported_together_and_a_bad_seed_is_one_line(tmp_path
     """--seed 0,1: each seed's landscapes and searches, one table with a row per seed, and every run
     named seed/#landscape (the worst runs include landscapes no tuning looked at)."""
     out = tmp_path / "bench.md"
-    script = str(ROOT / "scripts" / "bench_search.py")
     tiny = ["--landscapes", "1", "--families", "plain", "--trials", "6", "--policies", "autotune"]
-    run = subprocess.run(
-        [sys.executable, script, *tiny, "--seed", "0,1", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
+    run = script("bench_search.py", *tiny, "--seed", "0,1", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.with_suffix(".json").read_text())
     assert [r["seed"] for r in rows] == [0, 1]
@@ -297,12 +287,15 @@ def test_several_seeds_are_reported_together_and_a_bad_seed_is_one_line(tmp_path
     assert "--seed 0,1" in text and "| seed 0 | 1 |" in text and "| seed 1 | 1 |" in text
     assert f"| 1/#{rows[1]['landscape']} | plain |" in text
     for bad in ("1,x", "0,0", "-1"):
-        run = subprocess.run(
-            [sys.executable, script, *tiny, "--seed", bad, "--out", str(tmp_path / "bad.md")],
-            capture_output=True,
-            text=True,
-            timeout=120,
+        run = script(
+            "bench_search.py",
+            *tiny,
+            "--seed",
+            bad,
+            "--out",
+            str(tmp_path / "bad.md"),
             cwd=tmp_path,
+            timeout=120,
         )
         assert run.returncode == 2 and run.stdout.strip().splitlines() == [
             f"error: --seed {bad}: give whole numbers >= 0, each once, comma-separated: --seed 0,1,2"
@@ -315,31 +308,15 @@ def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_i
     decisions, so the same launches and score) and prints each trial's value in truth beside it."""
     out = tmp_path / "bench.md"
     tiny = ["--trials", "6"]
-    run = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "scripts" / "bench_search.py"),
-            "--landscapes",
-            "1",
-            "--families",
-            "plain",
-        ]
-        + [*tiny, "--policies", "autotune", "--seed", "1", "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
+    run = script(
+        "bench_search.py",
+        *["--landscapes", "1", "--families", "plain", *tiny, "--policies", "autotune"],
+        *["--seed", "1", "--out", str(out)],
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.with_suffix(".json").read_text())
-    inspect = str(ROOT / "scripts" / "bench_inspect.py")
-    shown = subprocess.run(
-        [sys.executable, inspect, f"1/#{row['landscape']}", *tiny],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
+    shown = script("bench_inspect.py", f"1/#{row['landscape']}", *tiny, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr[-2000:]
     lines = shown.stdout.splitlines()
     assert lines[0].startswith(f"1/#{row['landscape']} plain {row['case']}: best possible ")
@@ -350,9 +327,7 @@ def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_i
     assert f"score {row['final']:.3f}" in shown.stdout
     assert any(line.strip().startswith("1.000 (the best)") for line in lines)
     for bad in ("1/x", "x", "1/-2"):
-        refused = subprocess.run(
-            [sys.executable, inspect, bad], capture_output=True, text=True, timeout=120, cwd=tmp_path
-        )
+        refused = script("bench_inspect.py", bad, cwd=tmp_path, timeout=120)
         assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [
             f"error: {bad}: name a run as SEED/INDEX, both whole numbers >= 0: 1/6"
         ], (refused.stdout, refused.stderr[-500:])
