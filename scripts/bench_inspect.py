@@ -69,7 +69,7 @@ def main() -> int:
     print(f"  drawn noise {noise:.1%}; the best: {' '.join(f'{k}={v}' for k, v in sorted(best.items()))}")
     print("launched trials (knobs apart from the best):")
     for ran in run.trials:
-        print(f"  {ran.number:>3} {ran.result}  {apart(ran.params, best)}")
+        print(f"  {ran.number:>3} {ran.proposer:<5} {ran.result}  {apart(ran.params, best)}")
     print("confirmations:")
     for ran in run.confirms:
         print(f"  {ran.result} (trial {ran.number})")

@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -76,6 +76,7 @@ class Ran:
     number: int
     params: dict[str, Any]
     result: str
+    proposer: str = ""  # which proposer made a search trial (seed, local, pool, valid, tpe)
 
     def __str__(self) -> str:
         return f"{self.number}: {short(self.params)} -> {self.result}"
@@ -306,12 +307,15 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
         )
         result = search.run()
     # which proposer made each launched trial (a trial TPE sampled carries no proposal attribute)
+    proposers: dict[int, str] = {}
     for name in optuna.get_all_study_names(storage):
         for t in storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False):
             if t.number in tracker.statuses:
-                counts = tracker.run.by_proposer.setdefault(t.system_attrs.get(PROPOSAL_ATTR, "tpe"), {})
+                proposers[t.number] = t.system_attrs.get(PROPOSAL_ATTR, "tpe")
+                counts = tracker.run.by_proposer.setdefault(proposers[t.number], {})
                 status = tracker.statuses[t.number]
                 counts[status] = counts.get(status, 0) + 1
+    tracker.run.trials = [replace(r, proposer=proposers.get(r.number, "")) for r in tracker.run.trials]
     tracker.run.exported = result.best.params if result.best else None
     tracker.run.final = land.value(tracker.run.exported)
     tracker.run.stopped = (result.stopped_reason or "").split(": ", 1)[-1]

@@ -1,12 +1,15 @@
 """The search on landscapes it was not tuned to (issue 19): exhaustion decided over the grid, a
 stalled proposer handed the grid's best open candidate, cures per failure kind, transient crashes."""
 
+import dataclasses
+
 import optuna
 from conftest import LEAN, make_search
 
 from autotune.search import candidates
 from autotune.search.policy import PROPOSAL_ATTR, SEEDS_ATTR, tried
 from autotune.study import candidate_key
+from autotune.study.ranking import headroom_limit
 from autotune.trial.outcome import Outcome
 
 
@@ -113,6 +116,31 @@ def test_a_stalled_proposer_gets_the_grids_best_open_candidate(tmp_path):
     expected = candidates.next_open(search.planner, pool, tried(study), candidate_key)
     assert not search.planner.verdict(expected).skip
     assert all(proposed[k] == expected[k] for k in trial.params)
+
+
+def test_the_grids_best_open_candidate_is_one_the_model_finds_plausible_though_untrusted(tmp_path):
+    """Seen: PPO 1.5B on 8 x 24 GB, a --command trainer the model may not veto for, was handed as
+    the grid's best open candidate the prior's fastest (micro-batch 16 without checkpointing,
+    predicted 300 GiB on 24 GiB cards) six times a search, and each ran out of memory. Untrusted, the
+    model still orders what to try: the pool hands out what it puts inside the headroom, and rules
+    nothing out."""
+    search = make_search(tmp_path)  # 8B on 8 x 24 GB
+    search.open()
+    planner = search.planner
+    planner.recipe = dataclasses.replace(planner.recipe, runner="command")
+    pool = planner.pool(search.space, search.fixed, search.rules)
+    lean = min((c for _, c in pool), key=planner.predict)
+    planner.observe(1, lean, "ok", None, planner.predict(lean) * 1.1, throughput=1.0)
+    assert not planner.model_trusted  # one peak of a trainer it does not describe: no veto yet
+    limit = headroom_limit(planner.recipe)
+    firsts = [c for _, c in pool[:50]]
+    assert all(planner.predict(c) > limit and not planner.verdict(c).skip for c in firsts)
+    chosen = candidates.next_open(planner, pool, {candidate_key(lean)}, candidate_key)
+    assert planner.predict(chosen) <= limit
+    # ... an order, not a veto: once none is plausible, the prior's first open one is handed out
+    tight = dataclasses.replace(planner.recipe, gpu_memory_gib=1.0)
+    planner.recipe = tight
+    assert candidates.next_open(planner, pool, {candidate_key(lean)}, candidate_key) is not None
 
 
 NCCL = "terminate called after throwing an instance of 'c10::DistBackendError'"

@@ -9,7 +9,7 @@ a stalled proposer is handed the best expected of the open ones instead of being
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from autotune.candidate.memory import Estimate
@@ -21,7 +21,10 @@ Pool = list[tuple[float, dict[str, Any]]]
 
 
 def open_candidates(
-    planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict[str, Any]], str]
+    planner: Planner,
+    pool: Iterable[tuple[float, dict[str, Any]]],
+    tried: set[str],
+    key: Callable[[dict[str, Any]], str],
 ) -> Iterator[dict[str, Any]]:
     """Untried candidates of the pool that no measured failure and no calibrated prediction rules
     out, in the order of the speed prior (lazily: the verdict is the costly part)."""
@@ -35,23 +38,37 @@ def open_candidates(
 def next_open(
     planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict[str, Any]], str]
 ) -> dict[str, Any] | None:
-    """The open candidate to run next: of the first :data:`LOOK_AHEAD` by prior (candidates that differ
-    only in knobs whose effect on memory is unknown count as one: the prior cannot tell them apart,
-    so a look-ahead of them alone would see one configuration), the one with the best expected
-    throughput (the prior corrected by what was measured nearby), preferring those
-    the model expects to fit with the recipe's headroom; None when nothing is left open."""
+    """The open candidate to run next: of the first :data:`LOOK_AHEAD` by prior that the model finds
+    plausible (:meth:`Planner.plausible`: the prior ranks the largest configurations first, which on
+    a tight card the model knows do not fit, trusted to veto or not), or of the first by prior when
+    none open is, the one with the best expected throughput (the prior corrected by what was
+    measured nearby). Candidates that differ only in knobs whose effect on memory is unknown count as
+    one: the prior cannot tell them apart, so a look-ahead of them alone would see one configuration.
+    None when nothing is left open."""
+    plausible = planner.plausible_in(pool)
+    ahead = look_ahead(planner, (c for i, c in enumerate(pool) if plausible[i]), tried, key) or look_ahead(
+        planner, pool, tried, key
+    )
+    return max(ahead, key=planner.expected_throughput) if ahead else None
+
+
+def look_ahead(
+    planner: Planner,
+    pool: Iterable[tuple[float, dict[str, Any]]],
+    tried: set[str],
+    key: Callable[[dict[str, Any]], str],
+) -> list[dict[str, Any]]:
+    """The open candidates of the first :data:`LOOK_AHEAD` groups of ``pool`` (alike but for knobs
+    of unknown effect on memory: one group)."""
     ahead: list[dict[str, Any]] = []
-    groups: set[tuple] = set()  # candidates alike but for knobs of unknown effect count once
+    groups: set[tuple] = set()
     for cand in open_candidates(planner, pool, tried, key):
         known = tuple(sorted((k, repr(v)) for k, v in cand.items() if planner.knobs.direction(k, cand)))
         if known not in groups and len(groups) >= LOOK_AHEAD:
             break
         groups.add(known)
         ahead.append(cand)
-    if not ahead:
-        return None
-    ahead = [c for c in ahead if planner.expected_to_fit(c)] or ahead
-    return max(ahead, key=planner.expected_throughput)
+    return ahead
 
 
 def exhausted(planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict[str, Any]], str]) -> bool:
