@@ -120,10 +120,10 @@ def test_a_stalled_proposer_gets_the_grids_best_open_candidate(tmp_path):
 
 def test_the_grids_best_open_candidate_is_one_the_model_finds_plausible_though_untrusted(tmp_path):
     """Seen: PPO 1.5B on 8 x 24 GB, a --command trainer the model may not veto for, was handed as
-    the grid's best open candidate the prior's fastest (micro-batch 16 without checkpointing,
-    predicted 300 GiB on 24 GiB cards) six times a search, and each ran out of memory. Untrusted, the
-    model still orders what to try: the pool hands out what it puts inside the headroom, and rules
-    nothing out."""
+    the grid's best open candidate the prior's fastest (micro-batch 16, predicted 300 GiB on 24 GiB
+    cards) five times in one search, and each ran out of memory. Untrusted, the calibrated model
+    still orders what to try: the pool hands out what it puts inside the headroom, and rules nothing
+    out."""
     search = make_search(tmp_path)  # 8B on 8 x 24 GB
     search.open()
     planner = search.planner
@@ -132,15 +132,19 @@ def test_the_grids_best_open_candidate_is_one_the_model_finds_plausible_though_u
     lean = min((c for _, c in pool), key=planner.predict)
     planner.observe(1, lean, "ok", None, planner.predict(lean) * 1.1, throughput=1.0)
     assert not planner.model_trusted  # one peak of a trainer it does not describe: no veto yet
+    done = {candidate_key(lean)}
     limit = headroom_limit(planner.recipe)
-    firsts = [c for _, c in pool[:50]]
-    assert all(planner.predict(c) > limit and not planner.verdict(c).skip for c in firsts)
-    chosen = candidates.next_open(planner, pool, {candidate_key(lean)}, candidate_key)
-    assert planner.predict(chosen) <= limit
-    # ... an order, not a veto: once none is plausible, the prior's first open one is handed out
-    tight = dataclasses.replace(planner.recipe, gpu_memory_gib=1.0)
-    planner.recipe = tight
-    assert candidates.next_open(planner, pool, {candidate_key(lean)}, candidate_key) is not None
+    first = candidates.look_ahead(planner, pool, done, candidate_key)  # what the pool chose among
+    assert first and not any(planner.plausible(c) or planner.verdict(c).skip for c in first)
+    chosen = candidates.next_open(planner, pool, done, candidate_key)
+    assert planner.plausible(chosen) and planner.predict(chosen) <= limit
+    assert planner.plausible_in(pool) == [planner.plausible(c) for _, c in pool]
+    # an order, not a veto: with every plausible candidate tried, the best of the first by prior
+    done |= {candidate_key(c) for (_, c), ok in zip(pool, planner.plausible_in(pool)) if ok}
+    fallback = candidates.next_open(planner, pool, done, candidate_key)
+    assert fallback is not None and not planner.plausible(fallback)
+    first = candidates.look_ahead(planner, pool, done, candidate_key)
+    assert fallback == max(first, key=planner.expected_throughput)
 
 
 NCCL = "terminate called after throwing an instance of 'c10::DistBackendError'"

@@ -10,6 +10,7 @@ a stalled proposer is handed the best expected of the open ones instead of being
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from itertools import compress
 from typing import Any
 
 from autotune.candidate.memory import Estimate
@@ -38,17 +39,15 @@ def open_candidates(
 def next_open(
     planner: Planner, pool: Pool, tried: set[str], key: Callable[[dict[str, Any]], str]
 ) -> dict[str, Any] | None:
-    """The open candidate to run next: of the first :data:`LOOK_AHEAD` by prior that the model finds
-    plausible (:meth:`Planner.plausible`: the prior ranks the largest configurations first, which on
-    a tight card the model knows do not fit, trusted to veto or not), or of the first by prior when
-    none open is, the one with the best expected throughput (the prior corrected by what was
-    measured nearby). Candidates that differ only in knobs whose effect on memory is unknown count as
-    one: the prior cannot tell them apart, so a look-ahead of them alone would see one configuration.
-    None when nothing is left open."""
-    plausible = planner.plausible_in(pool)
-    ahead = look_ahead(planner, (c for i, c in enumerate(pool) if plausible[i]), tried, key) or look_ahead(
-        planner, pool, tried, key
-    )
+    """The open candidate to run next: of the first :data:`LOOK_AHEAD` groups by prior that the model
+    finds plausible (:meth:`Planner.plausible`: the prior ranks the largest configurations first,
+    which on a tight card the model knows do not fit, trusted to veto or not), or of the first groups
+    by prior when none open is, the one with the best expected throughput (the prior corrected by
+    what was measured nearby). A group is the candidates that differ only in knobs whose effect on
+    memory is unknown: the prior cannot tell them apart, so a look-ahead of them alone would see one
+    configuration. None when nothing is left open."""
+    plausible = compress(pool, planner.plausible_in(pool))
+    ahead = look_ahead(planner, plausible, tried, key) or look_ahead(planner, pool, tried, key)
     return max(ahead, key=planner.expected_throughput) if ahead else None
 
 

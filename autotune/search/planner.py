@@ -83,8 +83,9 @@ class Planner(SpeedExpectation):
     # what is kept between calls (the grid is 48,720 candidates for a 7B on 4 GPUs: never printed)
     _memo: Memo = field(default_factory=Memo, init=False, repr=False, compare=False)  # vector(), prior()
     _pool: list[tuple[float, dict[str, Any]]] | None = field(default=None, **KEPT)
-    # the pool it was computed for, and per entry: raw GiB, whether vLLM cannot start; its parts
-    _sizes: tuple[list, list[tuple[float, bool]], Any] | None = field(default=None, **KEPT)
+    # (the pool, recipe and model it was estimated for), and per entry: raw GiB, whether vLLM cannot
+    # start; its parts
+    _estimated: tuple[tuple, list[tuple[float, bool]], Any] | None = field(default=None, **KEPT)
     # the pool, and the open candidate of it the last exhaustion test found
     open_hint: tuple[list, dict[str, Any] | None] | None = field(default=None, **KEPT)
 
@@ -143,17 +144,18 @@ class Planner(SpeedExpectation):
 
     def plausible(self, params: dict[str, Any]) -> bool:
         """Whether the model, once a measured peak has calibrated it, puts ``params`` inside the
-        headroom (True before): an order to try candidates in, never a veto. A model that does not
+        headroom (True before): on its own an order to try candidates in, never a veto
+        (:meth:`expected_to_fit` applies it only once the model is trusted). A model that does not
         know the trainer may not skip for it until several of its peaks agree (a --command trainer
-        may keep four models or quantize), but calibrated by one, predicting 300 GiB on 24 GiB cards,
-        it knows what to try first: without it the grid's best open candidate of PPO 1.5B on 8 x 24 GB
-        was the prior's fastest, micro-batch 16 without checkpointing, five times a search, and each
-        ran out of memory. Before any peak it says nothing: the raw model of a trainer it does not
-        describe, never corrected where no peak is ever measured, held the grid's pick to micro-batch
-        4 in a search whose best ran micro-batch 16."""
+        may keep four models or quantize), but calibrated by one, predicting 300 GiB on 24 GiB
+        cards, it knows what to try first: without it the grid's best open candidate of PPO 1.5B on
+        8 x 24 GB was the prior's fastest, micro-batch 16, five times in one search after a peak had
+        calibrated the model, and each ran out of memory. Before any peak it says nothing: the raw
+        model of a trainer it does not describe, never corrected where no peak is ever measured,
+        held the grid's pick to micro-batch 4 in a search whose best ran micro-batch 16."""
         if not (self.use_model and self.weights):
             return True
-        return self.predict(params) <= self.recipe.gpu_memory_gib * (1 - self.recipe.headroom)
+        return self.predict(params) <= (headroom_limit(self.recipe) or math.inf)
 
     @property
     def model_trusted(self) -> bool:
@@ -369,21 +371,25 @@ class Planner(SpeedExpectation):
         return self._grid(pool)[1]
 
     def plausible_in(self, pool: list[tuple[float, dict[str, Any]]]) -> list[bool]:
-        """:meth:`plausible` of each candidate of ``pool`` at once, from its parts estimated once
-        (calibration changes only their weights): the grid's best open candidate is looked for
-        among the plausible ones, which on a tight card sit thousands deep in the prior's order."""
+        """:meth:`plausible` of each candidate of ``pool`` at once (up to rounding), from its parts
+        estimated once (calibration changes only their weights): the grid's best open candidate is
+        looked for among the plausible ones, which on a tight card sit thousands deep in the prior's
+        order."""
         if not (self.use_model and self.weights):
             return [True] * len(pool)
         import numpy as np
 
         parts = self._grid(pool)[2]
         gib = parts @ np.array([self.weights.get(k, 1.0) for k in CALIBRATED_PARTS] + [1.0])
-        return (gib <= self.recipe.gpu_memory_gib * (1 - self.recipe.headroom)).tolist()
+        return (gib <= (headroom_limit(self.recipe) or math.inf)).tolist()
 
-    def _grid(self, pool: list[tuple[float, dict[str, Any]]]) -> tuple[list, list[tuple[float, bool]], Any]:
-        """``pool``, its :meth:`sizes`, and its parts (a row per candidate: the calibrated parts,
-        then whatever else, which calibration does not weigh), estimated once per pool."""
-        if self._sizes is None or self._sizes[0] is not pool:
+    def _grid(self, pool: list[tuple[float, dict[str, Any]]]) -> tuple[Any, list[tuple[float, bool]], Any]:
+        """The key the grid was estimated for, its :meth:`sizes`, and its parts (a row per candidate:
+        the calibrated parts, then whatever else an estimate holds, which calibration does not
+        weigh: none today), estimated once per pool, recipe and model."""
+        owners = (pool, self.recipe, self.model)
+        held = self._estimated
+        if held is None or len(held[0]) != len(owners) or any(a is not b for a, b in zip(held[0], owners)):
             import numpy as np
 
             estimates = [self.raw(c) for _, c in pool]
@@ -395,5 +401,5 @@ class Planner(SpeedExpectation):
                     for est in estimates
                 ]
             ).reshape(len(estimates), len(CALIBRATED_PARTS) + 1)
-            self._sizes = (pool, sizes, parts)
-        return self._sizes
+            self._estimated = (owners, sizes, parts)
+        return self._estimated

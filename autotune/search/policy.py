@@ -17,10 +17,12 @@ sample it:
    turn from the incumbent and from runners-up a second run could rank above it (within twice the
    noise, elsewhere in the space: :func:`co_leaders`); while nothing has fit, a step from every OOM
    along its kind's cure (:mod:`autotune.search.cures`).
-3. **The best open candidate of the grid** after three proposals in a row that needed no launch
-   (invalid, a repeat, skipped): the proposers can circle forever around what is ruled out while
-   candidates no failure dominates are left (:mod:`autotune.search.candidates`); without a planner,
-   a random valid candidate.
+3. **The best open candidate of the grid** every third proposal, and after three proposals in a
+   row that needed no launch (invalid, a repeat, skipped): the proposers can circle forever around
+   what is ruled out while candidates no failure dominates are left. Best expected among the first
+   by prior that the model, once a measured peak calibrates it, puts inside the headroom, or among
+   the first by prior when none open is (:mod:`autotune.search.candidates`); without a planner or
+   an open candidate, a random valid one.
 4. Otherwise **TPE** (multivariate, reading each trial's ``fits`` constraint).
 
 A trial that already carries ``fixed_params`` (an interrupted trial queued again on resume) is
