@@ -135,7 +135,7 @@ def test_the_grids_best_open_candidate_is_one_the_model_finds_plausible_though_u
     done = {candidate_key(lean)}
     limit = headroom_limit(planner.recipe)
     first = candidates.look_ahead(planner, pool, done, candidate_key)  # what the pool chose among
-    assert first and not any(planner.plausible(c) or planner.verdict(c).skip for c in first)
+    assert first and not any(planner.plausible(c) for c in first)
     chosen = candidates.next_open(planner, pool, done, candidate_key)
     assert planner.plausible(chosen) and planner.predict(chosen) <= limit
     assert planner.plausible_in(pool) == [planner.plausible(c) for _, c in pool]

@@ -389,7 +389,7 @@ class Planner(SpeedExpectation):
         weigh: none today), estimated once per pool, recipe and model."""
         owners = (pool, self.recipe, self.model)
         held = self._estimated
-        if held is None or len(held[0]) != len(owners) or any(a is not b for a, b in zip(held[0], owners)):
+        if held is None or any(a is not b for a, b in zip(held[0], owners)):
             import numpy as np
 
             estimates = [self.raw(c) for _, c in pool]
