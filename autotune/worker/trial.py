@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,8 +21,9 @@ from autotune.worker.model import build_model, peft_config
 __all__ = ["load_spec", "main", "run_trial"]
 
 
-def run_trial(spec: dict[str, Any]) -> None:
-    """Build everything from ``spec`` and train ``spec['max_steps']`` optimizer steps."""
+def run_trial(spec: dict[str, Any]) -> bool:
+    """Build everything from ``spec`` and train ``spec['max_steps']`` optimizer steps; True when
+    it ran as one process of several (its process group is torn down by then)."""
     import trl
     from trl import GRPOTrainer
 
@@ -88,6 +91,8 @@ def run_trial(spec: dict[str, Any]) -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+        return True
+    return False
 
 
 def _engine_report(trainer: Any) -> Any:
@@ -139,5 +144,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--trial-spec", required=True, type=Path, help="trial_spec.json in the trial folder")
     ns = parser.parse_args(argv)
-    run_trial(load_spec(ns.trial_spec))
+    if run_trial(load_spec(ns.trial_spec)) and argv is None:
+        # one rank of several, trained and its group down: leave without the interpreter's teardown.
+        # A finished rank 1 once died there of SIGABRT ("terminate called without an active
+        # exception": a C++ thread still joinable as its destructor ran), after every step and the
+        # barrier (docs/reliability.md, fault 30); nothing is left to write but the buffered output
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
     return 0
