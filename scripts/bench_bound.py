@@ -6,7 +6,8 @@
 For each landscape of ``scripts/bench_search.py`` (the same draws by seed and index), an ideal walk
 measures exactly the ``top`` best configurations in truth, each once, and nothing else; the three
 best by that short measurement are confirmed once each (``--confirm``), and the best confirmed is
-exported, as autotune's choice does. A measurement is the truth times the landscape's own run-to-run
+exported, as autotune's choice does in its simplest case (it may confirm up to two runners-up
+more). A measurement is the truth times the landscape's own run-to-run
 noise (lognormal, sigma = its drawn noise, 2-10%: the simulator's run factor; its smaller per-step
 jitter is left out). The share of repetitions whose export reaches 0.95 of the best possible is the
 most any search that measures those configurations once and confirms that way can expect: the
@@ -65,7 +66,9 @@ def main() -> int:
     parser.add_argument("--reps", default="200")
     args = parser.parse_args()
     try:
-        count, confirm, reps = (integers(x)[0] for x in (args.landscapes, args.confirm, args.reps))
+        count, confirm, reps = (int(x) for x in (args.landscapes, args.confirm, args.reps))
+        if min(count, confirm, reps) < 1:
+            raise ValueError(args.landscapes)
         tops = integers(args.top)
         seeds = [int(part) for part in args.seed.split(",") if part]
         if not seeds or min(seeds) < 0:
@@ -94,7 +97,7 @@ def main() -> int:
     )
     print("|---|---|---|---|")
     for top in tops:
-        got = shares[top]
+        got = shares[top] or [float("nan")]  # no landscape where anything fits
         print(
             f"| {top} (confirm {confirm}) | {len(got)} | {statistics.fmean(got):.3f} | "
             f"{sum(s < TARGET for s in got)} |"

@@ -215,6 +215,10 @@ def launch(
                 kill_group(proc.pid, tree[1:], grace_s, leader=proc)
                 break
         proc.wait()
+        if stopped is None and proc.returncode != 0 and should_stop() == "measured":
+            # it died between two looks, after writing its last step (a rank aborting in its
+            # teardown, reliability fault 30): one more look finds the steps the trial wanted
+            stopped = "measured"
         # the leader is gone; anything left in its group, that it started, or that carries its
         # marker in another session (a setsid'd daemon holding our pipes) goes too
         end_all(min(grace_s, 2.0))

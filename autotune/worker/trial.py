@@ -23,7 +23,8 @@ __all__ = ["load_spec", "main", "run_trial"]
 
 def run_trial(spec: dict[str, Any]) -> bool:
     """Build everything from ``spec`` and train ``spec['max_steps']`` optimizer steps; True when
-    it ran as one process of several (its process group is torn down by then)."""
+    it ran as one process of several (its process group is torn down by then). A single process
+    can hold a group of one too (accelerate's DeepSpeed launch, TRL's colocated vLLM): False."""
     import trl
     from trl import GRPOTrainer
 
@@ -89,9 +90,10 @@ def run_trial(spec: dict[str, Any]) -> bool:
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
+        several = dist.get_world_size() > 1
         dist.barrier()
         dist.destroy_process_group()
-        return True
+        return several
     return False
 
 
