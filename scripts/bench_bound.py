@@ -97,11 +97,9 @@ def main() -> int:
     )
     print("|---|---|---|---|")
     for top in tops:
-        got = shares[top] or [float("nan")]  # no landscape where anything fits
-        print(
-            f"| {top} (confirm {confirm}) | {len(got)} | {statistics.fmean(got):.3f} | "
-            f"{sum(s < TARGET for s in got)} |"
-        )
+        got = shares[top]
+        mean = statistics.fmean(got) if got else float("nan")  # nan: no landscape where anything fits
+        print(f"| {top} (confirm {confirm}) | {len(got)} | {mean:.3f} | {sum(s < TARGET for s in got)} |")
     return 0
 
 

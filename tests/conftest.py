@@ -474,8 +474,10 @@ def trainer(
     exit_code: int = 1,
     metrics: list[dict] = (),
     sleep_s: float = 0.0,
+    abort: bool = False,
 ) -> str:
-    """A Python script that writes these metrics lines and log lines, then exits with ``exit_code``."""
+    """A Python script that writes these metrics lines and log lines, then exits with ``exit_code``
+    (or, with ``abort``, dies of SIGABRT as a C++ runtime's ``terminate`` does)."""
     return textwrap.dedent(f"""\
         import json, os, sys, time
         with open(os.environ["AUTOTUNE_METRICS_FILE"], "a") as out:
@@ -488,7 +490,7 @@ def trainer(
             print(line, file=sys.stderr)
         sys.stderr.flush()
         time.sleep({sleep_s!r})
-        sys.exit({exit_code})
+        os.abort() if {abort!r} else sys.exit({exit_code})
         """)
 
 

@@ -151,27 +151,13 @@ TEARDOWN_ABORT = "terminate called without an active exception"  # libstdc++'s w
 ALL_MEASURED = [{"step": s, "step_time": 0.5, "samples": 64} for s in range(1, 6)]  # warm-up 2, 3 measured
 
 
-def aborting_trainer(metrics: list[dict], last_words: list[str]) -> str:
-    """Writes its metrics lines, then dies at once of SIGABRT, as a gloo rank torn down mid-thread."""
-    return textwrap.dedent(f"""\
-        import json, os, sys
-        with open(os.environ["AUTOTUNE_METRICS_FILE"], "a") as out:
-            for d in {metrics!r}:
-                out.write(json.dumps(d) + "\\n")
-        for line in {last_words!r}:
-            print(line, file=sys.stderr)
-        sys.stderr.flush()
-        os.abort()
-        """)
-
-
 def test_a_teardown_abort_after_every_measured_step_keeps_the_measurement(tmp_path: Path) -> None:
-    outcome = run_script_trial(tmp_path, aborting_trainer(ALL_MEASURED, [TEARDOWN_ABORT]))
+    outcome = run_script_trial(tmp_path, trainer([TEARDOWN_ABORT], metrics=ALL_MEASURED, abort=True))
     assert outcome.status == "ok" and outcome.throughput == pytest.approx(128.0), outcome
 
 
 def test_an_abort_before_the_measured_steps_are_in_is_still_a_crash(tmp_path: Path) -> None:
-    outcome = run_script_trial(tmp_path, aborting_trainer(ALL_MEASURED[:3], [TEARDOWN_ABORT]))
+    outcome = run_script_trial(tmp_path, trainer([TEARDOWN_ABORT], metrics=ALL_MEASURED[:3], abort=True))
     assert outcome.status == "crash" and outcome.throughput is None, outcome
 
 
