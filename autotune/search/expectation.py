@@ -2,9 +2,10 @@
 
 The planner (:mod:`autotune.search.planner`) decides whether a candidate fits; this mixin says how
 fast it should run. The speed prior (``autotune.candidate.speed``) ranks the whole grid before any
-trial; once trials have run, each candidate's prior is corrected by the measured/prior ratio of the
-nearest measured successes, and odds are taken off for clean CUDA OOMs it resembles. The convergence
-test asks whether any untried candidate could still beat the best by more than the noise.
+trial; once trials have run, each candidate's prior is corrected by what the measured successes
+say of the prior's error, two ways (:meth:`SpeedExpectation.expected_throughput`), and odds are
+taken off for clean CUDA OOMs it resembles. The convergence test asks whether any untried candidate
+could still beat the best by more than the noise.
 """
 
 from __future__ import annotations
@@ -13,7 +14,10 @@ import heapq
 import math
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from autotune.candidate.estimate import prior_for
 from autotune.candidate.vector import at_least, distance
@@ -29,6 +33,10 @@ NEAREST = 3  # measured trials that correct the speed prior of a candidate
 #: The prior's log error that :meth:`SpeedExpectation.improvable` allows: half a standard deviation
 #: of what was measured, never less than 5%; 50% while fewer than 3 trials say how wrong it is.
 SPREAD_STDEVS, MIN_SPREAD, EARLY_SPREAD, SPREAD_TRIALS = 0.5, 1.05, 1.5, 3
+#: How hard the per-knob fit of the prior's error pulls each knob value's effect towards the mean
+#: error: (run-to-run noise / a knob value's typical error)^2, about (5% / 10%)^2. A value measured
+#: once moves the expectation by a fifth of what that one run showed; by four runs, by four fifths.
+RIDGE = 0.25
 
 
 class SpeedExpectation:
@@ -48,10 +56,16 @@ class SpeedExpectation:
         return self._memo.get("prior", (self.model, self.recipe, self.gpu), params, compute)
 
     def expected_throughput(self, params: dict[str, Any]) -> float:
-        """The speed prior corrected by what was measured nearby (prior x the mean measured/prior
-        ratio of the closest successful trials, in knob space), halved for each way of differing in
+        """The speed prior corrected by what was measured, halved for each way of differing in
         unknown knobs from clean CUDA OOMs that need no more memory by every known knob: no proof,
-        but odds (OOMs that all differ from it the same way are one piece of evidence, not many)."""
+        but odds (OOMs that all differ from it the same way are one piece of evidence, not many).
+
+        The correction is the mean, in log space, of two views of the prior's error: nearby (the
+        measured/prior ratio of the closest successes in knob space, which sees interactions a
+        knob-by-knob view cannot) and knob by knob over every success (:class:`PriorError`, which
+        carries an effect the prior misjudges, say offload's cost on this machine, to combinations
+        nobody measured near). Equal weights: neither view is known to be the better one on a
+        trainer never seen (docs/benchmarks-notes.md, seventeenth pass, measured both alone)."""
         vec, mine = self.vector(params), self.knobs.split(params)[1]
         ooms, ok = self.speed_evidence()
         ways = {
@@ -63,7 +77,22 @@ class SpeedExpectation:
         if not ok:
             return prior
         nearest = heapq.nsmallest(NEAREST, ok, key=lambda t: distance(vec, t[0]))
-        return prior * statistics.fmean(ratio for _, ratio in nearest)
+        fit = self.prior_error()
+        if fit is None:
+            return prior * statistics.fmean(ratio for _, ratio in nearest)
+        near = statistics.fmean(math.log(ratio) for _, ratio in nearest)
+        return prior * math.exp(0.5 * fit.log_error(params) + 0.5 * near)
+
+    def prior_error(self) -> PriorError | None:
+        """The prior's log error fitted per knob value over every measured success (None before
+        two): see :class:`PriorError`. Fitted once per trial learned."""
+
+        def compute() -> PriorError | None:
+            ok = [s for s in self.seen if s.status == "ok" and s.throughput]
+            return PriorError.fit([(s.params, math.log(s.throughput / self.prior(s.params))) for s in ok])
+
+        owners = (self.model, self.recipe, self.gpu, self.seen)
+        return self._memo.get("prior_error", owners, {"n": len(self.seen)}, compute)
 
     def speed_evidence(
         self,
@@ -125,3 +154,53 @@ class SpeedExpectation:
             if not self.verdict(cand).skip:
                 return cand
         return None
+
+
+def _level(value: Any) -> Any:
+    """A knob value as a key of :class:`PriorError` (floats rounded, as the grid spaces them)."""
+    return round(value, 6) if isinstance(value, float) else value
+
+
+@dataclass(frozen=True)
+class PriorError:
+    """The speed prior's log error as a mean plus one effect per knob value: a ridge fit of
+    log(measured / prior) on the knobs' values (one-hot), over every measured success.
+
+    The prior is physics with a machine's constants guessed; where one of its terms is off by a
+    factor (offload's transfers slower, generation faster, sleep mode's reload dearer), every trial
+    holding that knob value shows it, wherever in the space it ran. Values every success shares
+    carry nothing a mean does not; a value never measured gets no effect (the prior's word stands).
+    The ridge (:data:`RIDGE`) shrinks each effect toward zero by how few runs show it, so one lucky
+    run moves the expectation of its value's untried combinations by a fifth of its luck.
+    """
+
+    mean: float
+    effects: dict[tuple[str, Any], float]
+
+    def log_error(self, params: dict[str, Any]) -> float:
+        return self.mean + sum(self.effects.get((k, _level(v)), 0.0) for k, v in params.items())
+
+    @classmethod
+    def fit(cls, data: list[tuple[dict[str, Any], float]], ridge: float = RIDGE) -> PriorError | None:
+        """Fitted to (params, log error) pairs; None before two."""
+        if len(data) < 2:
+            return None
+        y = np.array([err for _, err in data])
+        levels = sorted({(k, _level(v)) for params, _ in data for k, v in params.items()}, key=repr)
+        levels = [
+            (k, v)
+            for k, v in levels
+            if 0 < sum(1 for params, _ in data if _level(params.get(k)) == v) < len(data)
+        ]
+        mean = float(y.mean())
+        if not levels:
+            return cls(mean, {})
+        column = {level: j for j, level in enumerate(levels)}
+        x = np.zeros((len(data), len(levels)))
+        for i, (params, _) in enumerate(data):
+            for k, v in params.items():
+                j = column.get((k, _level(v)))
+                if j is not None:
+                    x[i, j] = 1.0
+        w = np.linalg.solve(x.T @ x + ridge * np.eye(len(levels)), x.T @ (y - mean))
+        return cls(mean, {level: float(w[j]) for level, j in column.items()})
