@@ -306,50 +306,6 @@ def test_a_step_that_paid_but_peaked_inside_the_headroom_is_followed_by_the_valu
     assert between(planner, 4.0, *args) is None
 
 
-def test_a_faster_trial_that_peaked_inside_the_headroom_gets_a_memory_saver_beside_it(tmp_path):
-    """Seen in the benchmark's PPO 1.5B on 8 x 24 GB (seed 1 #6, the knob-by-knob prior alone: the
-    seventeenth pass of docs/benchmarks-notes.md): all models colocated at ZeRO-2
-    ran 9% faster than the best exportable trial and peaked at 22.0 of the 20.9 GiB the headroom
-    allows; no saver beside it (ZeRO-3 there is the landscape's best region) was ever run, and the
-    walk settled on a corner at 0.64 of the best possible. The overshoot's speed is measured: a
-    memory saver one step away from it is proposed, when it beat the best exportable throughput by
-    more than the noise."""
-    from autotune.candidate.vector import at_least
-    from autotune.search.trade import overshoot_saver
-
-    search = make_search(tmp_path, gpus=2, pins={"use_vllm": True, "vllm_mode": "colocate"})
-    search.open()
-    planner = search.planner
-    base = next(
-        c
-        for _, c in planner.pool(search.space, search.fixed, search.rules)
-        if c.get("gradient_checkpointing") and c.get("offload") == "none" and c.get("zero_stage") == 2
-    )
-    limit = headroom_limit(search.recipe)
-    over = {**base, "gradient_checkpointing": False}
-    planner.observe(1, base, "ok", None, 0.7 * limit, 4.0)
-    planner.observe(2, over, "ok", None, 1.03 * limit, 4.6)  # +15%, inside the headroom
-    done = {candidate_key(s.params) for s in planner.seen}
-
-    def ask(best=4.0, spread=0.03):
-        return overshoot_saver(
-            planner, best, search.space, search.fixed, search.rules, done, candidate_key, spread
-        )
-
-    step = ask()
-    assert step is not None and candidate_key(step) not in done
-    moved = {k for k in over if step.get(k) != over.get(k)} - {"gradient_accumulation_steps"}
-    assert len(moved) == 1, moved  # one knob from the overshoot (accumulation follows the micro-batch)
-    assert planner.vector(step) != planner.vector(over)
-    assert at_least(planner.vector(over), planner.vector(step))  # needs less memory, by what is known
-    # not when the overshoot beat the best exportable throughput by less than the noise
-    assert ask(spread=0.2) is None
-    assert ask(best=4.5) is None
-    # nor when it kept the headroom (nothing overshot: the walk goes on as it pays)
-    planner.seen[1].peak_gib = 0.9 * limit
-    assert ask() is None
-
-
 def local_steps_beside(tmp_path, runner_up: float) -> list[dict]:
     """Four local steps after an incumbent at micro-batch 1 (3.69/s) and a runner-up at micro-batch
     8 with checkpointing and ZeRO-3 (``runner_up`` completions/s), three knobs away."""

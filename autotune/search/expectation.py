@@ -13,8 +13,9 @@ from __future__ import annotations
 import heapq
 import math
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -34,8 +35,8 @@ NEAREST = 3  # measured trials that correct the speed prior of a candidate
 #: of what was measured, never less than 5%; 50% while fewer than 3 trials say how wrong it is.
 SPREAD_STDEVS, MIN_SPREAD, EARLY_SPREAD, SPREAD_TRIALS = 0.5, 1.05, 1.5, 3
 #: How hard the per-knob fit of the prior's error pulls each knob value's effect towards the mean
-#: error: (run-to-run noise / a knob value's typical error)^2, about (5% / 10%)^2. A value measured
-#: once moves the expectation by a fifth of what that one run showed; by four runs, by four fifths.
+#: error: (run-to-run noise / a knob value's typical error)^2, about (5% / 10%)^2, so a value's
+#: effect is n / (n + 0.25) of what its n runs showed apart from the rest: four fifths for one run.
 RIDGE = 0.25
 
 
@@ -64,8 +65,10 @@ class SpeedExpectation:
         measured/prior ratio of the closest successes in knob space, which sees interactions a
         knob-by-knob view cannot) and knob by knob over every success (:class:`PriorError`, which
         carries an effect the prior misjudges, say offload's cost on this machine, to combinations
-        nobody measured near). Equal weights: neither view is known to be the better one on a
-        trainer never seen (docs/benchmarks-notes.md, seventeenth pass, measured both alone)."""
+        nobody measured near), held within the errors the successes showed. Equal weights, not
+        fitted: on the benchmark the knob-by-knob view alone did worse than the nearby view alone,
+        and the two together, with :func:`autotune.search.trade.overshoot_saver`, better than either
+        (docs/benchmarks-notes.md, seventeenth pass)."""
         vec, mine = self.vector(params), self.knobs.split(params)[1]
         ooms, ok = self.speed_evidence()
         ways = {
@@ -81,7 +84,11 @@ class SpeedExpectation:
         if fit is None:
             return prior * statistics.fmean(ratio for _, ratio in nearest)
         near = statistics.fmean(math.log(ratio) for _, ratio in nearest)
-        return prior * math.exp(0.5 * fit.log_error(params) + 0.5 * near)
+        # within what was measured: a sum of effects can extrapolate past every success's error,
+        # and improvable() walks the pool only while no expectation can beat the best measured ratio
+        logs = [math.log(ratio) for _, ratio in ok]
+        knob_by_knob = min(max(fit.log_error(params), min(logs)), max(logs))
+        return prior * math.exp(0.5 * knob_by_knob + 0.5 * near)
 
     def prior_error(self) -> PriorError | None:
         """The prior's log error fitted per knob value over every measured success (None before
@@ -127,11 +134,12 @@ class SpeedExpectation:
     ) -> dict[str, Any] | None:
         """An untried candidate that could still beat ``best`` by more than ``noise``, or None.
 
-        A candidate could win when its expected throughput (the prior corrected by the nearest
-        measurements), raised by how far measurements have strayed from the prior, beats the
-        incumbent by more than the noise, and nothing known rules it out as too big. The pool is
-        sorted by prior, so the walk stops at the first prior that even the most favourable
-        correction measured so far cannot lift over the bar.
+        A candidate could win when its expected throughput (the prior corrected by what was
+        measured, :meth:`expected_throughput`), raised by how far measurements have strayed from
+        the prior, beats the incumbent by more than the noise, and nothing known rules it out as too
+        big. The pool is sorted by prior, so the walk stops at the first prior that even the most
+        favourable correction measured so far cannot lift over the bar (no expectation corrects a
+        prior by more than the largest error a success showed).
         """
         ok = [s for s in self.seen if s.status == "ok" and s.throughput]
         if not ok or not self.use_model:
@@ -170,12 +178,12 @@ class PriorError:
     factor (offload's transfers slower, generation faster, sleep mode's reload dearer), every trial
     holding that knob value shows it, wherever in the space it ran. Values every success shares
     carry nothing a mean does not; a value never measured gets no effect (the prior's word stands).
-    The ridge (:data:`RIDGE`) shrinks each effect toward zero by how few runs show it, so one lucky
-    run moves the expectation of its value's untried combinations by a fifth of its luck.
+    The ridge (:data:`RIDGE`) shrinks each effect toward zero by how few runs show it. The table of
+    effects is read-only.
     """
 
     mean: float
-    effects: dict[tuple[str, Any], float]
+    effects: Mapping[tuple[str, Any], float]
 
     def log_error(self, params: dict[str, Any]) -> float:
         return self.mean + sum(self.effects.get((k, _level(v)), 0.0) for k, v in params.items())
@@ -194,7 +202,7 @@ class PriorError:
         ]
         mean = float(y.mean())
         if not levels:
-            return cls(mean, {})
+            return cls(mean, MappingProxyType({}))
         column = {level: j for j, level in enumerate(levels)}
         x = np.zeros((len(data), len(levels)))
         for i, (params, _) in enumerate(data):
@@ -203,4 +211,4 @@ class PriorError:
                 if j is not None:
                     x[i, j] = 1.0
         w = np.linalg.solve(x.T @ x + ridge * np.eye(len(levels)), x.T @ (y - mean))
-        return cls(mean, {level: float(w[j]) for level, j in column.items()})
+        return cls(mean, MappingProxyType({level: float(w[j]) for level, j in column.items()}))

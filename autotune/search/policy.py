@@ -177,7 +177,8 @@ class PolicySampler(BaseSampler):
         """The most promising untried neighbour of the best trial so far."""
         if self.planner is None:
             return None
-        best, _ = choose_best(rows(study), self.recipe)
+        all_rows = rows(study)
+        best, _ = choose_best(all_rows, self.recipe)
         if best is None:  # nothing fits yet: walk from the nearest OOM
             return cures.toward_feasible(
                 self.planner, self.space, self.fixed, self.rules, tried(study), candidate_key
@@ -200,7 +201,7 @@ class PolicySampler(BaseSampler):
         )
         if inside is not None:  # a step that paid peaked inside the headroom: the value between
             return inside
-        spread = noise(rows(study), confirmations(study))
+        spread = noise(all_rows, confirmations(study))
         saved = overshoot_saver(
             self.planner,
             best.throughput or 0.0,
