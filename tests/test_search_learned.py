@@ -2,8 +2,6 @@
 vLLM, knob directions learned from measurements, an OOM's odds where it proves nothing, the stop at a
 measured local optimum, and the knobs the prior cannot see."""
 
-import math
-
 from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
@@ -400,84 +398,3 @@ def test_an_oom_holding_a_known_knobs_costly_value_is_still_where_an_experiment_
     tried = {candidate_key(s.params) for s in planner.seen}
     asked = saver_experiment(planner, here, space, fixed, [], tried, candidate_key, 0.03)
     assert asked == {**PPO, "zero_stage": 3, "colocate_all_models": True}, asked
-
-
-TRL = dict(
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=4,
-    num_generations=8,
-    zero_stage=3,
-    offload="none",
-    gradient_checkpointing=True,
-    use_vllm=True,
-    vllm_mode="colocate",
-    vllm_gpu_memory_utilization=0.4,
-    vllm_enable_sleep_mode=False,
-    vllm_tensor_parallel_size=1,
-)
-
-
-def test_an_effect_the_prior_misjudges_is_learned_from_every_trial_that_shows_it():
-    """vLLM's sleep mode cost 40% more than the prior says on this machine, in every trial that had
-    it; the untried candidate with it on sits next to trials without it, which ran as the prior
-    said. The nearest measurements alone expected it at the prior (ratio 1.0) and the walk would
-    try it; the knob-by-knob view of the prior's error carries sleep mode's cost to it."""
-    import heapq
-
-    from autotune.candidate.vector import distance
-
-    gpu = find_gpu_type("A100-80GB")
-    recipe = Recipe(model="Qwen2.5-7B-Instruct", gpus=4, gpu_type=gpu.name, gpu_memory_gib=gpu.memory_gib)
-    planner = Planner(resolve_model(recipe.model), recipe, gpu)
-
-    def cfg(**kw):
-        return {**TRL, **kw}
-
-    awake = [
-        cfg(),
-        cfg(num_generations=16),
-        cfg(vllm_gpu_memory_utilization=0.5),
-        cfg(per_device_train_batch_size=2, gradient_accumulation_steps=8, zero_stage=2),
-        cfg(per_device_train_batch_size=8, gradient_accumulation_steps=2, offload="optimizer"),
-    ]
-    asleep = [
-        cfg(
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=8,
-            zero_stage=2,
-            vllm_enable_sleep_mode=True,
-        ),
-        cfg(
-            per_device_train_batch_size=8,
-            gradient_accumulation_steps=2,
-            offload="optimizer",
-            vllm_enable_sleep_mode=True,
-        ),
-        cfg(
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=8,
-            offload="optimizer",
-            vllm_enable_sleep_mode=True,
-        ),
-    ]
-    for n, params in enumerate(awake):
-        planner.observe(n, params, "ok", None, 50.0, planner.prior(params))
-    for n, params in enumerate(asleep, start=len(awake)):
-        planner.observe(n, params, "ok", None, 30.0, 0.6 * planner.prior(params))
-    cand = cfg(vllm_enable_sleep_mode=True)
-    _, ok = planner.speed_evidence()
-    nearest = heapq.nsmallest(3, ok, key=lambda t: distance(planner.vector(cand), t[0]))
-    assert [ratio for _, ratio in nearest] == [1.0, 1.0, 1.0]  # what the nearby view alone saw
-    assert planner.expected_throughput(cand) < 0.85 * planner.prior(cand)
-    # a candidate without sleep mode is expected as the prior says, as its neighbours ran
-    assert abs(planner.expected_throughput(cfg(zero_stage=2)) / planner.prior(cfg(zero_stage=2)) - 1) < 0.03
-    from autotune.search.expectation import PriorError
-
-    # the fit shrinks: sleep mode's effect is most, not all, of the 0.51 its three runs showed
-    fit = planner.prior_error()
-    assert isinstance(fit, PriorError)
-    gap = fit.effects[("vllm_enable_sleep_mode", False)] - fit.effects[("vllm_enable_sleep_mode", True)]
-    assert 0.3 < gap < -math.log(0.6)
-    # values every success shares carry nothing; one success teaches no effect at all
-    assert ("use_vllm", True) not in fit.effects
-    assert PriorError.fit([(cand, -0.5)]) is None

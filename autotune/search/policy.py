@@ -11,8 +11,7 @@ sample it:
    model (CPU trials), hand-written starting points that find the memory boundary at once.
 2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial
    so far (:meth:`Planner.next_local`, going on along a knob while it pays, the value between when
-   a step that paid peaked inside the headroom, a memory saver beside a faster trial that peaked
-   inside it, and, when the micro-batch cannot go up by itself, a
+   a step that paid peaked inside the headroom, and, when the micro-batch cannot go up by itself, a
    memory saver traded for a larger one, or a knob of unknown effect on memory measured to cost speed
    asked whether it is one: :mod:`autotune.search.trade`); the one-knob steps leave in
    turn from the incumbent and from runners-up a second run could rank above it (within twice the
@@ -50,7 +49,7 @@ from autotune.search.headroom import fits_headroom
 from autotune.search.momentum import between, flat_knobs, keep_going, promising_onward
 from autotune.search.planner import Planner, Seen
 from autotune.search.seeds import seed_candidates
-from autotune.search.trade import next_trade, overshoot_saver, saver_experiment
+from autotune.search.trade import next_trade, saver_experiment
 from autotune.study import candidate_key, choose_best, confirmations, measured_configs, rows
 from autotune.study.claims import pending_keys
 from autotune.study.ranking import headroom_limit, noise
@@ -177,8 +176,7 @@ class PolicySampler(BaseSampler):
         """The most promising untried neighbour of the best trial so far."""
         if self.planner is None:
             return None
-        all_rows = rows(study)
-        best, _ = choose_best(all_rows, self.recipe)
+        best, _ = choose_best(rows(study), self.recipe)
         if best is None:  # nothing fits yet: walk from the nearest OOM
             return cures.toward_feasible(
                 self.planner, self.space, self.fixed, self.rules, tried(study), candidate_key
@@ -201,24 +199,12 @@ class PolicySampler(BaseSampler):
         )
         if inside is not None:  # a step that paid peaked inside the headroom: the value between
             return inside
-        spread = noise(all_rows, confirmations(study))
-        saved = overshoot_saver(
-            self.planner,
-            best.throughput or 0.0,
-            self.space,
-            self.fixed,
-            self.rules,
-            done,
-            candidate_key,
-            spread,
-        )
-        if saved is not None:  # a faster trial peaked inside the headroom: a memory saver beside it
-            return saved
         traded = next_trade(
             self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key
         )
         if traded is not None:  # the micro-batch is stuck: a memory saver on, and what it frees spent
             return traded
+        spread = noise(rows(study), confirmations(study))
         asked = saver_experiment(
             self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, spread
         )

@@ -17,10 +17,6 @@ no pair of peaks ever shows it. :func:`saver_experiment` asks it directly: the m
 step ran out of memory, and a knob measured to cost speed (as every saver does: it recomputes,
 moves or shards to save memory) is moved alone from that OOM. If the copy runs, the pair teaches the
 knob's direction (``knobs.learn``) and the trade and the walk go on from there.
-
-A step can pay and overshoot: a trial faster than anything exportable that peaked inside the
-headroom. Its speed is measured, and a saver one step away from it (:func:`overshoot_saver`) costs
-only part of it: the same trade the other way round, a saver on to keep what the step gained.
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from autotune.candidate import constraints
 from autotune.candidate.space import Space
 from autotune.candidate.vector import at_least
 from autotune.search.planner import Planner
-from autotune.study.ranking import headroom_limit
 
 Rules = Iterable[Callable[[dict[str, Any]], "str | None"]]
 
@@ -91,92 +86,32 @@ def next_trade(
     if not larger or fits(with_micro(incumbent, larger[0])):
         return None  # the plain step up is open: the local walk takes it
     ran = {key(s.params) for s in planner.seen if s.status == "ok"}
+    base = planner.vector(incumbent)
     trades = []
-    for saver in savers(planner, space, fixed, incumbent, skip=micro):
-        for m in reversed(larger):  # the largest micro-batch it may afford
-            cand = with_micro(saver, m)
-            if key(cand) in ran:
-                break  # this trade was measured
-            if fits(cand):
-                trades.append(cand)
-                break
-    return max(trades, key=planner.expected_throughput) if trades else None
-
-
-def savers(
-    planner: Planner, space: Space, fixed: dict[str, Any], params: dict[str, Any], skip: str | None = None
-) -> list[dict[str, Any]]:
-    """``params`` with one knob (not ``skip``) moved one value to where it needs less memory by what
-    the planner knows (TRL's knobs, a space's declared ones, directions measurements showed) and no
-    more by any: the memory savers one step away. Not derived or normalized."""
-    base = planner.vector(params)
-    out = []
     for name, param in space.params.items():
-        if name in fixed or name == skip or param.choices is None or not space.relevant(name, params):
+        if name in fixed or name == micro or param.choices is None or not space.relevant(name, incumbent):
             continue
         values = list(param.choices)
-        if params.get(name) not in values:
+        if incumbent.get(name) not in values:
             continue
-        i = values.index(params.get(name))
+        i = values.index(incumbent.get(name))
         for j in (i - 1, i + 1):
             if not 0 <= j < len(values):
                 continue
-            saver = {**params, name: values[j]}
-            if not planner.knobs.same_unknown(saver, params):
+            saver = {**incumbent, name: values[j]}
+            if not planner.knobs.same_unknown(saver, incumbent):
                 continue  # a knob whose effect on memory is unknown: no saver by what is known
             lean = planner.vector(saver)
-            if lean != base and at_least(base, lean):
-                out.append(saver)
-    return out
-
-
-def overshoot_saver(
-    planner: Planner,
-    best: float,
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Rules,
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-    spread: float,
-) -> dict[str, Any] | None:
-    """A trial that ran faster than the ``best`` exportable throughput by more than the noise
-    ``spread`` but peaked inside the headroom, with one memory saver on (:func:`savers`, the
-    micro-batch one value down among them), or None. The fastest such overshoot first; of its
-    untried savers, one the calibrated model expects to keep the headroom first, then the best
-    expected. An overshoot measured its speed: a saver costs some of it, and the rest may still
-    beat the best. Seen on the benchmark (PPO 1.5B on 8 x 24 GB, seed 1 #6, in a pass that measured
-    the knob-by-knob prior alone): all models colocated at ZeRO-2 ran 9% faster than the best
-    exportable and peaked at 22.0 of 20.9 GiB; ZeRO-3 beside it, the landscape's best region, was
-    never tried, and the export was 0.64 of the best possible."""
-    limit = headroom_limit(planner.recipe)
-    if limit is None:
-        return None
-    overshoots = sorted(
-        (
-            s
-            for s in planner.seen
-            if s.status == "ok"
-            and s.throughput
-            and not s.leftover
-            and s.peak_gib is not None
-            and s.peak_gib > limit
-            and s.throughput > best * (1 + spread)
-        ),
-        key=lambda s: -(s.throughput or 0.0),
-    )
-    rules = list(rules)
-    for over in overshoots:
-        out = []
-        for saver in savers(planner, space, fixed, over.params):
-            cand = space.normalize(constraints.derive(saver, planner.recipe))
-            if key(cand) in tried or constraints.violations(cand, planner.recipe, rules):
-                continue
-            if not planner.verdict(cand).skip:
-                out.append(cand)
-        if out:
-            return max(out, key=lambda c: (planner.expected_to_fit(c), planner.expected_throughput(c)))
-    return None
+            if lean == base or not at_least(base, lean):
+                continue  # needs no less memory in every known knob
+            for m in reversed(larger):  # the largest micro-batch it may afford
+                cand = with_micro(saver, m)
+                if key(cand) in ran:
+                    break  # this trade was measured
+                if fits(cand):
+                    trades.append(cand)
+                    break
+    return max(trades, key=planner.expected_throughput) if trades else None
 
 
 def saver_experiment(
