@@ -43,6 +43,13 @@ def run_python(code: str, timeout: float = 120, **kwargs) -> subprocess.Complete
 
 CASES = [
     # file, returncode, status, oom_kind, text the error line must contain
+    (  # captured on an H100: TRL 1.16's traceback, torch 2.11+cu130 (tests/data/logs/README.md)
+        "h100_trl_cuda_oom.log",
+        1,
+        "oom",
+        "cuda",
+        "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 216.00 MiB. GPU 0 has a total capacity of 79.18 GiB",
+    ),
     (
         "cuda_oom_new_format.log",
         1,
@@ -159,6 +166,7 @@ def test_every_fixture_is_covered():
         "swift_sft_iter_per_s.log",
         "swift_grpo_iter_per_s.log",
         "swift4_s_per_it_constructed.log",
+        "h100_resumed_run_sigterm.log",  # test_real_sigterm_after_warnings_names_the_signal
     }
     assert {p.name for p in LOGS.glob("*.log")} == covered
 
@@ -208,6 +216,29 @@ def test_real_sigkill_without_traceback_is_host():
     status, kind, line = classify_failure(proc.returncode, proc.stdout)
     assert (status, kind) == ("oom", "host")
     assert line == "killed by SIGKILL (exit code -9)"
+
+
+def test_real_sigterm_after_warnings_names_the_signal():
+    # the restart of that run, stopped by SIGTERM after its step: its last lines are transformers'
+    # resume warnings (real text, replayed by a real process), which say nothing of why it ended
+    text = log("h100_resumed_run_sigterm.log")
+    proc = run_python(
+        f"""
+        import os, signal, sys
+        sys.stderr.write({text!r})
+        sys.stderr.flush()
+        os.kill(os.getpid(), signal.SIGTERM)
+        """
+    )
+    assert proc.returncode == -15 and "trainer_state.json" in proc.stderr
+    assert last_error_line(proc.stderr).startswith("per_device_train_batch_size: 16 (from args)")
+    assert classify_failure(proc.returncode, proc.stderr) == (
+        "crash",
+        None,
+        "ended by SIGTERM (exit code -15)",
+    )
+    # an error of its own before the signal still names it
+    assert classify_failure(-15, proc.stderr + "ValueError: bad\n")[2] == "ValueError: bad"
 
 
 def test_real_sigkill_through_a_shell_is_host():

@@ -45,6 +45,7 @@ longer than any tail kept in memory.
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -376,7 +377,21 @@ def _judge(returncode: int | None, parts: list[list[str]], stopped_by_us: bool) 
         return Diagnosis(
             "oom", "host", error_line, describe("oom", "host") + " (SIGKILL with no error of its own)"
         )
+    if returncode is not None and returncode < 0 and not stopped_by_us and not _has_primary_error(lines):
+        # Ended by a signal not ours (SIGTERM from a timeout or a user, SIGINT) before any error of its
+        # own: the last line it printed is a warning or a log line, not why it stopped. Seen on an
+        # H100: a resumed run killed by SIGTERM was recorded with transformers' resume warning.
+        return Diagnosis(
+            "crash", None, f"ended by {_signal_name(-returncode)} (exit code {returncode})", describe("crash")
+        )
     return Diagnosis("crash", None, _last_error(lines), describe("crash"))
+
+
+def _signal_name(number: int) -> str:
+    try:
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def diagnose(returncode: int | None, log_text: str, *, stopped_by_us: bool = False) -> Diagnosis:
