@@ -371,27 +371,14 @@ def _judge(returncode: int | None, parts: list[list[str]], stopped_by_us: bool) 
     killed_line = next((line for line in reversed(lines) if SIGKILL.search(line)), None)
     killed = killed_line is not None or (returncode in (-9, 137) and not stopped_by_us)
     if killed and not _has_primary_error(lines):
-        error_line = (
-            _trim(killed_line.strip()) if killed_line else f"killed by SIGKILL (exit code {returncode})"
-        )
-        return Diagnosis(
-            "oom", "host", error_line, describe("oom", "host") + " (SIGKILL with no error of its own)"
-        )
+        line = _trim(killed_line.strip()) if killed_line else f"killed by SIGKILL (exit code {returncode})"
+        return Diagnosis("oom", "host", line, describe("oom", "host") + " (SIGKILL with no error of its own)")
     if returncode is not None and returncode < 0 and not stopped_by_us and not _has_primary_error(lines):
-        # Ended by a signal not ours (SIGTERM from a timeout or a user, SIGINT) before any error of its
-        # own: the last line it printed is a warning or a log line, not why it stopped. Seen on an
-        # H100: a resumed run killed by SIGTERM was recorded with transformers' resume warning.
-        return Diagnosis(
-            "crash", None, f"ended by {_signal_name(-returncode)} (exit code {returncode})", describe("crash")
-        )
+        # A signal not ours (a timeout's or a user's SIGTERM) before any error of its own: the last line
+        # is a warning, not the cause (on an H100, a resumed run's was transformers' resume warning).
+        name = next((s.name for s in signal.Signals if s == -returncode), f"signal {-returncode}")
+        return Diagnosis("crash", None, f"ended by {name} (exit code {returncode})", describe("crash"))
     return Diagnosis("crash", None, _last_error(lines), describe("crash"))
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
 
 
 def diagnose(returncode: int | None, log_text: str, *, stopped_by_us: bool = False) -> Diagnosis:
