@@ -100,7 +100,7 @@ for part in $PARTS; do
     # step 3, and the run resumes from checkpoint-2 on batch 16 x accumulation 2, the global batch
     # kept. About 7 minutes on an H100 (docs/gpu-validation.md, third lease: the step that dies
     # and its restart take about 4).
-    [ "$(left)" -lt 420 ] && { log "skip run: $(left)s left"; continue; }
+    [ "$(left)" -lt 480 ] && { log "skip run: $(left)s left"; continue; }
     log "run: search"
     cat >"$RUNS/run.yaml" <<EOF
 version: 1

@@ -237,7 +237,12 @@ def test_real_sigterm_after_warnings_names_the_signal():
         None,
         "ended by SIGTERM (exit code -15)",
     )
-    # an error of its own before the signal still names it
+    # the launcher's own kill keeps the last line (where a hung trial stood)
+    assert classify_failure(-15, proc.stderr, stopped_by_us=True)[2].startswith("per_device_train_batch_size")
+    # an error text before the signal still names it, a consequence too: an NCCL watchdog's abort
+    # (SIGABRT) keeps its DistBackendError line, which marks the crash as transient (search/transient.py)
+    abort = "terminate called after throwing an instance of 'c10::DistBackendError'\n"
+    assert "DistBackendError" in classify_failure(-6, proc.stderr + abort)[2]
     assert classify_failure(-15, proc.stderr + "ValueError: bad\n")[2] == "ValueError: bad"
 
 

@@ -130,6 +130,9 @@ def test_sigterm_reaches_the_trainer_which_saves_and_a_rerun_resumes(runs):
     assert any(s["why"] == "SIGTERM" for s in saved.values()), saved
     stopped_at = max(saved)
     assert f"autotune run again goes on from checkpoint-{stopped_at}" in err
+    # the attempt's own record says it was stopped, not that it crashed
+    record = json.loads((attempt(runs, 1) / "outcome.json").read_text())
+    assert (record["status"], record["error_line"]) == ("interrupted", "SIGTERM, passed on by autotune run")
     res = run_cli("run", "grow", "--runs-dir", runs, "--steps", "6")
     assert res.returncode == 0, res.stderr
     assert json.loads((attempt(runs, 2) / "ran.json").read_text())["start"] == stopped_at

@@ -33,7 +33,7 @@ from autotune.study.incidents import Incident, incidents, save_incident
 from autotune.study.record import rows as study_rows
 from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.execute import execute, fresh_trial_dir
-from autotune.trial.layout import METRICS
+from autotune.trial.layout import METRICS, OUTCOME
 from autotune.trial.outcome import Outcome, Status
 from autotune.trial.processes import marked_processes
 
@@ -191,6 +191,13 @@ class Supervisor:
             )
         finally:
             self.attempt_dir = None
+        if self.signalled is not None and outcome.status == Status.CRASH:
+            # it ended because this run passed on a SIGTERM or Ctrl-C, not of a crash of its own
+            name = signal.Signals(self.signalled).name
+            outcome = replace(
+                outcome, status=Status.INTERRUPTED, error_line=f"{name}, passed on by autotune run"
+            )
+            outcome.write(folder / OUTCOME)
         return outcome, number
 
     # -- the run ------------------------------------------------------------------------------

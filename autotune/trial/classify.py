@@ -373,9 +373,9 @@ def _judge(returncode: int | None, parts: list[list[str]], stopped_by_us: bool) 
     if killed and not _has_primary_error(lines):
         line = _trim(killed_line.strip()) if killed_line else f"killed by SIGKILL (exit code {returncode})"
         return Diagnosis("oom", "host", line, describe("oom", "host") + " (SIGKILL with no error of its own)")
-    if returncode is not None and returncode < 0 and not stopped_by_us and not _has_primary_error(lines):
-        # A signal not ours (a timeout's or a user's SIGTERM) before any error of its own: the last line
-        # is a warning, not the cause (on an H100, a resumed run's was transformers' resume warning).
+    outside = returncode is not None and returncode < 0 and not stopped_by_us  # a user's, a timeout's
+    if outside and not any(_exception(x) or FATAL.search(x) for x in lines):  # no error text at all:
+        # its last line is a warning, not the cause (an H100 run's was transformers' resume warning)
         name = next((s.name for s in signal.Signals if s == -returncode), f"signal {-returncode}")
         return Diagnosis("crash", None, f"ended by {name} (exit code {returncode})", describe("crash"))
     return Diagnosis("crash", None, _last_error(lines), describe("crash"))
