@@ -19,7 +19,8 @@
 # expected time is left before DEADLINE_S. Each trial's predicted peak (the memory model) and its
 # measured peak (torch's reserved maximum and the device's used memory) go to RUNS_DIR/report.md;
 # copy the rows to docs/gpu-validation.md. Needs torch with CUDA, transformers, trl, peft, deepspeed
-# (DS_BUILD_OPS=0; cpu_adam is compiled in the background at the start) and bitsandbytes.
+# (DS_BUILD_OPS=0; cpu_adam is compiled in the background at the start) and bitsandbytes;
+# scripts/gpu_wheels.sh fetches the ones a lent machine lacks, as wheels to carry.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${1:-runs/gpu-checks}
