@@ -79,6 +79,16 @@ _GC = {
     "grad_ckpt": False,
     "measured": "trainer peak (max of torch reserved and device used)",
 }
+#: The QLoRA configuration both leases ran (the second cut after one step, the third whole).
+_GC_QLORA = {
+    **_GC,
+    "prompt": 128,
+    "completion": 128,
+    "per_device_batch": 16,
+    "grad_ckpt": True,
+    "lora_rank": 16,
+    "quantization": "4bit",
+}
 
 DATAPOINTS: list[dict[str, Any]] = [
     # --- docs/gpu-validation.md: autotune's own H100 runs --------------------------------------
@@ -187,15 +197,9 @@ DATAPOINTS: list[dict[str, Any]] = [
         "reported": 31.0,
     },
     {
-        **_GC,
+        **_GC_QLORA,
         "id": "gc-qlora-1.5b",
         "what": "QLoRA (bitsandbytes NF4 on CUDA), LoRA r16: its first step's peak (then cut)",
-        "prompt": 128,
-        "completion": 128,
-        "per_device_batch": 16,
-        "grad_ckpt": True,
-        "lora_rank": 16,
-        "quantization": "4bit",
         "reported": 3.1,
     },
     # --- docs/gpu-validation.md: the third H100 lease (scripts/gpu_checks.sh, 2026-11-27) ---------
@@ -232,15 +236,9 @@ DATAPOINTS: list[dict[str, Any]] = [
         "reported": 32.8,
     },
     {
-        **_GC,
+        **_GC_QLORA,
         "id": "gc3-qlora-1.5b",
         "what": "QLoRA (bitsandbytes NF4 on CUDA), LoRA r16: a whole search trial, four steps",
-        "prompt": 128,
-        "completion": 128,
-        "per_device_batch": 16,
-        "grad_ckpt": True,
-        "lora_rank": 16,
-        "quantization": "4bit",
         "reported": 3.6,
     },
     # --- TRL issues ---------------------------------------------------------------------------
