@@ -7,8 +7,9 @@ trial a candidate of its own (Optuna's ``fixed_params``, what ``enqueue_trial`` 
 sample it:
 
 1. **Seeds**: the candidates the memory model expects to fit and the speed prior ranks fastest,
-   spread over ZeRO stages (:mod:`autotune.search.seeds`); without a usable
-   model (CPU trials), hand-written starting points that find the memory boundary at once.
+   spread over ZeRO stages and the values of knobs of unknown memory effect
+   (:mod:`autotune.search.seeds`); without a usable model (CPU trials), hand-written starting
+   points that find the memory boundary at once.
 2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial
    so far (:meth:`Planner.next_local`, going on along a knob while it pays, the value between when
    a step that paid peaked inside the headroom, and, when the micro-batch cannot go up by itself, a

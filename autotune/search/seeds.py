@@ -1,11 +1,13 @@
 """The first trials of a study: the candidates the search starts from.
 
 With a usable memory model (GPU trials) the seeds are the candidates the model expects to fit with
-room to spare and the speed prior ranks fastest, the best of each ZeRO stage first, so that one wrong
-guess of the prior does not sink them all. Seeds spread further (each differing from every other in
-at least two knobs) were measured and lost: 67% of the benchmark's runs at 0.95 of the best against
-73% (docs/benchmarks-notes.md). Without a model (CPU trials) the seeds are hand-written starting
-points that find the memory boundary at once.
+room to spare and the speed prior ranks fastest, the best of each region first (a ZeRO stage with
+each combination of the values of knobs whose effect on memory the model does not know: the prior
+cannot rank those, and a PPO trainer's colocated models at ZeRO-3 are another landscape than at
+ZeRO-2), so that one wrong guess of the prior does not sink them all. Seeds spread further (each
+differing from every other in at least two knobs) were measured and lost: 67% of the benchmark's
+runs at 0.95 of the best against 73% (docs/benchmarks-notes.md). Without a model (CPU trials) the
+seeds are hand-written starting points that find the memory boundary at once.
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ def model_seeds(
     planner: Planner, space: Space, fixed: dict[str, Any], rules: Rules, k: int = SEEDS
 ) -> list[dict[str, Any]]:
     """The k valid candidates the model expects to fit with headroom and the prior ranks fastest:
-    the best per ZeRO stage, then the rest by prior; fastest by prior first."""
+    the best per region (ZeRO stage and the values of the knobs of unknown memory effect), then the
+    rest by prior; fastest by prior first."""
     recipe = planner.recipe
     limit = recipe.gpu_memory_gib * (1 - max(recipe.headroom, SEED_MARGIN) - SEED_MARGIN)
     pool = planner.pool(space, fixed, rules)
@@ -50,12 +53,13 @@ def model_seeds(
         if not (vllm_fails or (planner.predict(cand) if planner.weights else raw_gib) > limit)
     ]
     picked: list[dict[str, Any]] = []
-    stages: set[Any] = set()
-    for cand in scored:  # the best per ZeRO stage
+    regions: set[Any] = set()
+    for cand in scored:  # the best per region
         if len(picked) >= k:
             break
-        if cand.get("zero_stage") not in stages:
-            stages.add(cand.get("zero_stage"))
+        region = (cand.get("zero_stage"), planner.knobs.split(cand)[1])
+        if region not in regions:
+            regions.add(region)
             picked.append(cand)
     for cand in scored:  # then the rest by prior
         if len(picked) >= k:
