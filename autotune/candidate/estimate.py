@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from autotune.candidate.constraints import as_trl
+from autotune.candidate.footprint import base_quantization
 from autotune.candidate.memory import Estimate, estimate
 from autotune.candidate.space import Space
 from autotune.candidate.speed import throughput_prior
@@ -55,4 +56,5 @@ def prior_for(model: ModelSpec, recipe: Recipe, gpu: GpuType, params: dict[str, 
         prompt=recipe.max_prompt_length,
         completion=recipe.max_completion_length,
         beta=recipe.beta,
+        quant=base_quantization(model, recipe.quantization, recipe.lora_rank),
     )

@@ -14,8 +14,9 @@ from typing import Any
 
 from autotune.candidate.batch import trl_completions
 from autotune.candidate.defaults import knob
+from autotune.candidate.footprint import vllm_weight_bytes
 from autotune.hardware import GpuType
-from autotune.models import ModelSpec
+from autotune.models import ModelSpec, Quantization
 from autotune.units import GIB
 
 MFU = 0.35  # model FLOP utilisation a GRPO training step typically reaches
@@ -33,8 +34,10 @@ def step_time_prior(
     prompt: int,
     completion: int,
     beta: float = 0.0,
+    quant: Quantization | None = None,
 ) -> float:
-    """Rough seconds per optimizer step for a candidate."""
+    """Rough seconds per optimizer step for a candidate (``quant``: how the frozen base is stored,
+    which sets what the colocated engine loads)."""
     P = float(model.num_params)
     gas = int(knob(params, "gradient_accumulation_steps"))
     completions = trl_completions(params, dp_gpus)
@@ -67,6 +70,7 @@ def step_time_prior(
         completions=completions,
         seq=seq,
         completion=completion,
+        quant=quant,
     )
     return train + generate
 
@@ -81,6 +85,7 @@ def _generation_time(
     completions: int,
     seq: int,
     completion: int,
+    quant: Quantization | None = None,
 ) -> float:
     P = float(model.num_params)
     kv_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
@@ -96,7 +101,8 @@ def _generation_time(
         budget = float(knob(params, "vllm_gpu_memory_utilization")) * gpu.memory_gib * GIB
     else:
         budget = 0.9 * gpu.memory_gib * GIB
-    kv_bytes = max(budget * tp - 2 * P - tp * GIB, kv_token * seq)
+    # the engine's weights as the memory model counts them: a 4-bit policy's engine loads 4-bit
+    kv_bytes = max(budget * tp - vllm_weight_bytes(model, quant, 1) - tp * GIB, kv_token * seq)
     concurrency = max(int(kv_bytes / (kv_token * seq)), 1)
     seqs = math.ceil(completions / engines)
     waves = math.ceil(seqs / min(concurrency, 256))
