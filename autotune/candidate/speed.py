@@ -101,7 +101,9 @@ def _generation_time(
         budget = float(knob(params, "vllm_gpu_memory_utilization")) * gpu.memory_gib * GIB
     else:
         budget = 0.9 * gpu.memory_gib * GIB
-    # the engine's weights as the memory model counts them: a 4-bit policy's engine loads 4-bit
+    # the engine's weights as the memory model counts them: a 4-bit policy's engine loads 4-bit. The
+    # decode and wake-up times below keep bf16 bytes: what bitsandbytes' in-flight 4-bit does to
+    # their time is not known here, while its size is (TRL's vllm_generation passes the quantization)
     kv_bytes = max(budget * tp - vllm_weight_bytes(model, quant, 1) - tp * GIB, kv_token * seq)
     concurrency = max(int(kv_bytes / (kv_token * seq)), 1)
     seqs = math.ceil(completions / engines)
