@@ -348,6 +348,31 @@ def test_ms_swift_sleep_level_is_read_as_vllm_sleep_mode():
     assert planner.raw(asleep).vllm_gib < planner.raw(awake).vllm_gib
 
 
+def test_ms_swift_move_model_batches_carries_dominance():
+    """ms-swift's move_model_batches splits the weight sync into that many groups of layers (its
+    rollout_mixin; tests/test_swift_arguments.py reads that in the installed ms-swift), so more
+    batches need no more memory: an OOM with 8 batches vetoes the same candidate with 2 or with 0
+    (ms-swift's default, one group), and says nothing of one that is lighter in another knob.
+    Before, the knob's effect was unknown and that OOM vetoed only candidates with 8 batches too."""
+    from autotune.search.knobs import KnobMemory
+
+    space_path = Path(__file__).resolve().parents[1] / "autotune" / "spaces" / "swift.yaml"
+    recipe, model, gpu = setup(runner="swift", space=str(space_path))
+    planner = Planner(model, recipe, gpu, knobs=KnobMemory.of(load_space(space_path)))
+    swift = {
+        **{k: v for k, v in BASE.items() if k != "vllm_enable_sleep_mode"},
+        "sleep_level": 0,
+        "offload_optimizer": False,
+        "offload_model": False,
+        "deepspeed_config": "autotune",
+    }
+    planner.observe(3, {**swift, "move_model_batches": 8}, "oom", "cuda", None)
+    for fewer in (0, 2):
+        verdict = planner.verdict({**swift, "move_model_batches": fewer})
+        assert verdict.skip and "trial 3" in verdict.reason, fewer
+    assert not planner.verdict({**swift, "move_model_batches": 0, "per_device_train_batch_size": 2}).skip
+
+
 PPO_SPACE = """
 version: 1
 global_batch:

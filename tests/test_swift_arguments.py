@@ -17,6 +17,7 @@ ms-swift's environment can run, checked by SwiftRunner.forced, not by ms-swift's
 
 import json
 import random
+import re
 import subprocess
 from pathlib import Path
 
@@ -122,3 +123,20 @@ def test_the_swift_runner_launches_exactly_what_ms_swift_accepts(tmp_path):
     assert "must be evenly divisible by num_generations" in errors
     assert "num_generations must be greater than 1" in errors
     assert "must be divisible by the global batch size" in errors
+
+
+def test_ms_swift_splits_its_weight_sync_by_move_model_batches():
+    """The memory direction autotune gives ``move_model_batches`` (search/knobs.py: more batches, no
+    more memory) is ms-swift's: its rollout mixin syncs the weights to vLLM in that many groups of
+    layers, and in one group when the argument is unset (what the space's 0 launches)."""
+    venv = swift_program().resolve().parent.parent
+    found = sorted(venv.glob("lib/python*/site-packages/swift/rlhf_trainers/rollout_mixin.py"))
+    assert found, f"no swift/rlhf_trainers/rollout_mixin.py under {venv}"
+    source = found[0].read_text()
+    assert re.search(r"if args\.move_model_batches is None:\s*\n\s*return \[\[", source)
+    assert re.search(r"ceil\(layer_count / args\.move_model_batches\)", source)
+
+    from autotune.search.knobs import KnobMemory
+
+    knobs = KnobMemory.of(load_space(ROOT / "autotune" / "spaces" / "swift.yaml"))
+    assert knobs.direction("move_model_batches", {"use_vllm": True}) == "down"

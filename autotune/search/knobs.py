@@ -43,11 +43,14 @@ VLLM_ALWAYS = {
     "vllm_enable_sleep_mode": "down",
     "vllm_tensor_parallel_size": "down",
 }
-# ms-swift's own knobs (autotune/spaces/swift.yaml)
+# ms-swift's own knobs (autotune/spaces/swift.yaml). move_model_batches splits the weight sync into
+# that many groups of layers (ms-swift's rollout_mixin; 0 here is its default, one group), so a
+# larger value gathers fewer of a ZeRO-3 model's weights at once
 BUILTIN = {
     "offload_optimizer": "down",
     "offload_model": "down",
     "sleep_level": "down",
+    "move_model_batches": "down",
     "deepspeed_config": "none",
 }
 DIRECTIONS = ("up", "down", "none")
