@@ -46,6 +46,10 @@ def estimate_for(
 
 def prior_for(model: ModelSpec, recipe: Recipe, gpu: GpuType, params: dict[str, Any]) -> float:
     """The speed prior of ``params`` (completions per second), read through the same names."""
+    # Known gap: a space that sizes vLLM without a use_vllm switch (a PPO trainer whose vLLM always
+    # runs) is read with TRL's default, no vLLM, so generation goes in waves of the micro-batch.
+    # Reading it as vLLM's cost the benchmark's PPO runs 9 of 93 at 0.95: the wrong reading stands in
+    # for a micro-batch efficiency the prior lacks (docs/benchmarks-notes.md, twentieth pass).
     params = as_trl(params, recipe)
     return throughput_prior(
         model,
