@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks a CPU cannot make: each part runs autotune itself, end to end, through its real TRL
-# path, on one H100. All four take about 12 minutes there (run 7, the others 1.5 to 3 each), more
+# path, on one H100. The default four take about 12 minutes there (run 7, the others 1.5 to 3 each), more
 # than one 10-minute call with its start: on a short lease run PARTS="run vl", then the other two.
 #
 #   bash scripts/gpu_checks.sh [RUNS_DIR] [DEADLINE_S]     (defaults: runs/gpu-checks, 480)
@@ -10,7 +10,10 @@
 #   zero3     a Qwen2.5-7B shape under ZeRO-3 with optimizer+params offload (LoRA: a full 7B's
 #             fp32 optimizer states on the host need ~120 GiB, more than the machine's 128 GiB);
 #   qlora     QLoRA: a 4-bit bitsandbytes base (Qwen2.5-1.5B shape) with LoRA adapters;
-#   vl        a vision-language trial (Qwen2.5-VL-3B shape, 256 image tokens per prompt).
+#   vl        a vision-language trial (Qwen2.5-VL-3B shape, 256 image tokens per prompt);
+#   microbatch  step time against the micro-batch: scripts/gpu_microbatch.py (forward + backward
+#             per micro-batch with and without checkpointing, generate per batch), then three TRL
+#             trials at one global batch of 32 as 2 x 16, 8 x 4 and 32 x 1 (about 4 minutes).
 #
 # PARTS (default "run zero3 qlora vl") picks and orders them; FLAGS are added to every search and
 # RUN_MODEL, Z3_MODEL, QLORA_MODEL, VL_MODEL replace the models and RUN_SHORT, RUN_LONG the run
@@ -154,6 +157,19 @@ PY
     log "vl: Qwen2.5-VL-3B, 256 image tokens"
     space vl 8 1 4 0 none true
     one_trial vl "${VL_MODEL:-Qwen2.5-VL-3B}" 128 64 240 --image-tokens 256
+    ;;
+  microbatch)
+    [ "$(left)" -lt 200 ] && { log "skip microbatch: $(left)s left"; continue; }
+    log "microbatch: forward + backward and generate against the batch, ${MB_CARD:-qwen2.5-1.5b}"
+    timeout "$(upto 150)" python scripts/gpu_microbatch.py --card "${MB_CARD:-qwen2.5-1.5b}" \
+      --out "$RUNS/microbatch" 2>&1 | tee "$RUNS/microbatch.txt" | tail -n 25
+    # generation batch 32 in all three (TRL generates bs x steps_per_generation at once); only the
+    # training micro-batch changes
+    for bs in 2 8 32; do
+      [ "$(left)" -lt 60 ] && { log "skip mb$bs: $(left)s left"; continue; }
+      space "mb$bs" "$bs" $((32 / bs)) 4 0 none false
+      one_trial "mb$bs" "${MB_MODEL:-Qwen2.5-1.5B}" 128 128 120
+    done
     ;;
   esac
   collect

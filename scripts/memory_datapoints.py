@@ -241,6 +241,22 @@ DATAPOINTS: list[dict[str, Any]] = [
         "what": "QLoRA (bitsandbytes NF4 on CUDA), LoRA r16: a whole search trial, four steps",
         "reported": 3.6,
     },
+    # --- docs/gpu-validation.md: the fourth lease, on an H200 (scripts/gpu_checks.sh, 2026-11-28) ----
+    *[
+        {
+            **_GC,
+            "id": f"gc4-mb{batch}",
+            "what": f"search trial on an H200, one global batch of 32 as {batch} x {32 // batch}",
+            "gpu": "H200",
+            "capacity_gib": 140.4,
+            "prompt": 128,
+            "completion": 128,
+            "per_device_batch": batch,
+            "grad_accum": 32 // batch,
+            "reported": peak,
+        }
+        for batch, peak in [(2, 16.1), (8, 21.7), (32, 35.4)]
+    ],
     # --- TRL issues ---------------------------------------------------------------------------
     {
         "id": "trl-3456a",
