@@ -44,12 +44,19 @@ def estimate_for(
     )
 
 
+#: Runners whose trainer calls transformers' generate once per generation round: TRL and the
+#: simulator of TRL (docs/gpu-validation.md, fourth lease). ms-swift's engine is not read here.
+TRL_GENERATE = frozenset({"trl", "sim"})
+
+
 def prior_for(model: ModelSpec, recipe: Recipe, gpu: GpuType, params: dict[str, Any]) -> float:
     """The speed prior of ``params`` (completions per second), read through the same names."""
     # Known gap: a space that sizes vLLM without a use_vllm switch (a PPO trainer whose vLLM always
-    # runs) is read with TRL's default, no vLLM, so generation goes in waves of the micro-batch.
-    # Reading it as vLLM's cost the benchmark's PPO runs 9 of 93 at 0.95: the wrong reading stands in
-    # for a micro-batch efficiency the prior lacks (docs/benchmarks-notes.md, twentieth pass).
+    # runs) is read with TRL's default, no vLLM, so a --command trainer's generation goes in waves of
+    # the micro-batch. Reading it as vLLM's cost the benchmark's PPO runs 9 of 93 at 0.95, and the
+    # waves' removal with only the launch floor an H200 measured 9 of 62: the wrong reading stands in
+    # for a micro-batch efficiency far steeper than the GPU's (docs/benchmarks-notes.md, twentieth
+    # and twenty-first passes).
     params = as_trl(params, recipe)
     return throughput_prior(
         model,
@@ -61,4 +68,5 @@ def prior_for(model: ModelSpec, recipe: Recipe, gpu: GpuType, params: dict[str, 
         completion=recipe.max_completion_length,
         beta=recipe.beta,
         quant=base_quantization(model, recipe.quantization, recipe.lora_rank),
+        per_round=recipe.runner in TRL_GENERATE,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from autotune.candidate.batch import trl_completions
+from autotune.candidate.batch import generation_batch_of, trl_completions
 from autotune.candidate.defaults import knob
 from autotune.candidate.footprint import vllm_weight_bytes
 from autotune.hardware import GpuType
@@ -22,6 +22,15 @@ from autotune.units import GIB
 MFU = 0.35  # model FLOP utilisation a GRPO training step typically reaches
 DECODE_EFFICIENCY = 0.5  # fraction of HBM bandwidth a decode step achieves
 PCIE_GBS = 20.0  # host <-> GPU for offload traffic
+# Floors of eager PyTorch, where the GPU waits on the host launching kernels, per decoder layer.
+# Measured on an H200 (docs/gpu-validation.md, fourth lease: scripts/gpu_microbatch.py and three
+# TRL trials): a forward + backward took 76-92 ms per micro-step whatever its size below ~1000
+# tokens, for 0.5B (24 layers), 1.5B and 7B (28) alike, ~1.8 times that with checkpointing; a
+# decode step of transformers' generate ~23 ms (1.5B, 28 layers) at batch 32. They depend on the
+# host and the framework more than on the card: the prior's guess, not the card's figure.
+LAYER_LAUNCH_S = 3e-3  # forward + backward, per layer and micro-step
+CHECKPOINT_LAUNCH = 1.8  # the same with gradient checkpointing's recompute
+DECODE_LAUNCH_S = 0.8e-3  # one decode step of transformers' generate, per layer
 
 
 def step_time_prior(
@@ -35,18 +44,27 @@ def step_time_prior(
     completion: int,
     beta: float = 0.0,
     quant: Quantization | None = None,
+    per_round: bool = False,
 ) -> float:
     """Rough seconds per optimizer step for a candidate (``quant``: how the frozen base is stored,
-    which sets what the colocated engine loads)."""
+    which sets what the colocated engine loads; ``per_round``: see :func:`_generation_time`)."""
     P = float(model.num_params)
     gas = int(knob(params, "gradient_accumulation_steps"))
     completions = trl_completions(params, dp_gpus)
     seq = prompt + completion
     tokens = completions * seq
 
-    flops = 6 * P * tokens * (4 / 3 if knob(params, "gradient_checkpointing") else 1.0)
+    checkpointing = bool(knob(params, "gradient_checkpointing"))
+    flops = 6 * P * tokens * (4 / 3 if checkpointing else 1.0)
     flops += 2 * P * tokens * (2 if beta else 1)  # old and reference log-probs
-    train = flops / (dp_gpus * gpu.tflops_bf16 * 1e12 * MFU)
+    # each micro-batch costs its FLOPs or the launch floor, whichever is longer: small micro-batches
+    # leave the GPU waiting on the host (the forward-only log-prob passes a third of the floor each)
+    floor = (
+        model.num_layers
+        * LAYER_LAUNCH_S
+        * ((CHECKPOINT_LAUNCH if checkpointing else 1.0) + (2 if beta else 1) / 3)
+    )
+    train = gas * max(flops / (dp_gpus * gas * gpu.tflops_bf16 * 1e12 * MFU), floor)
 
     stage = int(params.get("zero_stage", 0))
     link = gpu.interconnect_gbs * 1e9
@@ -71,6 +89,7 @@ def step_time_prior(
         seq=seq,
         completion=completion,
         quant=quant,
+        per_round=per_round,
     )
     return train + generate
 
@@ -86,9 +105,32 @@ def _generation_time(
     seq: int,
     completion: int,
     quant: Quantization | None = None,
+    per_round: bool = False,
 ) -> float:
+    """Seconds of one optimizer step's generation.
+
+    Without vLLM, ``per_round`` says how transformers' generate is called: TRL calls it once per
+    generation round on all of the round's prompts on the device (bs x steps_per_generation; its
+    source and an H200's trials, docs/gpu-validation.md, fourth lease), so the micro-batch does not
+    move it. For a trainer whose code the prior does not know (``--command``, ms-swift's engine)
+    it stays in waves of the training micro-batch, as a rollout loop that chunks by it would run:
+    that steep rise with the micro-batch stands in for the micro-batch efficiency such trainers
+    show, and the measured launch floor alone (in :func:`step_time_prior`) is far flatter than
+    theirs on the benchmark (docs/benchmarks-notes.md, twenty-first pass).
+    """
     P = float(model.num_params)
     kv_token = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 2
+    if not knob(params, "use_vllm") and per_round:
+        # a decode step is bound by the host's launches, the weights' bytes or the batch's FLOPs
+        batch = generation_batch_of(params, dp_gpus)[0] or completions
+        per_call = max(math.ceil(batch / dp_gpus), 1)
+        per_token = max(
+            model.num_layers * DECODE_LAUNCH_S,
+            2 * P / (gpu.bandwidth_tbs * 1e12 * DECODE_EFFICIENCY),
+            2 * P * per_call / (gpu.tflops_bf16 * 1e12 * MFU),
+        )
+        prefill = 2 * P * per_call * (seq - completion) / (gpu.tflops_bf16 * 1e12 * MFU)
+        return completions / dp_gpus / per_call * (completion * per_token + prefill)
     if not knob(params, "use_vllm"):
         per_token = 2 * P / (gpu.bandwidth_tbs * 1e12 * DECODE_EFFICIENCY) * 3  # HF generate is slow
         per_gpu = math.ceil(completions / dp_gpus)

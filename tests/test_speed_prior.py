@@ -1,0 +1,139 @@
+"""The speed prior against a GPU: what a micro-batch and transformers' generate cost.
+
+The prior only orders candidates before trials measure them, but its order decides which regions a
+search reaches (docs/benchmarks-notes.md reads misses by it). The measured side of these tests came
+back from an H200 (tests/data/gpu/README.md, docs/gpu-validation.md's fourth lease): eager PyTorch
+pays a launch floor per micro-step, so small micro-batches train far slower per sequence, and TRL
+calls transformers' generate once per generation round, whatever the micro-batch. The prior once
+charged training at one FLOP utilisation and TRL's generate once per micro-batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from pathlib import Path
+
+import pytest
+
+from autotune.candidate import speed
+from autotune.hardware import find_gpu_type
+from autotune.models import resolve_model
+
+DATA = Path(__file__).parent / "data" / "gpu"
+H200 = find_gpu_type("H200")
+PROMPT = COMPLETION = 128
+
+
+def knobs(bs: int, ga: int, gc: bool = False) -> dict:
+    return dict(
+        per_device_train_batch_size=bs,
+        gradient_accumulation_steps=ga,
+        num_generations=4,
+        gradient_checkpointing=gc,
+        use_vllm=False,
+    )
+
+
+def generation_s(model, params: dict) -> float:
+    completions = params["per_device_train_batch_size"] * params["gradient_accumulation_steps"]
+    return speed._generation_time(
+        model,
+        params,
+        H200,
+        gpus=1,
+        dp_gpus=1,
+        completions=completions,
+        seq=PROMPT + COMPLETION,
+        completion=COMPLETION,
+        per_round=True,
+    )
+
+
+def train_s(model, params: dict) -> float:
+    step = speed.step_time_prior(
+        model, params, H200, gpus=1, dp_gpus=1, prompt=PROMPT, completion=COMPLETION, per_round=True
+    )
+    return step - generation_s(model, params)
+
+
+@pytest.mark.parametrize("card", ["Qwen2.5-0.5B", "Qwen2.5-1.5B", "Qwen2.5-7B"])
+def test_a_small_micro_batch_trains_as_slowly_per_sequence_as_measured(card):
+    """Per sequence, micro-batch b against the largest measured, at one global batch: the prior's
+    ratio within a factor of two of the H200's, for 0.5B (1 is 26 times slower than 32 there), 1.5B
+    and 7B, with and without checkpointing. A constant FLOP utilisation makes every ratio 1."""
+    measured = json.loads((DATA / f"microbatch_h200_{card.lower()}.json").read_text())
+    model = resolve_model(card)
+    checked = 0
+    for gc in (False, True):
+        rows = {
+            r["batch"]: r["per_sequence_s"]
+            for r in measured["rows"]
+            if r["part"] == "train" and r["checkpointing"] == gc
+        }
+        top = max(rows)
+        for batch, seconds in rows.items():
+            want = seconds / rows[top]
+            got = (train_s(model, knobs(batch, top // batch, gc)) / top) / (
+                train_s(model, knobs(top, 1, gc)) / top
+            )
+            assert want / 2 <= got <= want * 2, (card, gc, batch, want, got)
+            checked += 1
+    assert checked >= 10
+
+
+def _trial(bs: int) -> tuple[float, float]:
+    """Mean generation and training seconds of a TRL trial's measured steps (step 1 is warm-up)."""
+    rows = [
+        json.loads(line)
+        for line in (DATA / f"trl_h200_qwen2.5-1.5b_mb{bs}.metrics.jsonl").read_text().splitlines()
+    ]
+    rows = rows[1:]
+    return sum(r["generation_time"] for r in rows) / len(rows), sum(r["training_time"] for r in rows) / len(
+        rows
+    )
+
+
+def test_transformers_generate_runs_once_per_generation_round():
+    """TRL (read here in the installed source) samples bs x steps_per_generation prompts per round
+    and hands them all to one ``generate`` call. So at one global batch, 2 x 16 generates no longer
+    than 32 x 1 in the prior, as in the three TRL trials on the H200 (2 x 16's generation phase took
+    1.3 times 32 x 1's, its log-prob chunks included); the old prior's 16 waves made it 16 times."""
+    from trl.trainer import grpo_trainer
+
+    source = inspect.getsource(grpo_trainer.GRPOTrainer)
+    assert "batch_size=self._train_batch_size * self.args.steps_per_generation" in source
+    single = inspect.getsource(grpo_trainer.GRPOTrainer._generate_single_turn)
+    assert single.count("unwrapped_model.generate(") == 1
+    model = resolve_model("Qwen2.5-1.5B")
+    (gen2, train2), (gen32, train32) = _trial(2), _trial(32)
+    prior_gen = generation_s(model, knobs(2, 16)) / generation_s(model, knobs(32, 1))
+    assert gen2 / gen32 / 1.5 <= prior_gen <= gen2 / gen32 * 1.5, (gen2, gen32, prior_gen)
+    prior_train = train_s(model, knobs(2, 16)) / train_s(model, knobs(32, 1))
+    assert train2 / train32 / 2 <= prior_train <= train2 / train32 * 2, (train2, train32, prior_train)
+
+
+def test_the_runner_says_how_generate_is_called(recipe_factory):
+    """TRL's runners (and the simulator of TRL) get the once-per-round generate; a ``--command``
+    trainer, whose code the prior cannot read, keeps generate in waves of the micro-batch, the stand-in
+    for the steep micro-batch efficiency the benchmark's PPO and plain trainers show
+    (docs/benchmarks-notes.md, twenty-first pass): 2 x 16 against 32 x 1 there is 16 waves to 1."""
+    from autotune.candidate.estimate import prior_for
+
+    model = resolve_model("Qwen2.5-1.5B")
+
+    def ratio(**kw) -> float:
+        recipe = recipe_factory(
+            gpus=1,
+            gpu_type="H200",
+            gpu_memory_gib=H200.memory_gib,
+            max_prompt_length=PROMPT,
+            max_completion_length=COMPLETION,
+            **kw,
+        )
+        return prior_for(model, recipe, H200, knobs(32, 1)) / prior_for(model, recipe, H200, knobs(2, 16))
+
+    (gen2, train2), (gen32, train32) = _trial(2), _trial(32)
+    measured = (gen2 + train2) / (gen32 + train32)  # 32 x 1's throughput over 2 x 16's on the H200
+    assert measured / 1.5 <= ratio(runner="trl") <= measured * 1.5, (measured, ratio(runner="trl"))
+    assert ratio(runner="command", command="python train.py --bs {per_device_train_batch_size}") > 5
