@@ -36,3 +36,22 @@ def test_the_microbatch_script_times_train_and_generate_on_a_tiny_card(tmp_path)
     (gen,) = [r for r in written["rows"] if r["part"] == "generate"]
     assert gen["new_tokens"] == 5 and gen["per_step_s"] > 0
     assert "| 4 | y |" in (tmp_path / "microbatch.md").read_text()
+    # every row also went to the live file as it was measured
+    live = [json.loads(line) for line in (tmp_path / "microbatch.jsonl").read_text().splitlines()]
+    assert live == written["rows"]
+
+
+def test_the_microbatch_script_refuses_what_it_cannot_measure(tmp_path):
+    """A micro-batch over the global batch would time another global batch; a 7B card on a CPU is
+    no measurement: one line each, exit 2, nothing written."""
+    script = [sys.executable, str(ROOT / "scripts" / "gpu_microbatch.py"), "--out", str(tmp_path / "x")]
+    over = subprocess.run(
+        [*script, "--card", "tiny-qwen", "--global", "4", "--batches", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert over.returncode == 2 and "over --global 4" in over.stderr
+    big = subprocess.run([*script, "--card", "qwen2.5-7b"], capture_output=True, text=True, timeout=300)
+    assert big.returncode == 2 and "only a tiny card" in big.stderr
+    assert not (tmp_path / "x").exists()

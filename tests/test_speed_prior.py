@@ -35,28 +35,10 @@ def knobs(bs: int, ga: int, gc: bool = False) -> dict:
     )
 
 
-def generation_s(model, params: dict) -> float:
+def generation_s(model, params: dict, half: int = PROMPT) -> float:
+    """The prior's generation seconds of one step (prompt = completion = ``half``)."""
     completions = params["per_device_train_batch_size"] * params["gradient_accumulation_steps"]
     return speed._generation_time(
-        model,
-        params,
-        H200,
-        gpus=1,
-        dp_gpus=1,
-        completions=completions,
-        seq=PROMPT + COMPLETION,
-        completion=COMPLETION,
-        per_round=True,
-    )
-
-
-def train_s(model, params: dict, half: int = PROMPT) -> float:
-    """The prior's training seconds: its step less its generation (prompt = completion = ``half``)."""
-    step = speed.step_time_prior(
-        model, params, H200, gpus=1, dp_gpus=1, prompt=half, completion=half, per_round=True
-    )
-    completions = params["per_device_train_batch_size"] * params["gradient_accumulation_steps"]
-    generation = speed._generation_time(
         model,
         params,
         H200,
@@ -67,10 +49,32 @@ def train_s(model, params: dict, half: int = PROMPT) -> float:
         completion=half,
         per_round=True,
     )
-    return step - generation
 
 
-@pytest.mark.parametrize("path", sorted(DATA.glob("microbatch_h200_*.json")), ids=lambda p: p.stem)
+def train_s(model, params: dict, half: int = PROMPT) -> float:
+    """The prior's training seconds: its step less its generation."""
+    step = speed.step_time_prior(
+        model, params, H200, gpus=1, dp_gpus=1, prompt=half, completion=half, per_round=True
+    )
+    return step - generation_s(model, params, half)
+
+
+TRAIN_FILES = sorted(DATA.glob("microbatch_h200_*.json"))
+
+
+def test_the_lease_s_files_are_all_read():
+    """Five train files came back (0.5B, 1.5B, 7B at 256 tokens; 1.5B, 7B at 2048): a renamed one
+    would drop its points from the test below without a failure."""
+    assert [p.stem for p in TRAIN_FILES] == [
+        "microbatch_h200_qwen2.5-0.5b",
+        "microbatch_h200_qwen2.5-1.5b",
+        "microbatch_h200_qwen2.5-1.5b_2048",
+        "microbatch_h200_qwen2.5-7b",
+        "microbatch_h200_qwen2.5-7b_2048",
+    ]
+
+
+@pytest.mark.parametrize("path", TRAIN_FILES, ids=lambda p: p.stem)
 def test_a_small_micro_batch_trains_as_slowly_per_sequence_as_measured(path):
     """Per sequence, micro-batch b against the largest that ran, at one global batch: the prior's
     ratio within a factor of two of the H200's, for 0.5B, 1.5B and 7B at 128 + 128 tokens (1 is 26
@@ -112,7 +116,7 @@ def test_transformers_generate_runs_once_per_generation_round():
     """TRL (read here in the installed source) samples bs x steps_per_generation prompts per round
     and hands them all to one ``generate`` call. So at one global batch, 2 x 16 generates no longer
     than 32 x 1 in the prior, as in the three TRL trials on the H200 (2 x 16's generation phase took
-    1.3 times 32 x 1's, its log-prob chunks included); the old prior's 16 waves made it 16 times."""
+    1.3 times 32 x 1's); the old prior's 16 waves made it 16 times."""
     from trl.trainer import grpo_trainer
 
     source = inspect.getsource(grpo_trainer.GRPOTrainer)

@@ -1,8 +1,9 @@
 """A coarse prior on GRPO step time, used only to decide which candidates to try first.
 
 Why a prior: the first trials of a night should already be good ones. This is a roofline-style
-guess from published hardware figures (dense bf16 TFLOP/s, HBM bandwidth, GPU link), not a
-measurement; the search replaces it with measured throughput as soon as trials finish. Its job is
+guess from published hardware figures (dense bf16 TFLOP/s, HBM bandwidth, GPU link) and launch
+floors measured once on one GPU, not a measurement of this machine; the search replaces it with
+measured throughput as soon as trials finish. Its job is
 to order candidates sensibly (bigger generation batches amortise decoding, ZeRO-3 and offload
 move bytes, checkpointing recomputes), not to predict seconds.
 """
@@ -24,9 +25,9 @@ DECODE_EFFICIENCY = 0.5  # fraction of HBM bandwidth a decode step achieves
 PCIE_GBS = 20.0  # host <-> GPU for offload traffic
 # Floors of eager PyTorch, where the GPU waits on the host launching kernels, per decoder layer.
 # Measured on an H200 (docs/gpu-validation.md, fourth lease: scripts/gpu_microbatch.py and three
-# TRL trials): a forward + backward took 76-92 ms per micro-step whatever its size below ~1000
-# tokens, for 0.5B (24 layers), 1.5B and 7B (28) alike, ~1.8 times that with checkpointing; a
-# decode step of transformers' generate ~23 ms (1.5B, 28 layers) at batch 32. They depend on the
+# TRL trials): a forward + backward took 66-101 ms per micro-step up to 1024 tokens, for 0.5B (24
+# layers), 1.5B and 7B (28) alike, ~1.8 times that with checkpointing; TRL's whole generation phase
+# of 128 tokens at batch 32 (1.5B, 28 layers), prefill included, ~23 ms a token. They depend on the
 # host and the framework more than on the card: the prior's guess, not the card's figure.
 LAYER_LAUNCH_S = 3e-3  # forward + backward, per layer and micro-step
 CHECKPOINT_LAUNCH = 1.8  # the same with gradient checkpointing's recompute
@@ -55,15 +56,11 @@ def step_time_prior(
     tokens = completions * seq
 
     checkpointing = bool(knob(params, "gradient_checkpointing"))
-    flops = 6 * P * tokens * (4 / 3 if checkpointing else 1.0)
-    flops += 2 * P * tokens * (2 if beta else 1)  # old and reference log-probs
+    passes = _log_prob_passes(params, gas, beta, per_round)
+    flops = 6 * P * tokens * (4 / 3 if checkpointing else 1.0) + 2 * P * tokens * passes
     # each micro-batch costs its FLOPs or the launch floor, whichever is longer: small micro-batches
     # leave the GPU waiting on the host (the forward-only log-prob passes a third of the floor each)
-    floor = (
-        model.num_layers
-        * LAYER_LAUNCH_S
-        * ((CHECKPOINT_LAUNCH if checkpointing else 1.0) + (2 if beta else 1) / 3)
-    )
+    floor = model.num_layers * LAYER_LAUNCH_S * ((CHECKPOINT_LAUNCH if checkpointing else 1.0) + passes / 3)
     train = gas * max(flops / (dp_gpus * gas * gpu.tflops_bf16 * 1e12 * MFU), floor)
 
     stage = int(params.get("zero_stage", 0))
@@ -92,6 +89,18 @@ def step_time_prior(
         per_round=per_round,
     )
     return train + generate
+
+
+def _log_prob_passes(params: dict[str, Any], gas: int, beta: float, per_round: bool) -> int:
+    """Forward-only passes beside the training one: the reference model's when beta > 0, and the
+    old policy's. TRL 1.16 (``per_round``) computes the old log-probs only with vLLM or when a
+    generation round does not line up with the optimizer step (gas % (steps_per_generation x
+    num_iterations)); a trainer the prior cannot read is charged one, as before."""
+    old = 1
+    if per_round:
+        every = int(params.get("steps_per_generation") or gas) * int(params.get("num_iterations") or 1)
+        old = int(bool(knob(params, "use_vllm")) or gas % max(every, 1) != 0)
+    return old + (1 if beta else 0)
 
 
 def _generation_time(
@@ -130,7 +139,8 @@ def _generation_time(
             2 * P * per_call / (gpu.tflops_bf16 * 1e12 * MFU),
         )
         prefill = 2 * P * per_call * (seq - completion) / (gpu.tflops_bf16 * 1e12 * MFU)
-        return completions / dp_gpus / per_call * (completion * per_token + prefill)
+        rounds = completions / dp_gpus / per_call / int(params.get("num_iterations") or 1)
+        return rounds * (completion * per_token + prefill)
     if not knob(params, "use_vllm"):
         per_token = 2 * P / (gpu.bandwidth_tbs * 1e12 * DECODE_EFFICIENCY) * 3  # HF generate is slow
         per_gpu = math.ceil(completions / dp_gpus)
