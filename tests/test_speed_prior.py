@@ -155,3 +155,15 @@ def test_the_runner_says_how_generate_is_called(recipe_factory):
     measured = (gen2 + train2) / (gen32 + train32)  # 32 x 1's throughput over 2 x 16's on the H200
     assert measured / 1.5 <= ratio(runner="trl") <= measured * 1.5, (measured, ratio(runner="trl"))
     assert ratio(runner="command", command="python train.py --bs {per_device_train_batch_size}") > 5
+
+
+def test_a_round_said_as_generation_batch_size_charges_the_old_log_probs_alike():
+    """TRL computes the old policy's log-probs when a generation round does not line up with the
+    optimizer step. A round of 64 at micro-batch 8 and accumulation 2 is steps_per_generation 8
+    whichever name the space uses; said as generation_batch_size, the prior once read it as aligned
+    and left the pass out."""
+    model = resolve_model("Qwen2.5-1.5B")
+    aligned = train_s(model, knobs(8, 2))
+    by_steps = train_s(model, {**knobs(8, 2), "steps_per_generation": 8})
+    by_batch = train_s(model, {**knobs(8, 2), "generation_batch_size": 64})
+    assert by_steps > aligned and by_batch == by_steps, (aligned, by_steps, by_batch)

@@ -56,7 +56,7 @@ def step_time_prior(
     tokens = completions * seq
 
     checkpointing = bool(knob(params, "gradient_checkpointing"))
-    passes = _log_prob_passes(params, gas, beta, per_round)
+    passes = _log_prob_passes(params, gas, beta, per_round, dp_gpus)
     flops = 6 * P * tokens * (4 / 3 if checkpointing else 1.0) + 2 * P * tokens * passes
     # each micro-batch costs its FLOPs or the launch floor, whichever is longer: small micro-batches
     # leave the GPU waiting on the host (the forward-only log-prob passes a third of the floor each)
@@ -91,14 +91,17 @@ def step_time_prior(
     return train + generate
 
 
-def _log_prob_passes(params: dict[str, Any], gas: int, beta: float, per_round: bool) -> int:
+def _log_prob_passes(params: dict[str, Any], gas: int, beta: float, per_round: bool, dp_gpus: int) -> int:
     """Forward-only passes beside the training one: the reference model's when beta > 0, and the
     old policy's. TRL 1.16 (``per_round``) computes the old log-probs only with vLLM or when a
     generation round does not line up with the optimizer step (gas % (steps_per_generation x
-    num_iterations)); a trainer the prior cannot read is charged one, as before."""
+    num_iterations), the round as ``generation_batch_of`` derives it, whichever name the space
+    sets); a trainer the prior cannot read is charged one, as before."""
     old = 1
     if per_round:
-        every = int(params.get("steps_per_generation") or gas) * int(params.get("num_iterations") or 1)
+        batch = generation_batch_of(params, dp_gpus)[0]
+        micro = int(knob(params, "per_device_train_batch_size")) * dp_gpus
+        every = (batch // micro if batch else gas) * int(params.get("num_iterations") or 1)
         old = int(bool(knob(params, "use_vllm")) or gas % max(every, 1) != 0)
     return old + (1 if beta else 0)
 
