@@ -9,6 +9,11 @@
 #             is resumed from it on the smaller batch the study measured (Qwen2.5-1.5B shape);
 #   zero3     a Qwen2.5-7B shape under ZeRO-3 with optimizer+params offload (LoRA: a full 7B's
 #             fp32 optimizer states on the host need ~120 GiB, more than the machine's 128 GiB);
+#   zero3probe  the zero3 trial with 2 measured steps (three generations) under the tensor probe
+#             (scripts/gpu_probe/sitecustomize.py): at the first three generations' entry, gather
+#             and exit and at the end of steps 1-3, the live CUDA tensors and the allocator's
+#             blocks by the code that allocated them, in RUNS_DIR/zero3probe-probe/probe-PID.jsonl
+#             (which buffer holds the 7B shape's second 14 GiB: docs/gpu-validation.md, row Z);
 #   qlora     QLoRA: a 4-bit bitsandbytes base (Qwen2.5-1.5B shape) with LoRA adapters;
 #   vl        a vision-language trial (Qwen2.5-VL-3B shape, 256 image tokens per prompt);
 #   microbatch  step time against the micro-batch: scripts/gpu_microbatch.py (forward + backward
@@ -45,7 +50,8 @@ collect() {
   find "$RUNS" -name stderr.log -o -name stdout.log | while read -r f; do tail -c 40000 "$f" >"$f.tail"; done
   (cd "$RUNS" && find . -size -4M \( -name outcome.json -o -name params.json -o -name metrics.jsonl \
     -o -name gpu.csv -o -name resumed_from.txt -o -name trainer_state.json -o -name '*.tail' \
-    -o -name '*.txt' -o -name '*.yaml' -o -name '*.md' -o -name '*.json' \) -not -path '*/model/*' \
+    -o -name '*.txt' -o -name '*.yaml' -o -name '*.md' -o -name '*.json' -o -name 'probe-*.jsonl' \) \
+    -not -path '*/model/*' \
     -print0 | tar czf "$OUT_DIR/files.tgz" --null -T -)
 }
 
@@ -90,7 +96,7 @@ for name in ("torch", "transformers", "trl", "peft", "accelerate", "deepspeed", 
 PY
 # DeepSpeed's cpu_adam (the offload optimizer) compiles on first use: minutes of CPU that the GPU
 # parts before zero3 leave idle, so it is built beside them.
-case " $PARTS " in *" zero3 "*)
+case " $PARTS " in *" zero3 "* | *" zero3probe "*)
   (python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load()" \
     >"$RUNS/cpu_adam.txt" 2>&1; echo "exit $?" >>"$RUNS/cpu_adam.txt") & ;;
 esac
@@ -145,6 +151,16 @@ PY
     while ! grep -q '^exit' "$RUNS/cpu_adam.txt" 2>/dev/null && [ "$(left)" -gt 150 ]; do sleep 2; done
     space zero3 8 1 4 3 optimizer+params true
     one_trial zero3 "${Z3_MODEL:-Qwen2.5-7B}" 128 64 300 --lora-rank 16
+    ;;
+  zero3probe)
+    # as zero3, one more measured step: three generations; the probe costs a few seconds a snapshot
+    [ "$(left)" -lt 170 ] && { log "skip zero3probe: $(left)s left"; continue; }
+    log "zero3probe: ${Z3_MODEL:-Qwen2.5-7B}, LoRA 16, ZeRO-3 optimizer+params offload, tensor probe"
+    while ! grep -q '^exit' "$RUNS/cpu_adam.txt" 2>/dev/null && [ "$(left)" -gt 170 ]; do sleep 2; done
+    space zero3probe 8 1 4 3 optimizer+params true
+    PYTHONPATH="$PWD/scripts/gpu_probe:$PYTHONPATH" AUTOTUNE_TENSOR_PROBE="$(cd "$RUNS" && pwd)/zero3probe-probe" \
+      one_trial zero3probe "${Z3_MODEL:-Qwen2.5-7B}" 128 64 330 --lora-rank 16 --measure-steps 2
+    ls -l "$RUNS/zero3probe-probe" 2>&1 | tail -n 5
     ;;
   qlora)
     [ "$(left)" -lt 80 ] && { log "skip qlora: $(left)s left"; continue; }
