@@ -79,6 +79,18 @@ _GC = {
     "grad_ckpt": False,
     "measured": "trainer peak (max of torch reserved and device used)",
 }
+#: The ZeRO-3 offload row of the second lease, run again under the tensor probe in the fifth.
+_GC_ZERO3_7B = {
+    **_GC,
+    "model": "Qwen2.5-7B",
+    "prompt": 128,
+    "completion": 64,
+    "per_device_batch": 8,
+    "zero_stage": 3,
+    "offload": "optimizer+params",
+    "grad_ckpt": True,
+    "lora_rank": 16,
+}
 #: The QLoRA configuration both leases ran (the second cut after one step, the third whole).
 _GC_QLORA = {
     **_GC,
@@ -183,17 +195,9 @@ DATAPOINTS: list[dict[str, Any]] = [
         "reported": "fit",
     },
     {
-        **_GC,
+        **_GC_ZERO3_7B,
         "id": "gc-zero3-7b",
         "what": "Qwen2.5-7B under ZeRO-3, optimizer+params offload, LoRA r16 (generation peak 17.6 GiB)",
-        "model": "Qwen2.5-7B",
-        "prompt": 128,
-        "completion": 64,
-        "per_device_batch": 8,
-        "zero_stage": 3,
-        "offload": "optimizer+params",
-        "grad_ckpt": True,
-        "lora_rank": 16,
         "reported": 31.0,
     },
     {
@@ -257,6 +261,18 @@ DATAPOINTS: list[dict[str, Any]] = [
         }
         for batch, peak in [(2, 16.1), (8, 21.7), (32, 35.4)]
     ],
+    # --- docs/gpu-validation.md: the fifth lease, on an H200 (the zero3probe part, 2026-11-28) -------
+    {
+        **_GC_ZERO3_7B,
+        "id": "gc5-zero3-7b",
+        "what": (
+            "gc-zero3-7b again on an H200 under the tensor probe: 29.2 GiB reserved (14.7 on the "
+            "default stream, 14.4 on DeepSpeed's all-gather stream), 14.6 ever allocated at once"
+        ),
+        "gpu": "H200",
+        "capacity_gib": 140.4,
+        "reported": 31.1,
+    },
     # --- TRL issues ---------------------------------------------------------------------------
     {
         "id": "trl-3456a",
@@ -902,8 +918,11 @@ def render(result: dict[str, Any]) -> str:
     w("")
     w(
         "- **Model states.** DeepSpeed's bf16 engine keeps fp32 master weights and fp32 gradient "
-        "partitions next to the bf16 model; on one GPU nothing shards them away, and ZeRO-3 with "
-        "parameter offload keeps prefetch buffers and gathered layers on the GPU. Only the H100 rows "
+        "partitions next to the bf16 model; on one GPU nothing shards them away. Under ZeRO-3 with "
+        "transformers' generate, torch's allocator keeps two pools of gathered weights, one per CUDA "
+        "stream (TRL's gather to generate, DeepSpeed's fetches to train: gc5-zero3-7b, measured by "
+        "stream); the model counts the first and only 1e9 parameters of the second, which held the "
+        "whole 7B there, hence its -39%. Only the H100 rows "
         "(gv-B0..gv-V3: one batch measured under ZeRO 0, 1, 2 and 3) isolate the stage, and "
         "docs/gpu-validation.md names them as calibration data for the memory model, so a small "
         "error there may be in-sample rather than evidence that the model generalises."
