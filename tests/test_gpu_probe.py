@@ -134,3 +134,47 @@ def test_probe_is_inert_without_its_variable_and_chains_another_sitecustomize(tm
     assert done.stdout.splitlines()[-1] == "patched"
     (line,) = probe_lines(out)
     assert line["point"] == "boom" and line["probe_error"].startswith("ZeroDivisionError")
+
+
+def test_the_allocator_view_splits_segments_by_stream(monkeypatch):
+    """No GPU here, so torch's snapshot is stood in for by one in its format (segments with their
+    stream and blocks, a device trace of segment events): each stream's reserved and in-use GiB, and
+    which code grew the segments on which stream."""
+    import importlib.util
+
+    import torch
+
+    monkeypatch.delenv("AUTOTUNE_TENSOR_PROBE", raising=False)
+    spec = importlib.util.spec_from_file_location("probe_under_test", PROBE / "sitecustomize.py")
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    gib = 2**30
+    frame = {"filename": "/x/deepspeed/runtime/zero/partition_parameters.py", "line": 74, "name": "__init__"}
+    snapshot = {
+        "segments": [
+            {
+                "stream": 0,
+                "total_size": 2 * gib,
+                "active_size": gib // 2,
+                "blocks": [
+                    {"state": "active_allocated", "size": gib // 2, "frames": []},
+                    {"state": "inactive", "size": 3 * gib // 2, "frames": []},
+                ],
+            },
+            {
+                "stream": 7,
+                "total_size": 3 * gib,
+                "active_size": 0,
+                "blocks": [
+                    {"state": "inactive", "size": 3 * gib, "frames": [frame]},
+                ],
+            },
+        ],
+        "device_traces": [[{"action": "segment_alloc", "size": 3 * gib, "stream": 7, "frames": [frame]}]],
+    }
+    monkeypatch.setattr(torch.cuda.memory, "_snapshot", lambda: snapshot)
+    view = probe._allocator()
+    assert view["segments_by_stream_gib"] == {"0": [2.0, 0.5], "7": [3.0, 0.0]}
+    assert view["segments_gib"] == 5.0 and view["inactive_gib"] == 4.5
+    (grown, size), *_ = view["segments_grown_by"]
+    assert grown.startswith("stream 7: deepspeed/runtime/zero/partition_parameters.py:74") and size == 3.0

@@ -8,9 +8,7 @@ The parts (GiB per GPU):
   estimators (``estimate_zero2/3_model_states_mem_needs``: 2P + 18P/N, 4*largest layer + 18P/N),
   which on one GPU is 20P (measured on an H100: ZeRO-1/2 16.6 GiB over plain DDP for 1.54B
   parameters, 11.6 bytes per parameter; 20P - 8P = 12P). ZeRO-3 also keeps up to
-  ``stage3_max_live_parameters`` (1e9 in autotune's ds_config) gathered, a LoRA's frozen base
-  included (an H200 measured 14.4 GiB on DeepSpeed's fetch stream for a 7B with LoRA: the bound is
-  optimistic, and what holds it below the whole model is not established). LoRA: frozen bf16 base
+  ``stage3_max_live_parameters`` (1e9 in autotune's ds_config) gathered. LoRA: frozen bf16 base
   weights, and states for the adapters only.
 - activations: what autograd saves per decoder layer of an HF Llama/Qwen2 block in bf16 with SDPA
   attention and no dropout, counted with saved-tensor hooks (tests/test_memory.py does it on CPU):
@@ -27,10 +25,7 @@ The parts (GiB per GPU):
 - generation without vLLM: TRL's ``_generate_single_turn`` calls ``unwrapped_model.generate()``
   once on the whole local generation batch, per-device batch x steps_per_generation sequences
   (``_prepare_inputs`` generates every steps_per_generation steps). That phase holds the trainer's
-  states (ZeRO-3 gathers the full bf16 weights, ``ds3_gather_for_generation``, on the default
-  CUDA stream; torch's allocator keeps those blocks for that stream, so through training they serve
-  the activations and logits but not DeepSpeed's fetches on its own stream: what exceeds the
-  activations and logits stays reserved beside them), the KV cache
+  states (ZeRO-3 gathers the full bf16 weights, ``ds3_gather_for_generation``), the KV cache
   (2 x layers x kv_heads x head_dim x (prompt + completion) x sequences x 2 bytes), the prefill's
   working set (one layer's MLP, ~(3*intermediate + 4h) x 2 bytes per prompt token) and the
   sampler's fp32 last-token logits. The peak is the larger of the two phases.

@@ -150,8 +150,6 @@ def estimate(
         generation, phase_gen = _hf_generation(
             model, params, parts, static, sequences, prompt, max_completion_length, notes
         )
-        if int(params.get("zero_stage", 0)) == 3:
-            parts["model_states"] += _kept_generation_pool(model, parts, notes)
     vllm, problem = 0.0, None
     if bool(knob(params, "use_vllm")) and knob(params, "vllm_mode") == "colocate":
         vllm, problem, sleeping = _colocated_vllm(
@@ -211,7 +209,7 @@ def _training_parts(
     states and the vision encoder's activation bytes."""
     stage = int(params.get("zero_stage", 0))
     gpu_states, host_states = model_states(model, params, n, lora_rank, quant)
-    if stage == 3:  # parameters ZeRO-3 keeps gathered between uses (a LoRA's frozen base too)
+    if stage == 3 and not lora_rank:  # parameters ZeRO-3 keeps gathered between uses
         gpu_states += 2 * min(model.num_params, ZERO3_MAX_LIVE_PARAMS)
     checkpointing = bool(knob(params, "gradient_checkpointing"))
     kept, recompute = activation_bytes(model, b, seq, checkpointing)
@@ -265,28 +263,6 @@ def _hf_generation(
         "overhead": parts["overhead"],
     }
     return generation, _Generation(static + gathered + generation, features)
-
-
-def _kept_generation_pool(model: ModelSpec, parts: dict[str, float], notes: list[str]) -> float:
-    """GiB the generation's gathered ZeRO-3 weights keep reserved through training, beyond what
-    training itself allocates on the same stream.
-
-    TRL gathers the whole model to ``generate()`` on the default CUDA stream; DeepSpeed fetches
-    parameters for training on its own all-gather stream, and torch's caching allocator reuses a
-    freed block only on the stream that allocated it. So the generation's freed blocks serve the
-    training's activations and logits (default stream) but never its fetched weights: measured on
-    an H200 (docs/gpu-validation.md, fifth lease), a 7B shape with LoRA held 14.7 GiB on the default
-    stream and 14.4 on DeepSpeed's, 29.2 reserved for 14.6 ever allocated at once, with
-    ``expandable_segments`` as without."""
-    gathered = 2 * model.num_params / GIB
-    kept = max(gathered - parts["activations"] - parts["logits"] - parts.get("vision", 0.0), 0.0)
-    if kept:
-        notes.append(
-            f"ZeRO-3 without vLLM: {kept:.1f} of the {gathered:.1f} GiB gathered to generate stay "
-            "reserved through training (torch keeps them for the stream TRL gathered on, and "
-            "DeepSpeed fetches on its own)"
-        )
-    return kept
 
 
 def _colocated_vllm(
