@@ -145,22 +145,21 @@ PY
       2>&1 | tee "$RUNS/run-2.txt" | tail -n 12
     "${AT[@]}" show run --runs-dir "$RUNS" >"$RUNS/run-show.txt" 2>&1
     ;;
-  zero3)
-    [ "$(left)" -lt 150 ] && { log "skip zero3: $(left)s left"; continue; }
-    log "zero3: Qwen2.5-7B, LoRA 16, ZeRO-3 optimizer+params offload"
-    while ! grep -q '^exit' "$RUNS/cpu_adam.txt" 2>/dev/null && [ "$(left)" -gt 150 ]; do sleep 2; done
-    space zero3 8 1 4 3 optimizer+params true
-    one_trial zero3 "${Z3_MODEL:-Qwen2.5-7B}" 128 64 300 --lora-rank 16
-    ;;
-  zero3probe)
-    # as zero3, one more measured step: three generations; the probe costs a few seconds a snapshot
-    [ "$(left)" -lt 170 ] && { log "skip zero3probe: $(left)s left"; continue; }
-    log "zero3probe: ${Z3_MODEL:-Qwen2.5-7B}, LoRA 16, ZeRO-3 optimizer+params offload, tensor probe"
-    while ! grep -q '^exit' "$RUNS/cpu_adam.txt" 2>/dev/null && [ "$(left)" -gt 170 ]; do sleep 2; done
-    space zero3probe 8 1 4 3 optimizer+params true
-    PYTHONPATH="$PWD/scripts/gpu_probe:$PYTHONPATH" AUTOTUNE_TENSOR_PROBE="$(cd "$RUNS" && pwd)/zero3probe-probe" \
-      one_trial zero3probe "${Z3_MODEL:-Qwen2.5-7B}" 128 64 330 --lora-rank 16 --measure-steps 2
-    ls -l "$RUNS/zero3probe-probe" 2>&1 | tail -n 5
+  zero3 | zero3probe)
+    # zero3probe: the same trial under the tensor probe, one more measured step (three generations)
+    need=150 limit=300 more=()
+    [ "$part" = zero3probe ] && need=170 limit=330 more=(--measure-steps 2)
+    [ "$(left)" -lt "$need" ] && { log "skip $part: $(left)s left"; continue; }
+    log "$part: ${Z3_MODEL:-Qwen2.5-7B}, LoRA 16, ZeRO-3 optimizer+params offload"
+    while ! grep -q '^exit' "$RUNS/cpu_adam.txt" 2>/dev/null && [ "$(left)" -gt "$need" ]; do sleep 2; done
+    space "$part" 8 1 4 3 optimizer+params true
+    (
+      if [ "$part" = zero3probe ]; then
+        export PYTHONPATH="$PWD/scripts/gpu_probe:$PYTHONPATH"
+        export AUTOTUNE_TENSOR_PROBE="$(cd "$RUNS" && pwd)/zero3probe-probe"
+      fi
+      one_trial "$part" "${Z3_MODEL:-Qwen2.5-7B}" 128 64 "$limit" --lora-rank 16 "${more[@]}"
+    )
     ;;
   qlora)
     [ "$(left)" -lt 80 ] && { log "skip qlora: $(left)s left"; continue; }

@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 import json
 from pathlib import Path
+from statistics import fmean
 
 import pytest
 
@@ -102,14 +103,9 @@ def test_a_small_micro_batch_trains_as_slowly_per_sequence_as_measured(path):
 
 def _trial(bs: int) -> tuple[float, float]:
     """Mean generation and training seconds of a TRL trial's measured steps (step 1 is warm-up)."""
-    rows = [
-        json.loads(line)
-        for line in (DATA / f"trl_h200_qwen2.5-1.5b_mb{bs}.metrics.jsonl").read_text().splitlines()
-    ]
-    rows = rows[1:]
-    return sum(r["generation_time"] for r in rows) / len(rows), sum(r["training_time"] for r in rows) / len(
-        rows
-    )
+    text = (DATA / f"trl_h200_qwen2.5-1.5b_mb{bs}.metrics.jsonl").read_text()
+    rows = [json.loads(line) for line in text.splitlines()][1:]
+    return fmean(r["generation_time"] for r in rows), fmean(r["training_time"] for r in rows)
 
 
 def test_transformers_generate_runs_once_per_generation_round():

@@ -187,13 +187,10 @@ def _allocator() -> dict[str, Any]:
 
     snap = torch.cuda.memory._snapshot()
     segments = snap["segments"]
-    active, inactive, events, grown = (collections.Counter() for _ in range(4))
-    # the caching allocator reuses a freed block only on the stream that allocated it
-    by_stream: dict[str, list[float]] = {}
-    for seg in segments:
-        row = by_stream.setdefault(str(seg.get("stream")), [0.0, 0.0])
-        row[0] += seg["total_size"] / GIB
-        row[1] += seg["active_size"] / GIB
+    active, inactive, events, grown, reserved, in_use = (collections.Counter() for _ in range(6))
+    for seg in segments:  # the caching allocator reuses a freed block only on its own stream
+        reserved[str(seg.get("stream"))] += seg["total_size"]
+        in_use[str(seg.get("stream"))] += seg["active_size"]
     for block in (b for seg in segments for b in seg["blocks"]):
         (inactive if block["state"] == "inactive" else active)[_where(block.get("frames"))] += block["size"]
     for entry in (e for trace in snap.get("device_traces", []) for e in trace):
@@ -212,7 +209,7 @@ def _allocator() -> dict[str, Any]:
         "inactive_by_last_alloc": top(inactive, 5),
         "segment_events_gib": {k: _gib(v) for k, v in events.items()},
         "segments_grown_by": top(grown, 10),
-        "segments_by_stream_gib": {k: [round(a, 4), round(b, 4)] for k, (a, b) in by_stream.items()},
+        "segments_by_stream_gib": {k: [_gib(v), _gib(in_use[k])] for k, v in reserved.items()},
     }
 
 
