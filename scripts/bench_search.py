@@ -99,6 +99,7 @@ class Run:
     measured: float = 0.0  # best possible value of any configuration a launched trial ran (kept headroom)
     # launched search trials by proposer (seed, local, pool, valid, tpe): {status: count}
     by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
+    planner: Any = None  # autotune's planner as the search left it (bench_inspect.py asks it why)
 
     @property
     def log(self) -> list[str]:
@@ -321,6 +322,7 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     tracker.run.stopped = (result.stopped_reason or "").split(": ", 1)[-1]
     tracker.run.crashes = tracker.crashes
     tracker.run.total_hours = tracker.hours
+    tracker.run.planner = search.planner
     return tracker.run
 
 

@@ -335,6 +335,33 @@ def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_i
         assert "Traceback" not in refused.stderr
 
 
+def test_an_inspected_miss_says_what_the_planner_thought_of_the_good_configurations_it_missed():
+    """bench_inspect.py's last section: for the configurations at 0.95 nearest the export, whether the
+    search ran each (checked against the run's own trial list, which the planner does not keep),
+    whether anything ruled it out, and the expectation and prior the walk ordered its steps by."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_inspect import TARGET, apart, as_planned
+    from bench_landscapes import build_landscape
+    from bench_search import policy_autotune, quiet, search_seed
+
+    quiet()
+    land = build_landscape(landscape(96, 0), 12)  # PPO 1.5B on 8 x 24 GB
+    run = policy_autotune(land, search_seed(0, 96), 12)
+    ran = {candidate_key(r.params) for r in run.trials}
+    good = [c for c in land.candidates if land.safe_value(c) >= TARGET * land.best]
+    assert good and run.exported is not None and run.planner is not None
+    lines = as_planned(run.planner, run.exported, good, land)
+    assert lines[0].startswith("(the export: expected ")
+    fewest = min(len(apart(c, run.exported).split()) for c in good)
+    nearest = [c for c in good if len(apart(c, run.exported).split()) == fewest]
+    assert len(lines) == 1 + min(len(nearest), 6)
+    for cand, line in zip(nearest, lines[1:]):
+        assert line.startswith(f"{land.value(cand) / land.best:.2f} {apart(cand, run.exported)}: ")
+        assert ("measured," in line) == (candidate_key(cand) in ran), line
+        assert ("ruled out: " in line) == run.planner.verdict(cand).skip, line
+        assert "the limit by the model, expected " in line and ", prior x" in line
+
+
 def test_the_noise_ceiling_of_a_perfect_walk_and_its_script(tmp_path):
     """scripts/bench_bound.py: an ideal walk that measures the best configurations once and confirms
     the three best by that exports the best without noise, and with noise among many near-ties loses
