@@ -8,9 +8,10 @@ search on that landscape exactly as ``scripts/bench_search.py --seed SEED`` runs
 recipe, executor and seeds, so the same decisions), printed with what the benchmark knows and the
 search does not: each launched trial's and each confirmation's value in truth, the export's score,
 and the landscape's best configurations. A trial's knobs are shown where they differ from the
-landscape's best, so a walk that never reached it shows which knobs it never moved. For a run below
-0.95 of the best possible, last, what the search's planner thought at its end of the configurations
-at 0.95 fewest knobs from the export (:func:`as_planned`).
+landscape's best, so a walk that never reached it shows which knobs it never moved. For a run that
+exported something below 0.95 of the best possible (its value in truth), last, what the search's
+planner thought at its end of the configurations at 0.95 fewest knobs from the export
+(:func:`as_planned`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -86,29 +88,46 @@ def main() -> int:
     if run.exported and run.final < TARGET * land.best:
         print(f"the configurations at {TARGET} or better nearest the export, as the search left them:")
         good = [by_key[k] for k, v in ranked if v >= TARGET * land.best]
-        for line in as_planned(run.planner, run.exported, good, land):
+        ran = {candidate_key(r.params) for r in run.trials}
+        for line in as_planned(run.planner, run.exported, good, ran, lambda c: land.value(c) / land.best):
             print(f"  {line}")
     return 0
 
 
-def as_planned(planner: Any, exported: dict[str, Any], good: list[dict[str, Any]], land: Any) -> list[str]:
-    """What the planner, at the search's end, thought of the good configurations fewest knobs from
-    the export: measured or not, ruled out and why, inside the headroom by the calibrated model or
-    not, and the throughput it expected beside the export's (the prior as a factor of the export's).
-    A miss that never ran a good configuration is read here: a prior blind to the knobs apart, a
-    model that put it above the limit, an OOM that ruled it out."""
-    tried = {candidate_key(s.params) for s in planner.seen}
-    n = min(len(apart(c, exported).split()) for c in good)
-    nearest = [c for c in good if len(apart(c, exported).split()) == n][:TOP]
+def knobs_apart(params: dict[str, Any], other: dict[str, Any]) -> int:
+    return sum(1 for k in set(params) | set(other) if params.get(k) != other.get(k))
+
+
+def as_planned(
+    planner: Any,
+    exported: dict[str, Any],
+    good: list[dict[str, Any]],
+    ran: set[Any],
+    value: Callable[[dict[str, Any]], float],
+) -> list[str]:
+    """What the planner, at the search's end, thought of the ``good`` configurations fewest knobs
+    from the export: run by the search or not (``ran``: the keys of the trials launched, crashed ones
+    included), ruled out and why, inside the headroom by the calibrated model or above it (or not
+    judged, before a measured peak calibrates it), and the throughput it expected beside the
+    export's, the prior as a factor of the export's. A miss that never ran a good configuration is
+    read here: a prior blind to the knobs apart, a model that put it above the limit, an OOM that
+    ruled it out."""
+    if not good:
+        return ["(no configuration reaches the target)"]
+    fewest = min(knobs_apart(c, exported) for c in good)
     prior = planner.prior(exported)
     lines = [f"(the export: expected {planner.expected_throughput(exported):.3g}/s)"]
-    for cand in nearest:
+    for cand in [c for c in good if knobs_apart(c, exported) == fewest][:TOP]:
         verdict = planner.verdict(cand)
         judged = f"ruled out: {verdict.reason}" if verdict.skip else "open"
+        model = (
+            ("inside" if planner.plausible(cand) else "above") + " the limit by the model"
+            if planner.use_model and planner.weights
+            else "not judged by the model (no measured peak calibrates it)"
+        )
         lines.append(
-            f"{land.value(cand) / max(land.best, 1e-9):.2f} {apart(cand, exported)}: "
-            f"{'measured' if candidate_key(cand) in tried else 'never run'}, {judged}, "
-            f"{'inside' if planner.plausible(cand) else 'above'} the limit by the model, expected "
+            f"{value(cand):.2f} {apart(cand, exported)}: "
+            f"{'run' if candidate_key(cand) in ran else 'never run'}, {judged}, {model}, expected "
             f"{planner.expected_throughput(cand):.3g}/s, prior x{planner.prior(cand) / prior:.2f}"
         )
     return lines

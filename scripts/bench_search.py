@@ -99,7 +99,8 @@ class Run:
     measured: float = 0.0  # best possible value of any configuration a launched trial ran (kept headroom)
     # launched search trials by proposer (seed, local, pool, valid, tpe): {status: count}
     by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
-    planner: Any = None  # autotune's planner as the search left it (bench_inspect.py asks it why)
+    # autotune's planner as the search left it (bench_inspect.py asks it why); never pickled
+    planner: Any = field(default=None, repr=False, compare=False)
 
     @property
     def log(self) -> list[str]:
