@@ -65,6 +65,25 @@ class SpeedExpectation:
         nearest = heapq.nsmallest(NEAREST, ok, key=lambda t: distance(vec, t[0]))
         return prior * statistics.fmean(ratio for _, ratio in nearest)
 
+    def twin_noise(self) -> float:
+        """Run-to-run noise as the search's own one-knob pairs show it, 0 until three exist: the
+        pairs whose prior differs by at most 3% (most of what a walk measures), whose throughputs
+        differ by the noise of two runs plus whatever the prior cannot see (so an upper bound)."""
+
+        def compute() -> float:
+            ok = [s for s in self.seen if s.status == "ok" and s.throughput]
+            gaps = []
+            for i, a in enumerate(ok):
+                for b in ok[i + 1 :]:
+                    if sum(a.params.get(k) != b.params.get(k) for k in set(a.params) | set(b.params)) != 1:
+                        continue
+                    if abs(math.log(self.prior(a.params) / self.prior(b.params))) <= 0.03:
+                        gaps.append(math.log(a.throughput / b.throughput) ** 2)
+            return math.expm1(math.sqrt(statistics.fmean(gaps) / 2)) if len(gaps) >= 3 else 0.0
+
+        owners = (self.model, self.recipe, self.gpu, self.seen)
+        return self._memo.get("twins", owners, {"n": len(self.seen)}, compute)
+
     def speed_evidence(
         self,
     ) -> tuple[list[tuple[tuple[float, ...], tuple]], list[tuple[tuple[float, ...], float]]]:
