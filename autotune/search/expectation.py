@@ -29,6 +29,8 @@ NEAREST = 3  # measured trials that correct the speed prior of a candidate
 #: The prior's log error that :meth:`SpeedExpectation.improvable` allows: half a standard deviation
 #: of what was measured, never less than 5%; 50% while fewer than 3 trials say how wrong it is.
 SPREAD_STDEVS, MIN_SPREAD, EARLY_SPREAD, SPREAD_TRIALS = 0.5, 1.05, 1.5, 3
+BLIND = 0.03  # two candidates whose priors differ by at most this much the prior cannot tell apart
+TWIN_PAIRS = 3  # twin pairs before their spread counts as the noise
 
 
 class SpeedExpectation:
@@ -66,9 +68,11 @@ class SpeedExpectation:
         return prior * statistics.fmean(ratio for _, ratio in nearest)
 
     def twin_noise(self) -> float:
-        """Run-to-run noise as the search's own one-knob pairs show it, 0 until three exist: the
-        pairs whose prior differs by at most 3% (most of what a walk measures), whose throughputs
-        differ by the noise of two runs plus whatever the prior cannot see (so an upper bound)."""
+        """Run-to-run noise as the search's own one-knob pairs show it, 0 until :data:`TWIN_PAIRS`
+        exist: the pairs the prior cannot tell apart (:data:`BLIND`; most of what a walk measures
+        one knob at a time), whose throughputs differ by the noise of two runs plus whatever small
+        effect the knob has (so an upper bound: the root mean square of their log ratios over
+        the square root of two)."""
 
         def compute() -> float:
             ok = [s for s in self.seen if s.status == "ok" and s.throughput]
@@ -77,9 +81,9 @@ class SpeedExpectation:
                 for b in ok[i + 1 :]:
                     if sum(a.params.get(k) != b.params.get(k) for k in set(a.params) | set(b.params)) != 1:
                         continue
-                    if abs(math.log(self.prior(a.params) / self.prior(b.params))) <= 0.03:
+                    if abs(math.log(self.prior(a.params) / self.prior(b.params))) <= BLIND:
                         gaps.append(math.log(a.throughput / b.throughput) ** 2)
-            return math.expm1(math.sqrt(statistics.fmean(gaps) / 2)) if len(gaps) >= 3 else 0.0
+            return math.expm1(math.sqrt(statistics.fmean(gaps) / 2)) if len(gaps) >= TWIN_PAIRS else 0.0
 
         owners = (self.model, self.recipe, self.gpu, self.seen)
         return self._memo.get("twins", owners, {"n": len(self.seen)}, compute)
