@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_landscapes import build_landscape  # noqa: E402
 from bench_search import policy_autotune, quiet, search_seed  # noqa: E402
 
+from autotune.candidate.moves import knobs_apart  # noqa: E402
 from autotune.sim.families import landscape  # noqa: E402
 from autotune.study import candidate_key  # noqa: E402
 from autotune.study.ranking import headroom_limit  # noqa: E402
@@ -92,10 +93,6 @@ def main() -> int:
         for line in as_planned(run.planner, run.exported, good, ran, lambda c: land.value(c) / land.best):
             print(f"  {line}")
     return 0
-
-
-def knobs_apart(params: dict[str, Any], other: dict[str, Any]) -> int:
-    return sum(1 for k in set(params) | set(other) if params.get(k) != other.get(k))
 
 
 def as_planned(

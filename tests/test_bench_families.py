@@ -342,9 +342,11 @@ def test_an_inspected_miss_says_what_the_planner_thought_of_the_configurations_n
     what rules it out, the model's judgement, and the expectation and prior the walk ordered its steps
     by, each as the planner says; configurations farther away are not listed."""
     sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_inspect import apart, as_planned, knobs_apart
+    from bench_inspect import apart, as_planned
     from bench_landscapes import build_landscape
     from bench_search import policy_autotune, search_seed
+
+    from autotune.candidate.moves import knobs_apart
 
     # (not bench_search.quiet(): it sets the autotune logger's level for the rest of the session, and
     # later tests that read autotune's warnings through caplog saw none)

@@ -13,6 +13,11 @@ from autotune.candidate.space import Space
 from autotune.recipe import Recipe
 
 
+def knobs_apart(a: dict[str, Any], b: dict[str, Any]) -> int:
+    """How many knobs two configurations differ in."""
+    return sum(1 for k in set(a) | set(b) if a.get(k) != b.get(k))
+
+
 def neighbors(
     params: dict[str, Any],
     space: Space,

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from autotune.candidate.estimate import prior_for
+from autotune.candidate.moves import knobs_apart
 from autotune.candidate.vector import at_least, distance
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class SpeedExpectation:
             gaps = []
             for i, a in enumerate(ok):
                 for b in ok[i + 1 :]:
-                    if sum(a.params.get(k) != b.params.get(k) for k in set(a.params) | set(b.params)) != 1:
+                    if knobs_apart(a.params, b.params) != 1:
                         continue
                     if abs(math.log(self.prior(a.params) / self.prior(b.params))) <= BLIND:
                         gaps.append(math.log(a.throughput / b.throughput) ** 2)

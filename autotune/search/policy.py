@@ -43,6 +43,7 @@ from optuna.samplers import BaseSampler, TPESampler
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.candidate import constraints
+from autotune.candidate.moves import knobs_apart
 from autotune.candidate.space import Space
 from autotune.recipe import Recipe
 from autotune.search import candidates, cures
@@ -251,15 +252,14 @@ def co_leaders(planner: Planner, best: int, spread: float) -> list[Seen]:
         return []
     bar = (top.throughput or 0.0) / (1 + 2 * spread)
     others = sorted(
-        (s for s in ok if s is not top and (s.throughput or 0.0) >= bar and apart(s.params, top.params) >= 2),
+        (
+            s
+            for s in ok
+            if s is not top and (s.throughput or 0.0) >= bar and knobs_apart(s.params, top.params) >= 2
+        ),
         key=lambda s: -(s.throughput or 0.0),
     )
     return [top, *others[: CO_LEADERS - 1]]
-
-
-def apart(a: dict[str, Any], b: dict[str, Any]) -> int:
-    """How many knobs two configurations differ in."""
-    return sum(1 for k in set(a) | set(b) if a.get(k) != b.get(k))
 
 
 def rotate(items: list[Any], turn: int) -> list[Any]:
