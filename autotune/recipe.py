@@ -173,8 +173,8 @@ class Recipe:
         default=10,
         metadata=_opt(
             "Stop once this many trials that ran (OOMs do not count) brought no gain beyond the "
-            "noise (3%, or what the search's own twins showed), after at least 6 more launched "
-            "(0: never)."
+            "noise (the larger of 3% and the spread of its own one-knob pairs the speed prior "
+            "cannot tell apart), after at least 6 more launched (0: never)."
         ),
     )
     warmup_steps: int = field(default=2, metadata=_opt("Steps before a trial's throughput is measured."))
