@@ -74,15 +74,22 @@ def test_a_trainer_that_always_runs_vllm_learns_from_its_vllm_failures(tmp_path)
     assert planner.verdict({**PPO, "zero_stage": 3, "vllm_gpu_memory_utilization": 0.3}).skip
 
 
-def test_a_knobs_direction_is_learned_from_a_one_knob_pair(tmp_path):
-    """An undeclared knob (adam_offload) first carries no dominance. Once an OOM and a success that
-    differ in it alone show its direction, an OOM with offload on vetoes it off."""
+def test_a_knobs_direction_is_learned_from_one_knob_pairs_at_two_settings_of_the_others(tmp_path):
+    """An undeclared knob (adam_offload) first carries no dominance. An OOM and a success that differ
+    in it alone show its direction at one setting of the other knobs (a hint); once a pair at
+    another setting agrees, an OOM with offload on vetoes it off."""
     planner, _ = ppo_planner(tmp_path)
     big = {**PPO, "micro_train_batch_size": 16, "zero_stage": 3}
     planner.observe(1, {**big, "adam_offload": True}, "oom", "cuda", None)
     assert not planner.verdict(big).skip  # unknown yet
     planner.observe(2, PPO, "oom", "cuda", None)  # ZeRO-2: needs more than big by the known knobs
     planner.observe(3, {**PPO, "adam_offload": True}, "ok", None, None, 2.0)  # no peak: none logged
+    assert planner.knobs.hinted == {"adam_offload": "down"} and planner.knobs.learned == {}
+    assert not planner.verdict(big).skip  # one setting of the others: no veto yet
+    colocated = {**PPO, "colocate_all_models": True}
+    planner.observe(4, colocated, "oom", "cuda", None)
+    planner.observe(5, {**colocated, "adam_offload": True}, "ok", None, None, 2.0)
+    assert planner.knobs.learned == {"adam_offload": "down"} and planner.knobs.hinted == {}
     assert planner.verdict(big).skip
     assert "trial 1" in planner.verdict(big).reason
     # but a learned direction does not take an unmeasured peak off the edge: seen, plain 8B on
@@ -91,12 +98,34 @@ def test_a_knobs_direction_is_learned_from_a_one_knob_pair(tmp_path):
     # longer run that holds clears it, and only where offload was also measured to cost speed, as a
     # saver does (the next test): one OOM/ok pair at a 50/50 edge is a coin
     risks, clears = unmeasured_risks(planner, 0.03)
-    assert set(risks) == {"3"} and clears == []
-    assert planner.knobs.learned == {"adam_offload": "down"}
+    assert set(risks) == {"3", "5"} and clears == []
     # a pair that says the opposite leaves the knob unknown again
-    planner.observe(4, {**PPO, "micro_train_batch_size": 4}, "ok", None, None, 1.5)
-    planner.observe(5, {**PPO, "micro_train_batch_size": 4, "adam_offload": True}, "oom", "cuda", None)
-    assert planner.knobs.learned == {}
+    planner.observe(6, {**PPO, "micro_train_batch_size": 4}, "ok", None, None, 1.5)
+    planner.observe(7, {**PPO, "micro_train_batch_size": 4, "adam_offload": True}, "oom", "cuda", None)
+    assert planner.knobs.learned == {} and planner.knobs.hinted == {}
+
+
+def test_a_direction_seen_at_one_setting_of_the_others_vetoes_nothing(tmp_path):
+    """Seen (PPO 1.5B on 8 x 24 GB): one pair at ZeRO-2 showed that colocating the four models needs
+    more memory, and an OOM at ZeRO-3 without colocation then ruled out the landscape's best,
+    colocated at ZeRO-3, which fits. Colocation puts every model's states on every GPU but lets
+    vLLM sleep while they train, so which way it goes depends on the other knobs; a direction
+    carries dominance once pairs at two settings of the others agree."""
+    planner, _ = ppo_planner(tmp_path)
+    apart = {**PPO, "micro_train_batch_size": 4, "zero_stage": 3}  # not colocated
+    planner.observe(1, apart, "oom", "cuda", None)
+    best = {**apart, "colocate_all_models": True}
+    low = {**PPO, "micro_train_batch_size": 2}  # ZeRO-2
+    planner.observe(2, low, "ok", None, None, 2.0)
+    planner.observe(3, {**low, "colocate_all_models": True}, "oom", "cuda", None)
+    assert planner.knobs.hinted == {"colocate_all_models": "up"} and planner.knobs.learned == {}
+    assert not planner.verdict(best).skip
+    other = {**low, "adam_offload": True}  # another setting of the others, the same direction
+    planner.observe(4, other, "ok", None, None, 2.0)
+    planner.observe(5, {**other, "colocate_all_models": True}, "oom", "cuda", None)
+    assert planner.knobs.learned == {"colocate_all_models": "up"}
+    verdict = planner.verdict(best)
+    assert verdict.skip and "trial 1" in verdict.reason, verdict
 
 
 def test_an_unmeasured_peak_a_learned_knob_sets_apart_is_cleared_by_a_longer_run_that_holds(tmp_path):
@@ -114,7 +143,7 @@ def test_an_unmeasured_peak_a_learned_knob_sets_apart_is_cleared_by_a_longer_run
     planner.observe(2, wide, "ok", None, None, 3.0)  # apart only in a knob nothing showed the way of
     small = {**PPO, "micro_train_batch_size": 4}
     planner.observe(3, small, "ok", None, None, 1.0)
-    assert planner.knobs.learned == {"adam_offload": "down"}
+    assert planner.knobs.hinted == {"adam_offload": "down"} and planner.knobs.learned == {}
     risks, clears = unmeasured_risks(planner, 0.03)
     # the direction rests on one OOM/ok pair, a coin at the edge; a saver also costs speed, and
     # nothing measured offload's yet
@@ -168,6 +197,11 @@ def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path
     assert not planner.verdict({**big, "colocate_all_models": True}).skip
     planner.observe(2, PPO, "ok", None, 40.0, 2.0)
     planner.observe(3, {**PPO, "colocate_all_models": True}, "ok", None, 40.5, 2.1)
+    assert planner.knobs.hinted == {"colocate_all_models": "none"}
+    assert not planner.verdict({**big, "colocate_all_models": True}).skip  # one setting of the others
+    small = {**PPO, "micro_train_batch_size": 4}
+    planner.observe(4, small, "ok", None, 30.0, 1.5)
+    planner.observe(5, {**small, "colocate_all_models": True}, "ok", None, 30.3, 1.5)
     assert planner.verdict({**big, "colocate_all_models": True}).skip
     assert planner.knobs.learned == {"colocate_all_models": "none"}
 
@@ -321,7 +355,7 @@ def test_a_knob_measured_to_cost_speed_is_asked_whether_it_saves_the_memory_the_
     assert ask() == {**base, "activation_offload": True, "micro_batch_size": 8}
     # it ran: the pair with the OOM shows offload's direction, and the trade and the walk take over
     planner.observe(6, ask(), "ok", None, None, 5.97)
-    assert planner.knobs.learned == {"activation_offload": "down"}
+    assert planner.knobs.hinted == {"activation_offload": "down"}
     tried.add(candidate_key({**base, "activation_offload": True, "micro_batch_size": 8}))
     assert ask() is None
 

@@ -46,14 +46,14 @@ def unmeasured_risks(planner: Planner, spread: float) -> tuple[dict[str, str], l
 
     An OOM of a configuration that needs no more memory by every knob whose effect is known puts a
     success at the edge. Where the two also differ in a knob whose direction measurements showed
-    (``KnobMemory.learned``) and this one has the value that needs less, that knob may be why one
-    ran and the other died, or the learned direction may be an edge's coin (both ran at the edge,
-    one died): a confirmation, a run as long as the export is judged by, tells the two apart. One
-    OOM/ok pair at a 50/50 edge and one held confirmation are two coins, so the learned knob counts
-    only where this success's value was also measured to cost speed, as every saver does
-    (``trade.costly_values``, ``spread`` the measured noise). Seen:
-    a trainer logging no memory, micro-batch 8 out of memory without activation offload and nine
-    trials of it with offload fine; all nine were passed over and micro-batch 4 exported (0.85).
+    (``KnobMemory.learned``, or only ``hinted``, at one setting of the other knobs) and this one has the
+    value that needs less, that knob may be why one ran and the other died, or the learned direction may
+    be an edge's coin (both ran at the edge, one died): a confirmation, a run as long as the export is
+    judged by, tells the two apart. One OOM/ok pair at a 50/50 edge and one held confirmation are two
+    coins, so the learned knob counts only where this success's value was also measured to cost speed,
+    as every saver does (``trade.costly_values``, ``spread`` the measured noise). Seen: a trainer
+    logging no memory, micro-batch 8 out of memory without activation offload and nine trials of it with
+    offload fine; all nine were passed over and micro-batch 4 exported (0.85).
     Learned directions alone never take a success off the edge (tests/test_search_learned.py).
     """
     recipe = planner.recipe
@@ -62,7 +62,8 @@ def unmeasured_risks(planner: Planner, spread: float) -> tuple[dict[str, str], l
     # by what is known beforehand only: directions learned from trials at the edge, where the same
     # configuration runs once and dies the next time, are no proof that a knob moved it off the edge
     known = replace(planner.knobs, learned={})
-    slower = set(costly_values(planner, spread)) if planner.knobs.learned else set()
+    shown = {**planner.knobs.hinted, **planner.knobs.learned}
+    slower = set(costly_values(planner, spread)) if shown else set()
     out: dict[str, str] = {}
     clears: list[str] = []
     for s in planner.seen:
@@ -76,7 +77,7 @@ def unmeasured_risks(planner: Planner, spread: float) -> tuple[dict[str, str], l
                 f"trial {edges[0].number}, which needs no more memory by every knob whose effect is "
                 "known, ran out of memory"
             )
-            savers = {n: d for n, d in planner.knobs.learned.items() if (n, s.params.get(n)) in slower}
+            savers = {n: d for n, d in shown.items() if (n, s.params.get(n)) in slower}
             apart = replace(planner.knobs, learned=savers)
             full = planner.vector(s.params, apart)
             if savers and all(not at_least(full, planner.vector(o.params, apart)) for o in edges):
@@ -99,7 +100,8 @@ def save_risks(study: optuna.Study, planner: Planner | None) -> None:
         risks, clears = {}, []
     else:
         # the noise is read from the storage (every trial) only where a learned knob may clear a risk
-        spread = noise(rows(study), confirmations(study)) if planner.knobs.learned else MIN_NOISE
+        knobs = planner.knobs
+        spread = noise(rows(study), confirmations(study)) if knobs.learned or knobs.hinted else MIN_NOISE
         risks, clears = unmeasured_risks(planner, spread)
     if risks != (study.user_attrs.get(AT_RISK_ATTR) or {}):
         study.set_user_attr(AT_RISK_ATTR, risks)

@@ -56,6 +56,7 @@ BUILTIN = {
 DIRECTIONS = ("up", "down", "none")
 PEAK_STEP = 0.05  # a one-knob pair of measured peaks this far apart shows the knob's direction
 PEAK_SAME = 0.02  # ... this close shows it does not move memory (an allocator's creep varies by ~2%)
+CONTEXTS = 2  # settings of the other knobs a direction must be seen at before it carries dominance
 
 
 class Measured(Protocol):
@@ -74,6 +75,7 @@ class KnobMemory:
 
     declared: dict[str, str] = field(default_factory=dict)
     learned: dict[str, str] = field(default_factory=dict)  # directions measurements showed (see learn)
+    hinted: dict[str, str] = field(default_factory=dict)  # shown at fewer contexts: no dominance (learn)
     known_names: frozenset[str] = frozenset()  # the space's batch mapping (read as TRL's batch)
     choices: dict[str, tuple] = field(default_factory=dict)
 
@@ -139,13 +141,19 @@ def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
     one out of memory (a CUDA OOM on clean GPUs) and one that ran, say the value that ran needs less;
     two measured peaks more than :data:`PEAK_STEP` apart say the same, and two within
     :data:`PEAK_SAME` that memory does not depend on it (none). A knob whose pairs disagree stays
-    unknown. Learned directions then carry dominance like declared ones (an OOM with activation
-    offload on rules out the same batch with it off), where before an OOM vetoed only its equals."""
-    base = replace(knobs, learned={})  # what is known without the measurements
+    unknown. A direction seen at :data:`CONTEXTS` settings of the other knobs is learned and carries
+    dominance like a declared one (an OOM with activation offload on rules out the same batch with it
+    off), where before an OOM vetoed only its equals. One seen at fewer is only hinted: a trainer's
+    own knob may need more memory at one setting of the others and less at another, and one pair
+    says nothing of that. Seen: PPO 1.5B on 8 x 24 GB, one pair at ZeRO-2 showed that colocating the
+    four models needs more; an OOM at ZeRO-3 without colocation then ruled out the landscape's best,
+    colocated at ZeRO-3, which fits. A hint still tells the export's risk test which knob may set a
+    success apart from an OOM (``headroom.unmeasured_risks``), where a held confirmation tests it."""
+    base = replace(knobs, learned={}, hinted={})  # what is known without the measurements
     done = [
         s for s in seen if not s.leftover and (s.status == "oom" and s.oom_kind == "cuda" or s.status == "ok")
     ]
-    votes: dict[str, set[str]] = {}
+    votes: dict[str, dict[str, set]] = {}  # knob -> direction -> the other knobs' values it was seen at
     for i, a in enumerate(done):
         for b in done[i + 1 :]:
             names = set(a.params) | set(b.params)
@@ -153,12 +161,13 @@ def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
             if len(differ) != 1 or base.direction(differ[0], a.params) is not None:
                 continue
             name = differ[0]
+            context = tuple(sorted((n, repr(v)) for n, v in a.params.items() if n != name))
             if a.status == b.status == "ok":
                 if not (a.peak_gib and b.peak_gib):
                     continue
                 apart = abs(a.peak_gib / b.peak_gib - 1)
                 if apart <= PEAK_SAME:
-                    votes.setdefault(name, set()).add("none")
+                    votes.setdefault(name, {}).setdefault("none", set()).add(context)
                 if apart <= PEAK_STEP:
                     continue
                 big, small = (a, b) if a.peak_gib > b.peak_gib else (b, a)
@@ -167,11 +176,13 @@ def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
             else:
                 continue
             rise = _order(knobs, name, big.params.get(name)) - _order(knobs, name, small.params.get(name))
-            votes.setdefault(name, set()).add("up" if rise > 0 else "down")
-    learned = {n: next(iter(v)) for n, v in votes.items() if len(v) == 1}
-    if learned == knobs.learned:
+            votes.setdefault(name, {}).setdefault("up" if rise > 0 else "down", set()).add(context)
+    agreed = {n: next(iter(v.items())) for n, v in votes.items() if len(v) == 1}
+    learned = {n: way for n, (way, contexts) in agreed.items() if len(contexts) >= CONTEXTS}
+    hinted = {n: way for n, (way, contexts) in agreed.items() if len(contexts) < CONTEXTS}
+    if learned == knobs.learned and hinted == knobs.hinted:
         return knobs
-    return replace(knobs, learned=learned)
+    return replace(knobs, learned=learned, hinted=hinted)
 
 
 def vllm_beside_trainer(params: dict[str, Any]) -> bool:
