@@ -46,7 +46,7 @@ def unmeasured_risks(planner: Planner, spread: float) -> tuple[dict[str, str], l
 
     An OOM of a configuration that needs no more memory by every knob whose effect is known puts a
     success at the edge. Where the two also differ in a knob whose direction measurements showed
-    (``KnobMemory.learned``, or only ``hinted``, at one setting of the other knobs) and this one has the
+    (``KnobMemory.learned``, or ``hinted``: seen at one setting of the other knobs only) and this one has the
     value that needs less, that knob may be why one ran and the other died, or the learned direction may
     be an edge's coin (both ran at the edge, one died): a confirmation, a run as long as the export is
     judged by, tells the two apart. One OOM/ok pair at a 50/50 edge and one held confirmation are two
@@ -99,7 +99,8 @@ def save_risks(study: optuna.Study, planner: Planner | None) -> None:
     if planner is None:
         risks, clears = {}, []
     else:
-        # the noise is read from the storage (every trial) only where a learned knob may clear a risk
+        # the noise is read from the storage (every trial) only where a learned or hinted knob may
+        # clear a risk
         knobs = planner.knobs
         spread = noise(rows(study), confirmations(study)) if knobs.learned or knobs.hinted else MIN_NOISE
         risks, clears = unmeasured_risks(planner, spread)

@@ -75,7 +75,7 @@ class KnobMemory:
 
     declared: dict[str, str] = field(default_factory=dict)
     learned: dict[str, str] = field(default_factory=dict)  # directions measurements showed (see learn)
-    hinted: dict[str, str] = field(default_factory=dict)  # shown at fewer contexts: no dominance (learn)
+    hinted: dict[str, str] = field(default_factory=dict)  # at fewer than CONTEXTS settings: no dominance
     known_names: frozenset[str] = frozenset()  # the space's batch mapping (read as TRL's batch)
     choices: dict[str, tuple] = field(default_factory=dict)
 
@@ -141,19 +141,22 @@ def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
     one out of memory (a CUDA OOM on clean GPUs) and one that ran, say the value that ran needs less;
     two measured peaks more than :data:`PEAK_STEP` apart say the same, and two within
     :data:`PEAK_SAME` that memory does not depend on it (none). A knob whose pairs disagree stays
-    unknown. A direction seen at :data:`CONTEXTS` settings of the other knobs is learned and carries
-    dominance like a declared one (an OOM with activation offload on rules out the same batch with it
-    off), where before an OOM vetoed only its equals. One seen at fewer is only hinted: a trainer's
-    own knob may need more memory at one setting of the others and less at another, and one pair
-    says nothing of that. Seen: PPO 1.5B on 8 x 24 GB, one pair at ZeRO-2 showed that colocating the
-    four models needs more; an OOM at ZeRO-3 without colocation then ruled out the landscape's best,
-    colocated at ZeRO-3, which fits. A hint still tells the export's risk test which knob may set a
-    success apart from an OOM (``headroom.unmeasured_risks``), where a held confirmation tests it."""
+    unknown. A direction seen at at least :data:`CONTEXTS` settings of the other knobs is learned and
+    carries dominance like a declared one (an OOM with activation offload on rules out the same batch
+    with it off), where before an OOM vetoed only its equals. One seen at fewer is only hinted (a
+    stated prior: one observation is no rule; the same configuration measured twice is one setting).
+    Seen: PPO 1.5B on 8 x 24 GB, one pair at ZeRO-2 showed that colocating the four models needs more;
+    an OOM at ZeRO-3 without colocation then ruled out the landscape's best, colocated at ZeRO-3,
+    which fits (colocation puts every model on every GPU but lets vLLM sleep while they train, so its
+    direction depends on the others). Two settings do not cover that in general: two pairs at ZeRO-2
+    say no more of ZeRO-3 than one (tests/test_search_learned.py). A hint still tells the export's
+    risk test which knob may set a success apart from an OOM (``headroom.unmeasured_risks``), where a
+    held confirmation tests it."""
     base = replace(knobs, learned={}, hinted={})  # what is known without the measurements
     done = [
         s for s in seen if not s.leftover and (s.status == "oom" and s.oom_kind == "cuda" or s.status == "ok")
     ]
-    votes: dict[str, dict[str, set]] = {}  # knob -> direction -> the other knobs' values it was seen at
+    votes: dict[str, dict[str, set]] = {}  # knob -> direction -> the other knobs' settings it was seen at
     for i, a in enumerate(done):
         for b in done[i + 1 :]:
             names = set(a.params) | set(b.params)
@@ -161,7 +164,8 @@ def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
             if len(differ) != 1 or base.direction(differ[0], a.params) is not None:
                 continue
             name = differ[0]
-            context = tuple(sorted((n, repr(v)) for n, v in a.params.items() if n != name))
+            # the other knobs' values, compared as the pair was (==): 1, 1.0 and True are one setting
+            context = frozenset((n, v) for n, v in a.params.items() if n != name and v is not None)
             if a.status == b.status == "ok":
                 if not (a.peak_gib and b.peak_gib):
                     continue

@@ -15,8 +15,10 @@ The trade backwards (a saver off, paid for with a smaller micro-batch) was measu
 A knob whose effect on memory nobody knows can be a saver too, and where the trainer logs no memory
 no pair of peaks ever shows it. :func:`saver_experiment` asks it directly: the micro-batch's next
 step ran out of memory, and a knob measured to cost speed (as every saver does: it recomputes,
-moves or shards to save memory) is moved alone from that OOM. If the copy runs, the pair teaches the
-knob's direction (``knobs.learn``) and the trade and the walk go on from there.
+moves or shards to save memory) is moved alone from that OOM. If the copy runs, the pair hints at the
+knob's direction (``knobs.learn``): the export's risk test reads the hint at once, the trade and the
+walk once a pair at a second setting of the other knobs agrees (until then the knob counts as
+unknown here, so a second stuck OOM may ask it again).
 """
 
 from __future__ import annotations
