@@ -109,8 +109,9 @@ def test_a_direction_seen_at_one_setting_of_the_others_vetoes_nothing(tmp_path):
     """Seen (PPO 1.5B on 8 x 24 GB): one pair at ZeRO-2 showed that colocating the four models needs
     more memory, and an OOM at ZeRO-3 without colocation then ruled out the landscape's best,
     colocated at ZeRO-3, which fits. Colocation puts every model's states on every GPU but lets
-    vLLM sleep while they train, so which way it goes depends on the other knobs; a direction
-    carries dominance once pairs at two settings of the others agree."""
+    vLLM sleep while they train, so which way it goes depends on the other knobs. A direction now
+    carries dominance once pairs at two settings of the others agree: a stated prior, not a model
+    of which knobs interact (two settings at ZeRO-2 still rule at ZeRO-3, as the end shows)."""
     planner, _ = ppo_planner(tmp_path)
     apart = {**PPO, "micro_train_batch_size": 4, "zero_stage": 3}  # not colocated
     planner.observe(1, apart, "oom", "cuda", None)
