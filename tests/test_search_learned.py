@@ -197,6 +197,18 @@ def test_an_unmeasured_peak_a_learned_knob_sets_apart_is_cleared_by_a_longer_run
     # a held run does not clear a success nothing learned sets apart from the OOM
     best, notes = choose_best(table, recipe, {2: held})
     assert best.number == 3 and any("peak was not measured and trial 0" in n for n in notes), notes
+    # the noise save_risks judges a saver's cost by is the confirmations' where only a hint exists:
+    # trial 3's longer run 30% above its short trial puts offload's 20% within twice the noise
+    from autotune.study.ranking import save_confirmation
+    from autotune.trial.outcome import Outcome
+
+    save_confirmation(study, 3, Outcome(status=Status.OK, throughput=1.3, steps=21))
+    save_risks(study, planner)
+    assert [r.long_run_clears for r in rows(study)] == [False] * 5
+    study.set_user_attr("confirm:3", Outcome(status=Status.OK, throughput=1.0, steps=21).to_json())
+    save_risks(study, planner)
+    assert [r.long_run_clears for r in rows(study)] == [False, True, False, False, False]
+
     # the dashboard reads the same verdicts from the storage (it exported trial 2 before)
     from autotune.study.dashboard import decisions
 

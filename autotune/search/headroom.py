@@ -62,7 +62,7 @@ def unmeasured_risks(planner: Planner, spread: float) -> tuple[dict[str, str], l
     # by what is known beforehand only: directions learned from trials at the edge, where the same
     # configuration runs once and dies the next time, are no proof that a knob moved it off the edge
     known = replace(planner.knobs, learned={})
-    shown = {**planner.knobs.hinted, **planner.knobs.learned}
+    shown = planner.knobs.shown
     slower = set(costly_values(planner, spread)) if shown else set()
     out: dict[str, str] = {}
     clears: list[str] = []
@@ -101,8 +101,7 @@ def save_risks(study: optuna.Study, planner: Planner | None) -> None:
     else:
         # the noise is read from the storage (every trial) only where a learned or hinted knob may
         # clear a risk
-        knobs = planner.knobs
-        spread = noise(rows(study), confirmations(study)) if knobs.learned or knobs.hinted else MIN_NOISE
+        spread = noise(rows(study), confirmations(study)) if planner.knobs.shown else MIN_NOISE
         risks, clears = unmeasured_risks(planner, spread)
     if risks != (study.user_attrs.get(AT_RISK_ATTR) or {}):
         study.set_user_attr(AT_RISK_ATTR, risks)

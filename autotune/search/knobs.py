@@ -79,6 +79,11 @@ class KnobMemory:
     known_names: frozenset[str] = frozenset()  # the space's batch mapping (read as TRL's batch)
     choices: dict[str, tuple] = field(default_factory=dict)
 
+    @property
+    def shown(self) -> dict[str, str]:
+        """Every direction measurements showed, whether it rules (learned) or only hints."""
+        return {**self.hinted, **self.learned}
+
     @classmethod
     def of(cls, space: Space | None) -> KnobMemory:
         if space is None:
