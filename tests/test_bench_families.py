@@ -260,6 +260,9 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     assert len(out.with_suffix(".json").read_text().splitlines()) == len(rows) + 2  # one row a line
     # each run says whether it had measured a configuration at 0.95 (the choice missed it) or not
     assert "## Why runs miss 0.95" in text and "never measured one" in text
+    # and by the drawn noise: every autotune run falls in one band of the table
+    bands = [line for line in text.splitlines() if line.startswith("| noise ")]
+    assert sum(int(line.split("|")[2]) for line in bands) == 2, bands
     assert all(0.0 <= r["measured_best"] <= 1.0 + 1e-9 for r in rows)
     # and whether its export kept the headroom in truth: the same score, or 0 where it peaked inside
     assert all(r["final_safe"] in (0.0, r["final"]) and r["final_safe"] <= 1.0 + 1e-9 for r in rows)
