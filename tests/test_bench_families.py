@@ -21,7 +21,7 @@ from autotune.sim.error_text import failure_text
 from autotune.sim.families import FAMILIES, landscape
 from autotune.sim.family_base import failure_text as family_text
 from autotune.sim.landscape import parse_spec
-from autotune.sim.physics import FACTOR_RANGE, Physics
+from autotune.sim.physics import FACTOR_RANGE, NOISE_RANGE, Physics
 from autotune.sim.replay import FamilyExecutor
 from autotune.study import candidate_key
 from autotune.trial.classify import diagnose
@@ -273,6 +273,20 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     ours = [r for r in rows if r["policy"] == "autotune"]
     assert all(sum(sum(c.values()) for c in r["by_proposer"].values()) == r["launched"] for r in ours)
     assert all(set(r["by_proposer"]) <= {"seed", "local", "pool", "valid", "tpe"} for r in ours)
+
+
+def test_every_drawn_noise_falls_in_one_band_of_the_report():
+    """The report's misses by drawn noise: each run in exactly one band, a band's lower edge its own."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_report import by_noise
+
+    low, high = NOISE_RANGE
+    noises = [low, 0.039, 0.04, 0.059, 0.06, 0.079, 0.08, high]
+    rows = [{"drawn": {"noise": n}, "final": 1.0} for n in noises]
+    groups = by_noise(rows)
+    assert sum(len(g) for _, g in groups) == len(rows)
+    assert [len(g) for _, g in groups] == [2, 2, 2, 2]
+    assert [r["drawn"]["noise"] for r in groups[1][1]] == [0.04, 0.059]
 
 
 def test_several_seeds_are_reported_together_and_a_bad_seed_is_one_line(tmp_path):

@@ -197,6 +197,12 @@ def test_an_unmeasured_peak_a_learned_knob_sets_apart_is_cleared_by_a_longer_run
     # a held run does not clear a success nothing learned sets apart from the OOM
     best, notes = choose_best(table, recipe, {2: held})
     assert best.number == 3 and any("peak was not measured and trial 0" in n for n in notes), notes
+    # the dashboard reads the same verdicts from the storage (it exported trial 2 before)
+    from autotune.study.dashboard import decisions
+
+    exported, verdicts = decisions(study.get_trials(), study.user_attrs, recipe)
+    assert exported == 3 and verdicts[2].startswith("passed over: its peak was not measured"), verdicts
+
     # the noise save_risks judges a saver's cost by is the confirmations' where only a hint exists:
     # trial 3's longer run 30% above its short trial puts offload's 20% within twice the noise
     from autotune.study.ranking import save_confirmation
@@ -205,15 +211,9 @@ def test_an_unmeasured_peak_a_learned_knob_sets_apart_is_cleared_by_a_longer_run
     save_confirmation(study, 3, Outcome(status=Status.OK, throughput=1.3, steps=21))
     save_risks(study, planner)
     assert [r.long_run_clears for r in rows(study)] == [False] * 5
-    study.set_user_attr("confirm:3", Outcome(status=Status.OK, throughput=1.0, steps=21).to_json())
+    save_confirmation(study, 3, Outcome(status=Status.OK, throughput=1.0, steps=21))
     save_risks(study, planner)
     assert [r.long_run_clears for r in rows(study)] == [False, True, False, False, False]
-
-    # the dashboard reads the same verdicts from the storage (it exported trial 2 before)
-    from autotune.study.dashboard import decisions
-
-    exported, verdicts = decisions(study.get_trials(), study.user_attrs, recipe)
-    assert exported == 3 and verdicts[2].startswith("passed over: its peak was not measured"), verdicts
 
 
 def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path):
