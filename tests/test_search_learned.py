@@ -216,6 +216,38 @@ def test_an_unmeasured_peak_a_learned_knob_sets_apart_is_cleared_by_a_longer_run
     assert [r.long_run_clears for r in rows(study)] == [False, True, False, False, False]
 
 
+def test_the_calibrated_model_vetoes_only_at_settings_of_the_knobs_it_cannot_read_it_measured(tmp_path):
+    """Seen: PPO 1.5B on 8 x 24 GB, the calibrated model vetoed the landscape's best configuration
+    (colocated models at ZeRO-3; 46 GiB predicted on 22 GiB cards; it fits): the model reads none of
+    the trainer's own knobs, and every peak that calibrated it was measured without colocation. As an
+    OOM over a knob of unknown effect (issue 19 item 3), it speaks only for the settings of those
+    knobs it was measured at."""
+    path = tmp_path / "ppo.yaml"
+    path.write_text(PPO_SPACE)
+    planner, _ = space_planner(path, "Qwen2.5-14B-Instruct")
+    apart = {**PPO, "zero_stage": 2}
+    small = [{**apart, "micro_train_batch_size": mb} for mb in (1, 2, 4)]
+    colocated = {**apart, "micro_train_batch_size": 1, "colocate_all_models": True}
+    peaks = [planner.predict(c) for c in [*small, colocated]]  # the trainer runs as the model says
+    for number, (params, peak) in enumerate(zip(small, peaks)):
+        planner.observe(number, params, "ok", None, peak, 1.0 + number)
+    assert planner.model_trusted
+    big = {**apart, "micro_train_batch_size": 16}
+    assert planner.verdict(big).skip and "capacity" in planner.verdict(big).reason  # where measured
+    assert not planner.verdict({**big, "colocate_all_models": True}).skip  # never measured colocated
+    planner.observe(9, colocated, "ok", None, peaks[3], 1.0)
+    assert planner.verdict({**big, "colocate_all_models": True}).skip
+    # TRL's names, vLLM's knobs beside a use_vllm switch and ms-swift's sleep_level are all read
+    trl = {
+        "per_device_train_batch_size": 4,
+        "zero_stage": 3,
+        "use_vllm": True,
+        "vllm_gpu_memory_utilization": 0.3,
+    }
+    assert KnobMemory().model_blind({**trl, "sleep_level": 1}) == ()
+    assert KnobMemory().model_blind({**trl, "offload_model": True}) == (("offload_model", "True"),)
+
+
 def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path):
     """Seen: the plain trainer's dataloader_workers changes nothing, yet each OOM at micro-batch 16
     vetoed only its twin with the same workers. Two measured peaks within 2% that differ in that knob

@@ -130,6 +130,22 @@ class KnobMemory:
             extra.append(number if way == "up" else -number)
         return tuple(extra), tuple(unknown)
 
+    def model_blind(self, params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+        """The values of the knobs that may move memory but the memory model does not read: a
+        trainer's own knobs (``--command``: a PPO trainer's ``adam_offload`` or
+        ``colocate_all_models``; vLLM's fraction where no ``use_vllm`` switch tells the model vLLM
+        runs), whatever their direction. TRL's names, the space's batch mapping and ms-swift's
+        ``sleep_level`` are read (``constraints.as_trl``); a knob shown to move nothing is not."""
+        out = []
+        for name in sorted(params):
+            if name in TRL_KNOWN or name in self.known_names or name == "sleep_level":
+                continue
+            if name in VLLM_COLOCATED and "use_vllm" in params:
+                continue  # read by the model wherever vLLM shares the trainer's GPUs
+            if self.direction(name, params) != "none":
+                out.append((name, repr(params[name])))
+        return tuple(out)
+
     def same_unknown(self, a: dict[str, Any], b: dict[str, Any]) -> bool:
         """Whether two candidates agree in every knob whose effect on memory is unknown."""
         return self.split(a)[1] == self.split(b)[1]

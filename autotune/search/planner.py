@@ -233,6 +233,14 @@ class Planner(SpeedExpectation):
         # every candidate before a single trial has run
         if predicted is None or not self.model_trusted:
             return Verdict(False, None, predicted)
+        # calibrated on peaks measured at other values of knobs it does not read, the model knows
+        # nothing of these values (issue 19 item 3, as an OOM over unknown knobs): PPO 1.5B on
+        # 8 x 24 GB vetoed its best configuration (colocated, ZeRO-3) at 46 GiB predicted on 22 GiB
+        # cards, calibrated only at other settings of colocation, Adam offload and vLLM's fraction
+        blind = self.knobs.model_blind(params)
+        measured = [s for s in self.seen if s.status == "ok" and s.peak_gib]
+        if blind and all(self.knobs.model_blind(s.params) != blind for s in measured):
+            return Verdict(False, None, predicted)
         cap = self.recipe.gpu_memory_gib
         margin = max(self.margin, 2 * self.rel_error)
         # extrapolating to a ZeRO stage / offload mode no successful trial has used is where the
