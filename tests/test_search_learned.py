@@ -235,8 +235,15 @@ def test_the_calibrated_model_vetoes_only_at_settings_of_the_knobs_it_cannot_rea
     big = {**apart, "micro_train_batch_size": 16}
     assert planner.verdict(big).skip and "capacity" in planner.verdict(big).reason  # where measured
     assert not planner.verdict({**big, "colocate_all_models": True}).skip  # never measured colocated
+    # a colocated success without a logged peak calibrates nothing
+    planner.observe(8, {**colocated, "micro_train_batch_size": 2}, "ok", None, None, 1.0)
+    assert not planner.verdict({**big, "colocate_all_models": True}).skip
     planner.observe(9, colocated, "ok", None, peaks[3], 1.0)
-    assert planner.verdict({**big, "colocate_all_models": True}).skip
+    verdict = planner.verdict({**big, "colocate_all_models": True})
+    assert verdict.skip and "capacity" in verdict.reason
+    # a knob declared to move no memory is no setting the model must have seen
+    declared = KnobMemory(declared={"colocate_all_models": "none"})
+    assert declared.model_blind({**big, "colocate_all_models": True}) == declared.model_blind(big)
     # TRL's names, vLLM's knobs beside a use_vllm switch and ms-swift's sleep_level are all read
     trl = {
         "per_device_train_batch_size": 4,
@@ -246,6 +253,8 @@ def test_the_calibrated_model_vetoes_only_at_settings_of_the_knobs_it_cannot_rea
     }
     assert KnobMemory().model_blind({**trl, "sleep_level": 1}) == ()
     assert KnobMemory().model_blind({**trl, "offload_model": True}) == (("offload_model", "True"),)
+    server = {**trl, "vllm_mode": "server"}  # vLLM on other GPUs: its knobs move none of these
+    assert KnobMemory().model_blind(server) == ()
 
 
 def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path):

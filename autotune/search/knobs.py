@@ -133,9 +133,11 @@ class KnobMemory:
     def model_blind(self, params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
         """The values of the knobs that may move memory but the memory model does not read: a
         trainer's own knobs (``--command``: a PPO trainer's ``adam_offload`` or
-        ``colocate_all_models``; vLLM's fraction where no ``use_vllm`` switch tells the model vLLM
-        runs), whatever their direction. TRL's names, the space's batch mapping and ms-swift's
-        ``sleep_level`` are read (``constraints.as_trl``); a knob shown to move nothing is not."""
+        ``colocate_all_models``; ms-swift's ``offload_optimizer``, ``offload_model`` and
+        ``move_model_batches``; vLLM's knobs where no ``use_vllm`` switch tells the model vLLM runs),
+        whatever their direction. The model reads TRL's names, the space's batch mapping and
+        ``sleep_level`` (which ``constraints.as_trl`` renames to TRL's); a knob declared or measured
+        to move nothing (``none``) does not count."""
         out = []
         for name in sorted(params):
             if name in TRL_KNOWN or name in self.known_names or name == "sleep_level":

@@ -233,13 +233,11 @@ class Planner(SpeedExpectation):
         # every candidate before a single trial has run
         if predicted is None or not self.model_trusted:
             return Verdict(False, None, predicted)
-        # calibrated on peaks measured at other values of knobs it does not read, the model knows
-        # nothing of these values (issue 19 item 3, as an OOM over unknown knobs): PPO 1.5B on
-        # 8 x 24 GB vetoed its best configuration (colocated, ZeRO-3) at 46 GiB predicted on 22 GiB
-        # cards, calibrated only at other settings of colocation, Adam offload and vLLM's fraction
+        # calibrated at other values of knobs it does not read, the model knows nothing of these
+        # (issue 19 item 3, as an OOM over unknown knobs): PPO 1.5B on 8 x 24 GB vetoed its best
+        # (colocated, ZeRO-3) at 46 GiB on 22 GiB cards, calibrated only at other settings of them
         blind = self.knobs.model_blind(params)
-        measured = [s for s in self.seen if s.status == "ok" and s.peak_gib]
-        if blind and all(self.knobs.model_blind(s.params) != blind for s in measured):
+        if blind and blind not in self._calibrated_at():
             return Verdict(False, None, predicted)
         cap = self.recipe.gpu_memory_gib
         margin = max(self.margin, 2 * self.rel_error)
@@ -258,6 +256,14 @@ class Planner(SpeedExpectation):
                 predicted,
             )
         return Verdict(False, None, predicted)
+
+    def _calibrated_at(self) -> set[tuple[tuple[str, str], ...]]:
+        """The settings of the knobs the model cannot read that measured peaks calibrated it at
+        (asked by every verdict, so once per trial learned)."""
+        compute = lambda: {  # noqa: E731
+            self.knobs.model_blind(s.params) for s in self.seen if s.status == "ok" and s.peak_gib
+        }
+        return self._memo.get("calibrated_at", (self.knobs, self.seen), {"n": len(self.seen)}, compute)
 
     def needs_at_least(self, params: dict[str, Any], other: dict[str, Any], kind: str) -> bool:
         """Whether ``params`` would die of the ``kind`` OOM ``other`` died of (a restart's choice)."""
