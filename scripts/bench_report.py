@@ -86,7 +86,7 @@ def miss_rows(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
             continue
         miss = [r for r in group if r["final"] < 0.95]
         chose = sum(r.get("measured_best", 0.0) >= 0.95 for r in miss)
-        share = sum(r["final"] >= 0.95 for r in group) / len(group)  # as metrics() counts it
+        share = metrics(group)["share95"]
         lines.append(f"| {name} | {len(group)} | {share:.0%} | {len(miss)} | {chose} | {len(miss) - chose} |")
     return lines
 
