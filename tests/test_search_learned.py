@@ -257,6 +257,31 @@ def test_the_calibrated_model_vetoes_only_at_settings_of_the_knobs_it_cannot_rea
     assert KnobMemory().model_blind(server) == ()
 
 
+def test_the_model_calibrated_where_less_memory_was_needed_still_vetoes(tmp_path):
+    """The review of the rule above: a peak measured where the knobs the model cannot read need less
+    memory than the candidate's (a smaller vLLM fraction, Adam offload on) makes the model's prediction
+    a lower bound there, so its veto stays sound; calibrated where they need more, it may not judge."""
+    path = tmp_path / "ppo.yaml"
+    path.write_text(PPO_SPACE)
+    planner, _ = space_planner(path, "Qwen2.5-14B-Instruct")
+    small = [{**PPO, "micro_train_batch_size": mb} for mb in (1, 2, 4)]  # vLLM's fraction 0.5
+    for number, params in enumerate(small):
+        planner.observe(number, params, "ok", None, planner.predict(params), 1.0 + number)
+    assert planner.model_trusted
+    big = {**PPO, "micro_train_batch_size": 16}
+    for fraction, judged in ((0.5, True), (0.7, True), (0.4, False)):
+        params = {**big, "vllm_gpu_memory_utilization": fraction}
+        verdict = planner.verdict(params)
+        assert verdict.skip is judged and planner.reads(params) is judged, fraction
+        assert ("capacity" in (verdict.reason or "")) is judged
+    # a knob of unknown direction must agree; one of known direction may need more than measured
+    knobs = KnobMemory(declared={"adam_offload": "down"})
+    offloaded = {**PPO, "adam_offload": True}
+    assert knobs.bounds_below(offloaded, PPO) and not knobs.bounds_below(PPO, offloaded)
+    assert not knobs.bounds_below(offloaded, {**PPO, "colocate_all_models": True})
+    assert not KnobMemory().bounds_below(offloaded, PPO)  # adam_offload's direction unknown
+
+
 def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path):
     """Seen: the plain trainer's dataloader_workers changes nothing, yet each OOM at micro-batch 16
     vetoed only its twin with the same workers. Two measured peaks within 2% that differ in that knob

@@ -148,6 +148,41 @@ class KnobMemory:
                 out.append((name, repr(params[name])))
         return tuple(out)
 
+    def calibrated_for(
+        self, params: dict[str, Any], at: dict[tuple[tuple[str, str], ...], dict[str, Any]]
+    ) -> bool:
+        """Whether the calibrated memory model may judge ``params``, given the settings ``at`` of
+        the knobs it cannot read that measured peaks calibrated it at (each with one trial's knobs):
+        one that bounds ``params`` below (:meth:`bounds_below`). Calibrated only at other settings
+        of them, it knows nothing of these (issue 19 item 3, as an OOM over unknown knobs): PPO 1.5B
+        on 8 x 24 GB vetoed its best (colocated, ZeRO-3) at 46 GiB on 22 GiB cards, calibrated only
+        without colocation."""
+        blind = self.model_blind(params)
+        return not blind or blind in at or any(self.bounds_below(c, params) for c in at.values())
+
+    def bounds_below(self, calibrated: dict[str, Any], params: dict[str, Any]) -> bool:
+        """Whether a peak measured at ``calibrated`` makes the model's prediction for ``params`` a
+        lower bound in the knobs the model cannot read: equal in each such knob of unknown direction,
+        and needing no more memory in each of known direction (an Adam offload on where ``params``
+        has it off). The model reads neither, so it predicts ``params`` as if it needed what
+        ``calibrated`` did; ``params`` needs at least that, and a veto stays sound."""
+        mine = self.model_blind(params)
+        if mine == self.model_blind(calibrated):
+            return True
+        names = {n for n, _ in mine} | {n for n, _ in self.model_blind(calibrated)}
+        for name in names:
+            if name not in params or name not in calibrated:
+                return False
+            way = self.direction(name, params)
+            if way not in ("up", "down"):
+                if repr(params[name]) != repr(calibrated[name]):
+                    return False
+                continue
+            here, there = _order(self, name, params[name]), _order(self, name, calibrated[name])
+            if (there > here) if way == "up" else (there < here):
+                return False
+        return True
+
     def same_unknown(self, a: dict[str, Any], b: dict[str, Any]) -> bool:
         """Whether two candidates agree in every knob whose effect on memory is unknown."""
         return self.split(a)[1] == self.split(b)[1]

@@ -233,11 +233,7 @@ class Planner(SpeedExpectation):
         # every candidate before a single trial has run
         if predicted is None or not self.model_trusted:
             return Verdict(False, None, predicted)
-        # calibrated at other values of knobs it does not read, the model knows nothing of these
-        # (issue 19 item 3, as an OOM over unknown knobs): PPO 1.5B on 8 x 24 GB vetoed its best
-        # (colocated, ZeRO-3) at 46 GiB on 22 GiB cards, calibrated only at other settings of them
-        blind = self.knobs.model_blind(params)
-        if blind and blind not in self._calibrated_at():
+        if not self.reads(params):  # calibrated only at other settings of knobs it cannot read
             return Verdict(False, None, predicted)
         cap = self.recipe.gpu_memory_gib
         margin = max(self.margin, 2 * self.rel_error)
@@ -257,11 +253,15 @@ class Planner(SpeedExpectation):
             )
         return Verdict(False, None, predicted)
 
-    def _calibrated_at(self) -> set[tuple[tuple[str, str], ...]]:
-        """The settings of the knobs the model cannot read that measured peaks calibrated it at
-        (asked by every verdict, so once per trial learned)."""
+    def reads(self, params: dict[str, Any]) -> bool:
+        """Whether the calibrated model may judge ``params`` (:meth:`KnobMemory.calibrated_for`)."""
+        return self.knobs.calibrated_for(params, self._calibrated_at())
+
+    def _calibrated_at(self) -> dict[tuple[tuple[str, str], ...], dict[str, Any]]:
+        """The settings of the knobs the model cannot read that measured peaks calibrated it at,
+        each with one such trial's knobs (asked by every verdict, so once per trial learned)."""
         compute = lambda: {  # noqa: E731
-            self.knobs.model_blind(s.params) for s in self.seen if s.status == "ok" and s.peak_gib
+            self.knobs.model_blind(s.params): s.params for s in self.seen if s.status == "ok" and s.peak_gib
         }
         return self._memo.get("calibrated_at", (self.knobs, self.seen), {"n": len(self.seen)}, compute)
 
