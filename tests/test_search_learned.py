@@ -280,6 +280,13 @@ def test_the_model_calibrated_where_less_memory_was_needed_still_vetoes(tmp_path
     assert knobs.bounds_below(offloaded, PPO) and not knobs.bounds_below(PPO, offloaded)
     assert not knobs.bounds_below(offloaded, {**PPO, "colocate_all_models": True})
     assert not KnobMemory().bounds_below(offloaded, PPO)  # adam_offload's direction unknown
+    # a knob of choices is ordered as the space lists them; a value it does not list, or a knob one
+    # of the two lacks, is no bound
+    sizes = KnobMemory(declared={"cache": "up"}, choices={"cache": ("small", "large")})
+    small, large = {**PPO, "cache": "small"}, {**PPO, "cache": "large"}
+    assert sizes.bounds_below(small, large) and not sizes.bounds_below(large, small)
+    assert not sizes.bounds_below({**PPO, "cache": "tiny"}, large)
+    assert not sizes.bounds_below(PPO, large) and not sizes.bounds_below(small, PPO)
 
 
 def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path):

@@ -166,15 +166,14 @@ class KnobMemory:
         and needing no more memory in each of known direction (an Adam offload on where ``params``
         has it off). The model reads neither, so it predicts ``params`` as if it needed what
         ``calibrated`` did; ``params`` needs at least that, and a veto stays sound."""
-        mine = self.model_blind(params)
-        if mine == self.model_blind(calibrated):
-            return True
-        names = {n for n, _ in mine} | {n for n, _ in self.model_blind(calibrated)}
+        names = {n for n, _ in self.model_blind(params)} | {n for n, _ in self.model_blind(calibrated)}
         for name in names:
             if name not in params or name not in calibrated:
                 return False
             way = self.direction(name, params)
-            if way not in ("up", "down"):
+            if way not in ("up", "down") or not (
+                self.ordered(name, params[name]) and self.ordered(name, calibrated[name])
+            ):
                 if repr(params[name]) != repr(calibrated[name]):
                     return False
                 continue
@@ -182,6 +181,12 @@ class KnobMemory:
             if (there > here) if way == "up" else (there < here):
                 return False
         return True
+
+    def ordered(self, name: str, value: Any) -> bool:
+        """Whether ``value`` has a place in the knob's order: a number or a switch, or one of its
+        choices (one the space does not list, pinned or from an older study, is compared only for
+        equality)."""
+        return isinstance(value, int | float) or value in self.choices.get(name, ())
 
     def same_unknown(self, a: dict[str, Any], b: dict[str, Any]) -> bool:
         """Whether two candidates agree in every knob whose effect on memory is unknown."""
