@@ -224,9 +224,9 @@ def test_the_calibrated_model_vetoes_only_at_settings_of_the_knobs_it_cannot_rea
     knobs it was measured at."""
     path = tmp_path / "ppo.yaml"
     path.write_text(PPO_SPACE)
-    planner, _ = space_planner(path, "Qwen2.5-14B-Instruct")
+    planner, _ = space_planner(path, "Qwen3-14B")  # micro-batch 8 just keeps the headroom free
     apart = {**PPO, "zero_stage": 2}
-    small = [{**apart, "micro_train_batch_size": mb} for mb in (1, 2, 4)]
+    small = [{**apart, "micro_train_batch_size": mb} for mb in (2, 4, 8)]
     colocated = {**apart, "micro_train_batch_size": 1, "colocate_all_models": True}
     peaks = [planner.predict(c) for c in [*small, colocated]]  # the trainer runs as the model says
     for number, (params, peak) in enumerate(zip(small, peaks)):
@@ -263,8 +263,8 @@ def test_the_model_calibrated_where_less_memory_was_needed_still_vetoes(tmp_path
     a lower bound there, so its veto stays sound; calibrated where they need more, it may not judge."""
     path = tmp_path / "ppo.yaml"
     path.write_text(PPO_SPACE)
-    planner, _ = space_planner(path, "Qwen2.5-14B-Instruct")
-    small = [{**PPO, "micro_train_batch_size": mb} for mb in (1, 2, 4)]  # vLLM's fraction 0.5
+    planner, _ = space_planner(path, "Qwen3-14B")  # micro-batch 8 just keeps the headroom free
+    small = [{**PPO, "micro_train_batch_size": mb} for mb in (2, 4, 8)]  # vLLM's fraction 0.5
     for number, params in enumerate(small):
         planner.observe(number, params, "ok", None, planner.predict(params), 1.0 + number)
     assert planner.model_trusted
@@ -287,6 +287,33 @@ def test_the_model_calibrated_where_less_memory_was_needed_still_vetoes(tmp_path
     assert sizes.bounds_below(small, large) and not sizes.bounds_below(large, small)
     assert not sizes.bounds_below({**PPO, "cache": "tiny"}, large)
     assert not sizes.bounds_below(PPO, large) and not sizes.bounds_below(small, PPO)
+
+
+def test_the_model_vetoes_a_micro_batch_far_beyond_its_calibration_only_with_the_wider_margin(tmp_path):
+    """A review's case: a trainer whose peak holds a part the model cannot represent (10 GiB per unit
+    of vLLM's fraction, a knob it does not read), every calibrating peak at micro-batch 1. The fit puts
+    that part in the activations' weight, and micro-batch 16 came out at 98 GiB against 62 in truth,
+    vetoed on 80 GB cards. Beyond twice the largest calibrated micro-batch the model extrapolates, and
+    vetoes only with the margin of an unmeasured regime; a peak measured nearer lets it judge again."""
+    path = tmp_path / "ppo.yaml"
+    path.write_text(PPO_SPACE)
+    planner, _ = space_planner(path, "Qwen2.5-7B-Instruct")
+
+    def truth(params):
+        return planner.raw(params).total_gib + 10 * params["vllm_gpu_memory_utilization"]
+
+    for number, fraction in enumerate((0.9, 0.9, 0.9, 0.3)):
+        params = {**PPO, "micro_train_batch_size": 1, "vllm_gpu_memory_utilization": fraction}
+        planner.observe(number, params, "ok", None, truth(params), 1.0)
+    assert planner.model_trusted
+    big = {**PPO, "micro_train_batch_size": 16, "vllm_gpu_memory_utilization": 0.5}
+    cap = planner.recipe.gpu_memory_gib
+    assert truth(big) < cap < planner.predict(big) < cap * (1 + planner.unexplored_margin)
+    assert not planner.verdict(big).skip
+    assert planner.veto_margin(big) == planner.unexplored_margin
+    near = {**big, "micro_train_batch_size": 8}
+    planner.observe(4, near, "ok", None, truth(near), 1.0)
+    assert planner.veto_margin(big) < planner.unexplored_margin  # 16 is twice 8: no longer far
 
 
 def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path):

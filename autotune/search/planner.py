@@ -33,6 +33,7 @@ from autotune.models import ModelSpec
 from autotune.recipe import Recipe
 from autotune.search.expectation import SpeedExpectation
 from autotune.search.knobs import KnobMemory, learn, vllm_beside_trainer
+from autotune.search.trust import ModelTrust
 from autotune.study.ranking import headroom_limit
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class Seen:
 
 
 @dataclass
-class Planner(SpeedExpectation):
+class Planner(SpeedExpectation, ModelTrust):
     """Decides, before launch, whether a candidate is worth a trial."""
 
     model: ModelSpec
@@ -157,17 +158,6 @@ class Planner(SpeedExpectation):
             return True
         return self.predict(params) <= (headroom_limit(self.recipe) or math.inf)
 
-    @property
-    def model_trusted(self) -> bool:
-        """Whether the memory model may veto: once a measured peak anchors it for a trainer it
-        describes (autotune's TRL worker, ms-swift, the simulator); for a trainer it does not know
-        (a --command template, which may keep four models or quantize) only once several of that
-        trainer's own peaks have calibrated it and it predicts them well."""
-        peaks = [s for s in self.seen if s.status == "ok" and s.peak_gib]
-        if self.recipe.runner != "command":
-            return bool(peaks)
-        return len(peaks) >= 3 and self.rel_error <= 0.15
-
     def calibrate(self) -> None:
         """Per-part corrections fitted to every measured peak.
 
@@ -236,15 +226,7 @@ class Planner(SpeedExpectation):
         if not self.reads(params):  # calibrated only at other settings of knobs it cannot read
             return Verdict(False, None, predicted)
         cap = self.recipe.gpu_memory_gib
-        margin = max(self.margin, 2 * self.rel_error)
-        # extrapolating to a ZeRO stage / offload mode no successful trial has used is where the
-        # model is least trustworthy (its model-state term was never measured): be modest there
-        regime = (params.get("zero_stage"), params.get("offload"))
-        if not any(
-            s.status == "ok" and (s.params.get("zero_stage"), s.params.get("offload")) == regime
-            for s in self.seen
-        ):
-            margin = max(margin, self.unexplored_margin)
+        margin = self.veto_margin(params)
         if predicted > cap * (1 + margin):
             return Verdict(
                 True,
@@ -252,18 +234,6 @@ class Planner(SpeedExpectation):
                 predicted,
             )
         return Verdict(False, None, predicted)
-
-    def reads(self, params: dict[str, Any]) -> bool:
-        """Whether the calibrated model may judge ``params`` (:meth:`KnobMemory.calibrated_for`)."""
-        return self.knobs.calibrated_for(params, self._calibrated_at())
-
-    def _calibrated_at(self) -> dict[tuple[tuple[str, str], ...], dict[str, Any]]:
-        """The settings of the knobs the model cannot read that measured peaks calibrated it at,
-        each with one such trial's knobs (asked by every verdict, so once per trial learned)."""
-        compute = lambda: {  # noqa: E731
-            self.knobs.model_blind(s.params): s.params for s in self.seen if s.status == "ok" and s.peak_gib
-        }
-        return self._memo.get("calibrated_at", (self.knobs, self.seen), {"n": len(self.seen)}, compute)
 
     def needs_at_least(self, params: dict[str, Any], other: dict[str, Any], kind: str) -> bool:
         """Whether ``params`` would die of the ``kind`` OOM ``other`` died of (a restart's choice)."""
