@@ -287,6 +287,8 @@ def test_the_model_calibrated_where_less_memory_was_needed_still_vetoes(tmp_path
     assert sizes.bounds_below(small, large) and not sizes.bounds_below(large, small)
     assert not sizes.bounds_below({**PPO, "cache": "tiny"}, large)
     assert not sizes.bounds_below(PPO, large) and not sizes.bounds_below(small, PPO)
+    assert sizes.split({"cache": "tiny"}) == ((), (("cache", "'tiny'"),))  # dominance: equal only
+    assert sizes.split({"cache": "large"}) == ((1.0,), ())
 
 
 def test_the_model_vetoes_a_micro_batch_far_beyond_its_calibration_only_with_the_wider_margin(tmp_path):
@@ -312,8 +314,14 @@ def test_the_model_vetoes_a_micro_batch_far_beyond_its_calibration_only_with_the
     assert not planner.verdict(big).skip
     assert planner.veto_margin(big) == planner.unexplored_margin
     near = {**big, "micro_train_batch_size": 8}
-    planner.observe(4, near, "ok", None, truth(near), 1.0)
+    planner.observe(4, near, "ok", None, None, 1.0)  # a success whose peak was not measured
+    assert planner.veto_margin(big) == planner.unexplored_margin  # calibrates nothing
+    planner.observe(5, near, "ok", None, truth(near), 1.0)
     assert planner.veto_margin(big) < planner.unexplored_margin  # 16 is twice 8: no longer far
+    planner.rel_error = 0.2  # a model this wrong keeps twice its error, wider than the regime's
+    assert planner.veto_margin(big) == 0.4 and planner.veto_margin({**big, "zero_stage": 3}) == 0.4
+    planner.rel_error = 0.05
+    assert planner.veto_margin({**big, "zero_stage": 3}) == planner.unexplored_margin  # never ran
 
 
 def test_a_knob_that_does_not_move_the_measured_peak_is_learned_as_none(tmp_path):

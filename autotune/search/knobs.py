@@ -124,8 +124,11 @@ class KnobMemory:
                 unknown.append((name, repr(params[name])))
                 continue
             value = params[name]
+            if not self.ordered(name, value):  # not among its choices (an older study's): no order
+                unknown.append((name, repr(value)))
+                continue
             if name in self.choices and not isinstance(value, int | float):
-                value = self.choices[name].index(value) if value in self.choices[name] else 0
+                value = self.choices[name].index(value)
             number = float(value or 0)
             extra.append(number if way == "up" else -number)
         return tuple(extra), tuple(unknown)

@@ -74,7 +74,7 @@ class Planner(SpeedExpectation, ModelTrust):
     recipe: Recipe
     gpu: GpuType
     margin: float = 0.10  # skip only when predicted above capacity by this much
-    unexplored_margin: float = 0.30  # ... in a ZeRO stage / offload regime not yet measured
+    unexplored_margin: float = 0.30  # ... where it extrapolates (search/trust.py: veto_margin)
     use_model: bool = True  # off for CPU trials (the model describes GPU memory)
     seen: list[Seen] = field(default_factory=list)
     weights: dict[str, float] = field(default_factory=dict)  # per-part corrections

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from autotune.candidate import constraints
+from autotune.candidate.defaults import knob
 
 if TYPE_CHECKING:
     from autotune.candidate.memo import Memo
@@ -73,7 +74,8 @@ class ModelTrust:
         return margin
 
     def _micro(self, params: dict[str, Any]) -> int:
-        return int(constraints.as_trl(params, self.recipe).get("per_device_train_batch_size") or 1)
+        """The micro-batch as the model reads it (TRL's default where the space names none)."""
+        return int(knob(constraints.as_trl(params, self.recipe), "per_device_train_batch_size") or 1)
 
     def _calibrated_micro(self) -> int:
         """The largest micro-batch a measured peak calibrated the model at (0 before any)."""
