@@ -187,8 +187,7 @@ class KnobMemory:
 
     def ordered(self, name: str, value: Any) -> bool:
         """Whether ``value`` has a place in the knob's order: a number or a switch, or one of its
-        choices (one the space does not list, pinned or from an older study, is compared only for
-        equality)."""
+        choices (one the space does not list, from an older study, is compared only for equality)."""
         return isinstance(value, int | float) or value in self.choices.get(name, ())
 
     def same_unknown(self, a: dict[str, Any], b: dict[str, Any]) -> bool:
