@@ -127,9 +127,7 @@ class KnobMemory:
             if not self.ordered(name, value):  # not among its choices (an older study's): no order
                 unknown.append((name, repr(value)))
                 continue
-            if name in self.choices and not isinstance(value, int | float):
-                value = self.choices[name].index(value)
-            number = float(value or 0)
+            number = _order(self, name, value)
             extra.append(number if way == "up" else -number)
         return tuple(extra), tuple(unknown)
 
@@ -196,6 +194,7 @@ class KnobMemory:
 
 
 def _order(knobs: KnobMemory, name: str, value: Any) -> float:
+    """A value's place in its knob's order: the number itself, or its index among the choices."""
     if name in knobs.choices and not isinstance(value, int | float):
         return float(knobs.choices[name].index(value)) if value in knobs.choices[name] else 0.0
     return float(value or 0)
