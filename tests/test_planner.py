@@ -170,6 +170,28 @@ def test_confirmation_rejects_a_near_limit_candidate():
     assert best.number == 2 and any("died" in n for n in notes)
 
 
+def test_a_confirmed_candidate_is_judged_by_both_its_runs_not_the_longer_alone():
+    """A short trial and its confirmation are two runs of one configuration. Where the noise is a
+    run's (placement, clocks), the longer run averages none of it away, so both runs judge a
+    confirmed candidate (their geometric mean); where it is the steps', the equal weights cost
+    nothing against the confirmation's three times the steps. On the benchmark's six seeds (630
+    runs) this chose better than the confirmation alone (docs/benchmarks-notes.md, twenty-seventh
+    pass)."""
+    from autotune.study.ranking import judged
+
+    recipe, _, _ = setup()
+    a = TrialRow(1, dict(BASE), "ok", throughput=110.0, peak_memory_gib=60.0)
+    b = TrialRow(2, dict(BASE, per_device_train_batch_size=2), "ok", throughput=100.0, peak_memory_gib=50.0)
+    held = {1: Confirmation(Status.OK, 100.0, None, 9), 2: Confirmation(Status.OK, 102.0, None, 9)}
+    assert judged(a, held[1]) == pytest.approx((110.0 * 100.0) ** 0.5)
+    best, notes = choose_best([a, b], recipe, held)
+    # 104.9 against 101.0: the confirmation alone would export trial 2
+    assert best.number == 1 and any("with its short trial 105, the best of 2" in n for n in notes), notes
+    # the unconfirmed stay behind the confirmed whatever their short trial
+    c = TrialRow(3, dict(BASE, per_device_train_batch_size=4), "ok", throughput=130.0, peak_memory_gib=55.0)
+    assert choose_best([a, b, c], recipe, held)[0].number == 1
+
+
 def test_a_pruned_trial_is_exported_once_the_long_run_failed_everything_measured_in_full():
     """A production run lost batch 8 to OOM and restarted on batch 4, which the pruner had stopped
     early (under load it measured slower than half of batch 8). best/ must not go on recommending

@@ -219,9 +219,10 @@ def test_the_convergence_stop_trusts_only_a_checked_prior(tmp_path):
 
 def test_a_near_tie_is_decided_by_confirmed_throughput(tmp_path):
     """Seen: with 8% step-time noise a short trial 6% lucky won over its equal. The runner-up
-    within the noise is confirmed too, and the confirmed throughputs decide."""
+    within the noise is confirmed too, and the confirmations decide with the short trials beside them
+    (both runs of each: batch 32 101.9, batch 16 102.5; by the short trials alone batch 32 wins)."""
     short = {32: 106.0, 16: 100.0, 8: 60.0, 4: 50.0}  # batch 32 lucky, batch 16 unlucky
-    long = {32: 103.0, 16: 105.0, 8: 60.0, 4: 50.0}
+    long = {32: 98.0, 16: 105.0, 8: 60.0, 4: 50.0}
 
     def execute(params, trial_dir, number, control):
         batch = params["per_device_train_batch_size"]

@@ -2,14 +2,14 @@
 
 optuna-dashboard (0.21) names as best trial the one with the highest objective among completed
 trials (``storage.get_best_trial``), ignoring constraints. autotune exports something else: the
-fastest trial that left the headroom free and, once leaders were re-run longer, the best confirmed
-one (:func:`autotune.study.ranking.choose_best`). In the README's sim search the two differ (a trial
-measured at 4.29 completions/s whose confirmation ran at 4.04 is the dashboard's best, while the
-export is the one confirmed at 4.19). Trial values cannot be changed after they are told, so the
-dashboard started here is given a storage that answers ``get_best_trial`` with the exported trial,
-recomputed on every request (a running search may change it), and shows on every trial of the
-study a ``verdict`` user attribute (exported, passed over and why, confirmed), as ``autotune show``
-does. Nothing is written to the study. Other studies in the same storage are served unchanged.
+fastest trial that left the headroom free and, once leaders were re-run longer, the confirmed one
+fastest by both its runs (:func:`autotune.study.ranking.choose_best`). The two can differ: the
+trial with the highest short-trial throughput may be confirmed slower than another. Trial values
+cannot be changed after they are told, so the dashboard started here is given a storage that
+answers ``get_best_trial`` with the exported trial, recomputed on every request (a running search
+may change it), and shows on every trial of the study a ``verdict`` user attribute (exported,
+passed over and why, confirmed), as ``autotune show`` does. Nothing is written to the study.
+Other studies in the same storage are served unchanged.
 
 The constraint itself is stored where the dashboard reads it by :func:`autotune.study.record.record`.
 optuna-dashboard is an optional extra (``pip install 'autotune[dashboard]'``); without it the

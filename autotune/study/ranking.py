@@ -2,12 +2,14 @@
 
 A trial is exportable only when it ran, measured its throughput, left ``headroom`` of GPU memory
 free (on CPU: of ``--memory-limit``, when one is given; see :func:`headroom_limit`) and, when it
-was re-run longer, survived that run too. Among those, confirmed throughput beats a short trial's:
-short trials of configurations within a few percent of each other are ranked by noise.
+was re-run longer, survived that run too. Among those, a confirmed candidate beats an unconfirmed
+one, and confirmed candidates are judged by both their runs (:func:`judged`): short trials of
+configurations within a few percent of each other are ranked by noise.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,6 +147,20 @@ def eligible(
     return out, notes
 
 
+def judged(row: TrialRow, c: Confirmation) -> float:
+    """What a confirmed candidate is judged by: the geometric mean of its short trial's throughput
+    and its confirmation's. Both are runs of the same configuration, and of a run's noise a longer
+    run averages away only the step-to-step part: where the run's own part dominates (placement,
+    clocks, the allocator's luck), the two runs halve the variance the confirmation alone has; where
+    the steps' part dominates, they have the variance of the confirmation alone (its three times the
+    steps weighted equally with the short trial's). Never worse, then, whichever noise a cluster
+    has. Measured: docs/benchmarks-notes.md, twenty-seventh pass."""
+    short = row.throughput or 0.0
+    if c.status != Status.OK or not c.throughput or not short:
+        return c.throughput or 0.0
+    return math.sqrt(short * c.throughput)
+
+
 def choose_best(
     rows_: list[TrialRow],
     recipe: Recipe,
@@ -154,8 +170,8 @@ def choose_best(
     """The configuration to export, with notes on what was passed over and why.
 
     Before any confirmation: the fastest eligible trial. Once leading trials were confirmed by
-    longer runs, the one with the best confirmed throughput wins: short trials of configs within
-    a few percent of each other are ranked by noise, nine measured steps much less so.
+    longer runs, the confirmed one judged fastest by both its runs wins (:func:`judged`): short
+    trials of configs within a few percent of each other are ranked by noise, two runs less so.
     """
     confirmed = confirmed or {}
     candidates, notes = eligible(rows_, recipe, confirmed, failed_long=failed_long)
@@ -166,14 +182,18 @@ def choose_best(
         if confirmed:
             notes.append(f"trial {candidates[0].number} was not confirmed by a longer run")
         return candidates[0], notes
-    best = max(held, key=lambda r: confirmed[r.number].throughput or 0.0)
+    best = max(held, key=lambda r: judged(r, confirmed[r.number]))
     c = confirmed[best.number]
     peak = c.peak_memory_gib
     notes.append(
         f"trial {best.number} was confirmed by a run of {c.steps} steps: "
         f"{(c.throughput or 0):.3g} completions/s"
         + (f", peak {peak:.1f} GiB" if peak else "")
-        + (f" (best of {len(held)} confirmed)" if len(held) > 1 else "")
+        + (
+            f" (with its short trial {judged(best, c):.3g}, the best of {len(held)} confirmed)"
+            if len(held) > 1
+            else ""
+        )
     )
     return best, notes
 
