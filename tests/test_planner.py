@@ -186,7 +186,7 @@ def test_a_confirmed_candidate_is_judged_by_both_its_runs_not_the_longer_alone()
     assert judged(a, held[1]) == pytest.approx((110.0 * 100.0) ** 0.5)
     best, notes = choose_best([a, b], recipe, held)
     # 104.9 against 101.0: the confirmation alone would export trial 2
-    assert best.number == 1 and any("with its short trial 105, the best of 2" in n for n in notes), notes
+    assert best.number == 1 and any("both runs 104.9, its short trial 110: the best of 2" in n for n in notes)
     # the unconfirmed stay behind the confirmed whatever their short trial
     c = TrialRow(3, dict(BASE, per_device_train_batch_size=4), "ok", throughput=130.0, peak_memory_gib=55.0)
     assert choose_best([a, b, c], recipe, held)[0].number == 1

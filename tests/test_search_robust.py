@@ -220,7 +220,10 @@ def test_the_convergence_stop_trusts_only_a_checked_prior(tmp_path):
 def test_a_near_tie_is_decided_by_confirmed_throughput(tmp_path):
     """Seen: with 8% step-time noise a short trial 6% lucky won over its equal. The runner-up
     within the noise is confirmed too, and the confirmations decide with the short trials beside them
-    (both runs of each: batch 32 101.9, batch 16 102.5; by the short trials alone batch 32 wins)."""
+    (both runs of each: batch 32 101.9, batch 16 102.5; by the short trials alone batch 32 wins).
+    Had batch 32's confirmation come in at 103 against 16's 105, both runs would call 32 the faster
+    (104.5 against 102.5): a lucky short trial counts, as one of two runs; where the two rules part,
+    tests/test_planner.py::test_a_confirmed_candidate_is_judged_by_both_its_runs_not_the_longer_alone."""
     short = {32: 106.0, 16: 100.0, 8: 60.0, 4: 50.0}  # batch 32 lucky, batch 16 unlucky
     long = {32: 98.0, 16: 105.0, 8: 60.0, 4: 50.0}
 

@@ -1,8 +1,9 @@
 """Confirmation: re-run the leading candidates longer before anything is exported.
 
 Configs within a few percent of capacity can pass a short trial and die steps later when
-fragmentation creeps; a longer run at full lengths catches that before it is exported, and ranking
-the survivors by their longer runs takes most of the noise out of the choice.
+fragmentation creeps; a longer run at full lengths catches that before it is exported, and judging
+the survivors by both their runs (:func:`autotune.study.ranking.judged`) takes noise out of the
+choice.
 """
 
 from __future__ import annotations
@@ -47,16 +48,16 @@ def confirm(
 ) -> int:
     """Confirm leaders by longer runs, only as many as it takes to separate them from the noise.
 
-    The fastest eligible trial is confirmed first. A runner-up is confirmed too only while its
-    short-trial throughput, plus twice the noise, could still beat the best confirmed throughput
-    (a near-tie is decided by confirmed throughput), until ``recipe.confirm`` have held, in at most
-    ``recipe.confirm`` + 2 runs (the two more stand in for leaders that die in their longer run). A
-    candidate ahead of every confirmed one by more than the noise is always confirmed, so a resumed
-    search that found a better configuration exports it. Each run is admitted only if its own
-    expected length fits the time budget, and the study's clock is saved after each. With several
-    GPU ``slots`` the leaders still needed are confirmed at once, one per slot. A run that ran out
-    of memory is learned from (:meth:`SearchState.observe`); one that held teaches nothing the short
-    trial did not. Returns the runs made now.
+    The fastest eligible trial is confirmed first. A runner-up is confirmed too only while its short-
+    trial throughput, plus twice the noise, could still beat the best confirmed throughput (a near-tie
+    is decided by the confirmations, each beside its short trial), until ``recipe.confirm`` have held,
+    in at most ``recipe.confirm`` + 2 runs (the two more stand in for leaders that die in their longer
+    run). A candidate ahead of every confirmed one by more than the noise is always confirmed, so a
+    resumed search that found a better configuration exports it. Each run is admitted only if its own
+    expected length fits the time budget, and the study's clock is saved after each. With several GPU
+    ``slots`` the leaders still needed are confirmed at once, one per slot. A run that ran out of
+    memory is learned from (:meth:`SearchState.observe`); one that held teaches nothing the short trial
+    did not. Returns the runs made now.
     """
     study, recipe, paths, reporter, budget = (
         state.study,
@@ -79,9 +80,11 @@ def confirm(
         all_rows = rows(study)
         candidates, _ = eligible(all_rows, recipe, done, confirming=True)
         held = [c for c in done.values() if held_up(c)]
+        # the best confirmation alone: which leaders are confirmed does not depend on how the
+        # choice then weighs each one's two runs (study.ranking.judged)
         best = max((c.throughput or 0.0 for c in held), default=0.0)
         spread = noise(all_rows, done)
-        # a near-tie is decided by confirmed throughput: a short trial can be lucky (or unlucky) by
+        # a near-tie is decided by the confirmations: a short trial can be lucky (or unlucky) by
         # the noise, and so can the one it is compared with, hence twice the noise
         todo = [
             r for r in candidates if r.number not in done and (r.throughput or 0) * (1 + 2 * spread) > best

@@ -152,9 +152,11 @@ def judged(row: TrialRow, c: Confirmation) -> float:
     and its confirmation's. Both are runs of the same configuration, and of a run's noise a longer
     run averages away only the step-to-step part: where the run's own part dominates (placement,
     clocks, the allocator's luck), the two runs halve the variance the confirmation alone has; where
-    the steps' part dominates, they have the variance of the confirmation alone (its three times the
-    steps weighted equally with the short trial's). Never worse, then, whichever noise a cluster
-    has. Measured: docs/benchmarks-notes.md, twenty-seventh pass."""
+    the steps' part dominates, equal weights have about the variance of the confirmation alone (it
+    measures three times the steps; more where the short trial stopped early, and then a little
+    more). The leaders were picked for their short trials, so part of their luck comes back with
+    them; measured on the benchmark's six seeds, the choice still gained (docs/benchmarks-notes.md,
+    twenty-seventh pass)."""
     short = row.throughput or 0.0
     if c.status != Status.OK or not c.throughput or not short:
         return c.throughput or 0.0
@@ -190,7 +192,8 @@ def choose_best(
         f"{(c.throughput or 0):.3g} completions/s"
         + (f", peak {peak:.1f} GiB" if peak else "")
         + (
-            f" (with its short trial {judged(best, c):.3g}, the best of {len(held)} confirmed)"
+            f" (both runs {judged(best, c):.4g}, its short trial {best.throughput or 0:.4g}: "
+            f"the best of {len(held)} confirmed)"
             if len(held) > 1
             else ""
         )
