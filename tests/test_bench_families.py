@@ -457,3 +457,25 @@ def test_the_noise_ceiling_of_a_perfect_walk_and_its_script(tmp_path):
         refused = script("bench_bound.py", *bad, cwd=tmp_path, timeout=120)
         assert refused.returncode == 2 and len(refused.stdout.strip().splitlines()) == 1, refused.stdout
         assert refused.stdout.startswith("error: ") and "Traceback" not in refused.stderr
+
+
+def test_the_exports_rule_scored_on_the_same_searches(tmp_path):
+    """scripts/bench_choice.py: every rule picks among one search's final candidates, and the rule
+    autotune exports by, rebuilt from the study's rows and confirmations (``eligible``, ``judged``),
+    picks what each search exported (the script exits 1 on any run where it does not); the perfect
+    choice among the confirmed is never below it. Bad input: one line, exit 2."""
+    run = script(
+        "bench_choice.py",
+        *["--landscapes", "3", "--families", "plain,trl", "--seed", "1", "--trials", "8", "--jobs", "1"],
+        cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line.split("|") for line in run.stdout.splitlines()[2:]}
+    assert set(rows) == {"short trial", "confirmation alone", "both runs", "perfect among the confirmed"}
+    assert rows["both runs"][6].strip() == "0 up, 0 down", run.stdout
+    assert rows["perfect among the confirmed"][6].strip().endswith(" 0 down"), run.stdout
+    assert float(rows["perfect among the confirmed"][4]) >= float(rows["both runs"][4])
+    for bad in (["--seed", "x"], ["--families", "grpo"], ["--jobs", "0"]):
+        refused = script("bench_choice.py", *bad, cwd=tmp_path, timeout=120)
+        assert refused.returncode == 2 and len(refused.stdout.strip().splitlines()) == 1, refused.stdout
+        assert refused.stdout.startswith("error: ") and "Traceback" not in refused.stderr
