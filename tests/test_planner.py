@@ -174,10 +174,10 @@ def test_a_confirmed_candidate_is_judged_by_both_its_runs_not_the_longer_alone()
     """A short trial and its confirmation are two runs of one configuration. Where the noise is a
     run's (placement, clocks), the longer run averages none of it away, so both runs judge a
     confirmed candidate (their geometric mean); where it is the steps', the equal weights cost
-    nothing against the confirmation's three times the steps. On the benchmark's six seeds (630
-    runs) this chose better than the confirmation alone (docs/benchmarks-notes.md, twenty-seventh
-    pass)."""
-    from autotune.study.ranking import judged
+    about nothing against the confirmation's three times the steps. On the benchmark's six seeds
+    (630 runs) this chose better than the confirmation alone (docs/benchmarks-notes.md,
+    twenty-seventh pass). ``show`` and the dashboard give a confirmed trial's both-runs figure."""
+    from autotune.study.ranking import confirmed_verdict, judged
 
     recipe, _, _ = setup()
     a = TrialRow(1, dict(BASE), "ok", throughput=110.0, peak_memory_gib=60.0)
@@ -187,6 +187,7 @@ def test_a_confirmed_candidate_is_judged_by_both_its_runs_not_the_longer_alone()
     best, notes = choose_best([a, b], recipe, held)
     # 104.9 against 101.0: the confirmation alone would export trial 2
     assert best.number == 1 and any("both runs 104.9, its short trial 110: the best of 2" in n for n in notes)
+    assert confirmed_verdict(b, held[2]) == "confirmed 102/s, both runs 101/s"
     # the unconfirmed stay behind the confirmed whatever their short trial
     c = TrialRow(3, dict(BASE, per_device_train_batch_size=4), "ok", throughput=130.0, peak_memory_gib=55.0)
     assert choose_best([a, b, c], recipe, held)[0].number == 1

@@ -16,7 +16,7 @@ from autotune.progress import short_params
 from autotune.recipe import Recipe
 from autotune.study import TrialRow, candidate_key, plain_failures, rank, rows
 from autotune.study.incidents import incidents, long_run_failures
-from autotune.study.ranking import choose_best, confirmations, eligible, judged
+from autotune.study.ranking import choose_best, confirmations, confirmed_verdict, eligible
 from autotune.trial.outcome import DECIDED, Status
 
 if TYPE_CHECKING:
@@ -68,7 +68,7 @@ def trials_of(name: str, recipe: Recipe, study: optuna.Study) -> Shown:
         if r.number in passed:
             return "passed over: " + passed[r.number]
         c = done.get(r.number)
-        return f"confirmed {c.throughput:.4g}/s, both runs {judged(r, c):.4g}/s" if c and c.throughput else ""
+        return confirmed_verdict(r, c) if c and c.throughput else ""
 
     ranked = rank(all_rows)
     trials = study.get_trials(deepcopy=False)

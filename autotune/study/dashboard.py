@@ -31,7 +31,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
 from autotune.study.paths import StudyPaths
-from autotune.study.ranking import Confirmation, choose_best, eligible, judged
+from autotune.study.ranking import Confirmation, choose_best, confirmed_verdict, eligible
 from autotune.study.record import FINISHED, mark_risks, row_of
 
 EXTRA = "pip install 'autotune[dashboard]'"
@@ -65,9 +65,8 @@ def decisions(
     verdicts: dict[int, str] = {n: "passed over: " + why for n, why in passed.items()}
     by_number = {r.number: r for r in rows}
     for number, c in confirmed.items():
-        if number not in verdicts and c.throughput:
-            both = f", both runs {judged(by_number[number], c):.4g}/s" if number in by_number else ""
-            verdicts[number] = f"confirmed {c.throughput:.4g}/s{both}"
+        if number not in verdicts and c.throughput and number in by_number:
+            verdicts[number] = confirmed_verdict(by_number[number], c)
     if best is not None:
         verdicts[best.number] = "exported"
     return (best.number if best is not None else None), verdicts

@@ -163,6 +163,12 @@ def judged(row: TrialRow, c: Confirmation) -> float:
     return math.sqrt(short * c.throughput)
 
 
+def confirmed_verdict(row: TrialRow, c: Confirmation) -> str:
+    """How ``show`` and the dashboard name a confirmed trial that was not exported: its
+    confirmation, and the figure it was judged by (:func:`judged`), which another beat."""
+    return f"confirmed {c.throughput or 0:.4g}/s, both runs {judged(row, c):.4g}/s"
+
+
 def choose_best(
     rows_: list[TrialRow],
     recipe: Recipe,
