@@ -20,12 +20,22 @@ Rows: runs at 0.95 of the best possible, below 0.85, the mean score (capped at 1
 percentile, as docs/benchmarks.md counts them; then how many picks each rule changed against *both
 runs*, up and down. A rule worth trying is added to ``RULES``. The twenty-seventh pass of
 docs/benchmarks-notes.md scored six seeds this way (about 25 minutes on 2 cores).
+
+Two more tables say where the choice's limit lies (the twenty-eighth pass). *What more runs would
+buy*: the K fastest short trials among the same candidates each run M more times, every run drawn as
+the simulator draws one (the configuration's value in truth times the landscape's own run-to-run
+noise, lognormal), the one with the best mean log throughput over all its runs exported; averaged over
+:data:`DRAWS` draws, with what the extra runs cost at the confirmations' measured price (a
+confirmation's trial-equivalents in these searches). *By how many were good*: the exported rule's
+share at 0.95 by how many of the candidates were at 0.95 in truth.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import multiprocessing
+import random
 import statistics
 import sys
 from collections.abc import Callable
@@ -35,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_search  # noqa: E402
 from bench_landscapes import build_landscape  # noqa: E402
 from bench_search import policy_autotune, quiet, search_seed  # noqa: E402
 
@@ -69,6 +80,25 @@ RULES: dict[str, Callable[[list[Candidate]], Candidate | None]] = {
     "perfect among the confirmed": lambda cands: _pick(cands, lambda c: c[2]),
 }
 EXPORTED = "both runs"  # the rule autotune exports by, checked against each search's export
+#: (leaders K, more runs M each) of *what more runs would buy*; (3, 1) is about what a search confirms
+MORE_RUNS = [(3, 1), (3, 2), (3, 4), (5, 2), (5, 4), (8, 4), (15, 10)]
+DRAWS = 20  # Monte Carlo draws of the more runs, per search
+
+
+class PricedTracker(bench_search.Tracker):
+    """The benchmark's tracker, keeping apart what the confirmations cost."""
+
+    def __init__(self, land: Any, executor: Any) -> None:
+        super().__init__(land, executor)
+        self.confirm_hours, self.confirms = 0.0, 0
+
+    def __call__(self, params: dict[str, Any], trial_dir: Path, number: int, control: Any) -> Any:
+        before = self.hours
+        outcome = super().__call__(params, trial_dir, number, control)
+        if control.purpose == "confirm":
+            self.confirm_hours += self.hours - before
+            self.confirms += 1
+        return outcome
 
 
 def one(job: tuple[int, int, int]) -> dict[str, Any]:
@@ -84,13 +114,21 @@ def one(job: tuple[int, int, int]) -> dict[str, Any]:
         seen["args"] = (rows_, recipe, confirmed or {}, failed_long)
         return choose(rows_, recipe, confirmed, failed_long)
 
-    loop.choose_best = keep
+    trackers: list[PricedTracker] = []
+
+    def tracker(land_: Any, executor: Any) -> PricedTracker:
+        trackers.append(PricedTracker(land_, executor))
+        return trackers[-1]
+
+    original = bench_search.Tracker
+    loop.choose_best, bench_search.Tracker = keep, tracker
     try:
         run = policy_autotune(land, search_seed(seed, index), trials)
     finally:
-        loop.choose_best = choose
+        loop.choose_best, bench_search.Tracker = choose, original
     best = max(land.best, 1e-9)
     picks: dict[str, float] = {}
+    shorts: list[tuple[float, float]] = []  # every candidate's (short trial, value in truth)
     if "args" in seen:
         rows_, recipe, confirmed, failed = seen["args"]
         found, _ = eligible(rows_, recipe, confirmed, failed_long=failed)
@@ -98,14 +136,66 @@ def one(job: tuple[int, int, int]) -> dict[str, Any]:
         for name, rule in RULES.items():
             pick = rule(cands)
             picks[name] = pick[2] if pick else 0.0
+        shorts = [(r.throughput or 0.0, value) for r, _, value in cands]
     else:
         picks = dict.fromkeys(RULES, 0.0)
+    priced = trackers[0]
     return {
         "run": f"{seed}/#{index}",
         "fits": land.best > 0,
         "exported": run.final / best if run.exported else 0.0,
         "picks": picks,
+        "more": more_runs(shorts, best, d.physics.noise, random.Random(f"{seed}/{index}")),
+        "good": sum(value >= TARGET for _, value in shorts),
+        "perfect": max([value for _, value in shorts] or [0.0]),
+        "confirm_cost": priced.confirm_hours * 3600 / land.recipe.gpus / land.trial_equivalent_s,
+        "confirms": priced.confirms,
     }
+
+
+def more_runs(
+    shorts: list[tuple[float, float]], best: float, noise: float, rng: random.Random
+) -> dict[tuple[int, int], float]:
+    """For each (K, M) of :data:`MORE_RUNS`, the share of :data:`DRAWS` draws in which the K fastest
+    short trials, each run M more times, export a configuration at 0.95 (a configuration that dies
+    in a long run, value 0, is passed over: its runs would have shown it)."""
+    leaders = sorted(shorts, key=lambda c: -c[0])
+    out = {}
+    for k, m in MORE_RUNS:
+        hits = 0
+        for _ in range(DRAWS):
+            top = None
+            for short, value in leaders[:k]:
+                if value <= 0 or short <= 0:
+                    continue
+                runs = [math.log(best * value) + rng.gauss(0.0, noise) for _ in range(m)]
+                mean = statistics.fmean([math.log(short), *runs])
+                if top is None or mean > top[0]:
+                    top = (mean, value)
+            hits += top is not None and top[1] >= TARGET
+        out[(k, m)] = hits / DRAWS
+    return out
+
+
+def print_limits(runs: list[dict[str, Any]]) -> None:
+    """*What more runs would buy* and *by how many were good* (see the module's docstring)."""
+    priced = [r["confirm_cost"] / r["confirms"] for r in runs if r["confirms"]]
+    price = statistics.median(priced) if priced else float("nan")
+    print(
+        f"\n| what more runs would buy ({len(runs)} runs, {DRAWS} draws each) | >= {TARGET} "
+        f"| more runs a search | their cost (trial-equivalents, {price:.2f} a run) |"
+    )
+    print("|---|---|---|---|")
+    for k, m in MORE_RUNS:
+        hits = sum(r["more"][(k, m)] for r in runs)
+        runs_each = f"{m} more run{'s' if m > 1 else ''} each"
+        print(f"| the {k} fastest short trials, {runs_each} | {hits:.1f} | {k * m} | {k * m * price:.1f} |")
+    print(f"\n| candidates at {TARGET} in truth | runs | *{EXPORTED}* at {TARGET} |")
+    print("|---|---|---|")
+    for good in range(6):
+        group = [r for r in runs if min(r["good"], 5) == good]
+        hits = sum(r["picks"][EXPORTED] >= TARGET for r in group)
+        print(f"| {good if good < 5 else '5 or more'} | {len(group)} | {hits} |")
 
 
 def row(name: str, values: list[float], base: list[float]) -> str:
@@ -156,6 +246,8 @@ def main() -> int:
     print("|---|---|---|---|---|---|")
     for name in RULES:
         print(row(name, [r["picks"][name] for r in runs], base))
+    print(row("perfect among all of them (unconfirmed too)", [r["perfect"] for r in runs], base))
+    print_limits(runs)
     apart = [r for r in runs if abs(r["picks"][EXPORTED] - r["exported"]) > 1e-9]
     for r in apart:
         picked = r["picks"][EXPORTED]

@@ -463,19 +463,60 @@ def test_the_exports_rule_scored_on_the_same_searches(tmp_path):
     """scripts/bench_choice.py: every rule picks among one search's final candidates, and the rule
     autotune exports by, rebuilt from the study's rows and confirmations (``eligible``, ``judged``),
     picks what each search exported (the script exits 1 on any run where it does not); the perfect
-    choice among the confirmed is never below it. Bad input: one line, exit 2."""
+    choice among the confirmed is never below it, nor that among all the candidates below that. Its
+    limits' tables: more runs priced at what the searches' confirmations cost (each one counted, not
+    assumed), and the runs grouped by how many candidates were good add up to the export's count.
+    Bad input: one line, exit 2."""
     run = script(
         "bench_choice.py",
         *["--landscapes", "3", "--families", "plain,trl", "--seed", "1", "--trials", "8", "--jobs", "1"],
         cwd=tmp_path,
     )
     assert run.returncode == 0, run.stdout + run.stderr[-2000:]
-    rows = {line.split("|")[1].strip(): line.split("|") for line in run.stdout.splitlines()[2:]}
-    assert set(rows) == {"short trial", "confirmation alone", "both runs", "perfect among the confirmed"}
+    choice, more, good = (
+        [line.split("|") for line in block.splitlines()[2:]] for block in run.stdout.split("\n\n")[:3]
+    )
+    rows = {r[1].strip(): r for r in choice}
+    assert set(rows) == {
+        "short trial",
+        "confirmation alone",
+        "both runs",
+        "perfect among the confirmed",
+        "perfect among all of them (unconfirmed too)",
+    }
     assert rows["both runs"][6].strip() == "0 up, 0 down", run.stdout
     assert rows["perfect among the confirmed"][6].strip().endswith(" 0 down"), run.stdout
     assert float(rows["perfect among the confirmed"][4]) >= float(rows["both runs"][4])
+    everything = rows["perfect among all of them (unconfirmed too)"]
+    assert (
+        everything[6].strip().endswith(" 0 down") and everything[4] >= rows["perfect among the confirmed"][4]
+    )
+    price = float(run.stdout.split("trial-equivalents, ")[1].split(" a run")[0])
+    assert price > 0.3, run.stdout  # a confirmation's warm-up and steps: not free, not a guess
+    assert len(more) == 7 and more[0][1].strip() == "the 3 fastest short trials, 1 more run each"
+    for r in more:
+        assert 0 <= float(r[2]) <= 3 and abs(float(r[4]) - int(r[3]) * price) < 0.06 * int(r[3]), r
+    assert sum(int(r[2]) for r in good) == 3 and sum(int(r[3]) for r in good) == int(rows["both runs"][2])
     for bad in (["--seed", "x"], ["--families", "grpo"], ["--jobs", "0"]):
         refused = script("bench_choice.py", *bad, cwd=tmp_path, timeout=120)
         assert refused.returncode == 2 and len(refused.stdout.strip().splitlines()) == 1, refused.stdout
         assert refused.stdout.startswith("error: ") and "Traceback" not in refused.stderr
+
+
+def test_more_runs_of_the_leaders_export_the_one_their_runs_favour():
+    """bench_choice.py's Monte Carlo: the K fastest short trials, each run M more times, export the
+    best mean over all their runs; a leader that dies in a long run is passed over; one leader alone
+    exports what its short trial made it, however many runs."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    try:
+        import bench_choice
+    finally:
+        sys.path.remove(str(ROOT / "scripts"))
+    lucky, good = (10.5, 0.90), (9.0, 1.0)  # short trial, value in truth (best possible 10/s)
+    out = bench_choice.more_runs([lucky, good], 10.0, 0.001, random.Random(0))
+    assert out[(3, 1)] == 0.0  # one more run each: the lucky short trial still tips it
+    assert out[(3, 2)] == out[(5, 4)] == 1.0  # two or more: the runs outweigh it
+    dead = bench_choice.more_runs([(12.0, 0.0), good], 10.0, 0.001, random.Random(0))
+    assert dead[(3, 1)] == 1.0
+    alone = bench_choice.more_runs([lucky], 10.0, 0.001, random.Random(0))
+    assert set(alone.values()) == {0.0}
