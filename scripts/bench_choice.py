@@ -22,12 +22,16 @@ runs*, up and down. A rule worth trying is added to ``RULES``. The twenty-sevent
 docs/benchmarks-notes.md scored six seeds this way (about 25 minutes on 2 cores).
 
 Two more tables say where the choice's limit lies (the twenty-eighth pass). *What more runs would
-buy*: the K fastest short trials among the same candidates each run M more times, every run drawn as
-the simulator draws one (the configuration's value in truth times the landscape's own run-to-run
-noise, lognormal), the one with the best mean log throughput over all its runs exported; averaged over
-:data:`DRAWS` draws, with what the extra runs cost at the confirmations' measured price (a
-confirmation's trial-equivalents in these searches). *By how many were good*: the exported rule's
-share at 0.95 by how many of the candidates were at 0.95 in truth.
+buy*: the K fastest short trials among the same candidates each run M more times, each run's
+throughput drawn as the simulator draws a run's factor (the configuration's value in truth times a
+lognormal of the landscape's own drawn noise; the steps' smaller part and transient crashes left
+out), the one with the best mean log throughput over all its runs exported. A leader that dies in a
+long run (value 0) spends one run and is replaced by the next, at most two times, as the
+confirmations' own cap does. Averaged over :data:`DRAWS` draws, with the runs spent and their cost
+at the confirmations' measured price (the median, over the searches, of a confirmation that held:
+its simulated hours in trial-equivalents, as ``bench_search.cost`` counts them). Values are
+throughput in truth, as the first table's. *By how many were good*: the exported rule's share at
+0.95 by how many of the candidates were at 0.95 in truth.
 """
 
 from __future__ import annotations
@@ -83,10 +87,12 @@ EXPORTED = "both runs"  # the rule autotune exports by, checked against each sea
 #: (leaders K, more runs M each) of *what more runs would buy*; (3, 1) is about what a search confirms
 MORE_RUNS = [(3, 1), (3, 2), (3, 4), (5, 2), (5, 4), (8, 4), (15, 10)]
 DRAWS = 20  # Monte Carlo draws of the more runs, per search
+SPARE = 2  # leaders that die may be replaced this many times (confirm.py: --confirm + 2 runs at most)
 
 
 class PricedTracker(bench_search.Tracker):
-    """The benchmark's tracker, keeping apart what the confirmations cost."""
+    """The benchmark's tracker, keeping apart what the confirmations that held cost (one that died
+    early would lower the price of a full run)."""
 
     def __init__(self, land: Any, executor: Any) -> None:
         super().__init__(land, executor)
@@ -95,7 +101,7 @@ class PricedTracker(bench_search.Tracker):
     def __call__(self, params: dict[str, Any], trial_dir: Path, number: int, control: Any) -> Any:
         before = self.hours
         outcome = super().__call__(params, trial_dir, number, control)
-        if control.purpose == "confirm":
+        if control.purpose == "confirm" and outcome.status == "ok":
             self.confirm_hours += self.hours - before
             self.confirms += 1
         return outcome
@@ -145,7 +151,7 @@ def one(job: tuple[int, int, int]) -> dict[str, Any]:
         "fits": land.best > 0,
         "exported": run.final / best if run.exported else 0.0,
         "picks": picks,
-        "more": more_runs(shorts, best, d.physics.noise, random.Random(f"{seed}/{index}")),
+        "more": more_runs(shorts, best, d.physics.noise, f"{seed}/{index}"),
         "good": sum(value >= TARGET for _, value in shorts),
         "perfect": max([value for _, value in shorts] or [0.0]),
         "confirm_cost": priced.confirm_hours * 3600 / land.recipe.gpus / land.trial_equivalent_s,
@@ -154,26 +160,34 @@ def one(job: tuple[int, int, int]) -> dict[str, Any]:
 
 
 def more_runs(
-    shorts: list[tuple[float, float]], best: float, noise: float, rng: random.Random
-) -> dict[tuple[int, int], float]:
-    """For each (K, M) of :data:`MORE_RUNS`, the share of :data:`DRAWS` draws in which the K fastest
-    short trials, each run M more times, export a configuration at 0.95 (a configuration that dies
-    in a long run, value 0, is passed over: its runs would have shown it)."""
+    shorts: list[tuple[float, float]], best: float, noise: float, seed: str
+) -> dict[tuple[int, int], tuple[float, float]]:
+    """For each (K, M) of :data:`MORE_RUNS`: the share of :data:`DRAWS` draws in which the K fastest
+    short trials, each run M more times, export a configuration at 0.95, and the runs that took (a
+    leader that dies in a long run spends one run and is replaced by the next, :data:`SPARE` times
+    at most). Each (K, M) draws from its own generator, so one row does not move another."""
     leaders = sorted(shorts, key=lambda c: -c[0])
     out = {}
     for k, m in MORE_RUNS:
-        hits = 0
+        rng = random.Random(f"{seed}/{k}/{m}")
+        hits, spent = 0, 0
         for _ in range(DRAWS):
-            top = None
-            for short, value in leaders[:k]:
+            top, alive, tried = None, 0, 0
+            for short, value in leaders:
+                if alive == k or tried == k + SPARE:
+                    break
+                tried += 1
                 if value <= 0 or short <= 0:
+                    spent += 1  # its longer run dies: seen, and passed over
                     continue
+                alive += 1
+                spent += m
                 runs = [math.log(best * value) + rng.gauss(0.0, noise) for _ in range(m)]
                 mean = statistics.fmean([math.log(short), *runs])
                 if top is None or mean > top[0]:
                     top = (mean, value)
             hits += top is not None and top[1] >= TARGET
-        out[(k, m)] = hits / DRAWS
+        out[(k, m)] = (hits / DRAWS, spent / DRAWS)
     return out
 
 
@@ -183,13 +197,16 @@ def print_limits(runs: list[dict[str, Any]]) -> None:
     price = statistics.median(priced) if priced else float("nan")
     print(
         f"\n| what more runs would buy ({len(runs)} runs, {DRAWS} draws each) | >= {TARGET} "
-        f"| more runs a search | their cost (trial-equivalents, {price:.2f} a run) |"
+        f"| runs a search (mean) | their cost (trial-equivalents, {price:.2f} a run) |"
     )
     print("|---|---|---|---|")
     for k, m in MORE_RUNS:
-        hits = sum(r["more"][(k, m)] for r in runs)
+        hits = sum(r["more"][(k, m)][0] for r in runs)
+        spent = statistics.fmean(r["more"][(k, m)][1] for r in runs) if runs else 0.0
         runs_each = f"{m} more run{'s' if m > 1 else ''} each"
-        print(f"| the {k} fastest short trials, {runs_each} | {hits:.1f} | {k * m} | {k * m * price:.1f} |")
+        print(
+            f"| the {k} fastest short trials, {runs_each} | {hits:.1f} | {spent:.2f} | {spent * price:.1f} |"
+        )
     print(f"\n| candidates at {TARGET} in truth | runs | *{EXPORTED}* at {TARGET} |")
     print("|---|---|---|")
     for good in range(6):
