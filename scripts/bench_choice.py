@@ -29,9 +29,9 @@ out), the one with the best mean log throughput over all its runs exported. A le
 long run (value 0) spends one run and is replaced by the next, at most two times, as the
 confirmations' own cap does. Averaged over :data:`DRAWS` draws, with the runs spent and their cost
 at the confirmations' measured price (the median, over the searches, of a confirmation that held:
-its simulated hours in trial-equivalents, as ``bench_search.cost`` counts them). Values are
-throughput in truth, as the first table's. *By how many were good*: the exported rule's share at
-0.95 by how many of the candidates were at 0.95 in truth.
+its simulated hours, ``Run.held_hours``, in trial-equivalents as ``bench_search.cost`` counts
+them). Values are throughput in truth, as the first table's. *By how many were good*: the exported
+rule's share at 0.95 by how many of the candidates were at 0.95 in truth.
 """
 
 from __future__ import annotations
@@ -49,7 +49,6 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_search  # noqa: E402
 from bench_landscapes import build_landscape  # noqa: E402
 from bench_search import policy_autotune, quiet, search_seed  # noqa: E402
 
@@ -90,23 +89,6 @@ DRAWS = 20  # Monte Carlo draws of the more runs, per search
 SPARE = 2  # leaders that die may be replaced this many times (confirm.py: --confirm + 2 runs at most)
 
 
-class PricedTracker(bench_search.Tracker):
-    """The benchmark's tracker, keeping apart what the confirmations that held cost (one that died
-    early would lower the price of a full run)."""
-
-    def __init__(self, land: Any, executor: Any) -> None:
-        super().__init__(land, executor)
-        self.confirm_hours, self.confirms = 0.0, 0
-
-    def __call__(self, params: dict[str, Any], trial_dir: Path, number: int, control: Any) -> Any:
-        before = self.hours
-        outcome = super().__call__(params, trial_dir, number, control)
-        if control.purpose == "confirm" and outcome.status == "ok":
-            self.confirm_hours += self.hours - before
-            self.confirms += 1
-        return outcome
-
-
 def one(job: tuple[int, int, int]) -> dict[str, Any]:
     """One landscape's search; the value in truth (share of the best possible) each rule picks."""
     seed, index, trials = job
@@ -120,18 +102,11 @@ def one(job: tuple[int, int, int]) -> dict[str, Any]:
         seen["args"] = (rows_, recipe, confirmed or {}, failed_long)
         return choose(rows_, recipe, confirmed, failed_long)
 
-    trackers: list[PricedTracker] = []
-
-    def tracker(land_: Any, executor: Any) -> PricedTracker:
-        trackers.append(PricedTracker(land_, executor))
-        return trackers[-1]
-
-    original = bench_search.Tracker
-    loop.choose_best, bench_search.Tracker = keep, tracker
+    loop.choose_best = keep
     try:
         run = policy_autotune(land, search_seed(seed, index), trials)
     finally:
-        loop.choose_best, bench_search.Tracker = choose, original
+        loop.choose_best = choose
     best = max(land.best, 1e-9)
     picks: dict[str, float] = {}
     shorts: list[tuple[float, float]] = []  # every candidate's (short trial, value in truth)
@@ -145,7 +120,6 @@ def one(job: tuple[int, int, int]) -> dict[str, Any]:
         shorts = [(r.throughput or 0.0, value) for r, _, value in cands]
     else:
         picks = dict.fromkeys(RULES, 0.0)
-    priced = trackers[0]
     return {
         "run": f"{seed}/#{index}",
         "fits": land.best > 0,
@@ -154,8 +128,9 @@ def one(job: tuple[int, int, int]) -> dict[str, Any]:
         "more": more_runs(shorts, best, d.physics.noise, f"{seed}/{index}"),
         "good": sum(value >= TARGET for _, value in shorts),
         "perfect": max([value for _, value in shorts] or [0.0]),
-        "confirm_cost": priced.confirm_hours * 3600 / land.recipe.gpus / land.trial_equivalent_s,
-        "confirms": priced.confirms,
+        # the confirmations that held, in trial-equivalents as bench_search.cost() counts a search
+        "confirm_cost": sum(run.held_hours) * 3600 / land.recipe.gpus / land.trial_equivalent_s,
+        "confirms": len(run.held_hours),
     }
 
 

@@ -96,6 +96,7 @@ class Run:
     crashes: int = 0
     trials: list[Ran] = field(default_factory=list)  # each launched trial
     confirms: list[Ran] = field(default_factory=list)  # each confirmation run
+    held_hours: list[float] = field(default_factory=list)  # GPU-hours of each confirmation that held
     measured: float = 0.0  # best possible value of any configuration a launched trial ran (kept headroom)
     # launched search trials by proposer (seed, local, pool, valid, tpe): {status: count}
     by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -130,6 +131,10 @@ class Tracker:
             self.run.confirms.append(
                 Ran(number % CONFIRM_NUMBER_OFFSET, params, self.result(params, outcome))
             )
+            if outcome.status == "ok":
+                self.run.held_hours.append(
+                    (self.executor.simulated_s - before) * self.land.recipe.gpus / 3600
+                )
             return outcome
         if outcome.status == "oom":
             self.run.ooms += 1

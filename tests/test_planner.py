@@ -188,6 +188,7 @@ def test_a_confirmed_candidate_is_judged_by_both_its_runs_not_the_longer_alone()
     # 104.9 against 101.0: the confirmation alone would export trial 2
     assert best.number == 1 and any("both runs 104.9, its short trial 110: the best of 2" in n for n in notes)
     assert confirmed_verdict(b, held[2]) == "confirmed 102/s, both runs 101/s"
+    assert confirmed_verdict(None, held[2]) == "confirmed 102/s"  # no row at hand: what was measured
     # the unconfirmed stay behind the confirmed whatever their short trial
     c = TrialRow(3, dict(BASE, per_device_train_batch_size=4), "ok", throughput=130.0, peak_memory_gib=55.0)
     assert choose_best([a, b, c], recipe, held)[0].number == 1

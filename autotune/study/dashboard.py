@@ -65,8 +65,8 @@ def decisions(
     verdicts: dict[int, str] = {n: "passed over: " + why for n, why in passed.items()}
     by_number = {r.number: r for r in rows}
     for number, c in confirmed.items():
-        if number not in verdicts and c.throughput and number in by_number:
-            verdicts[number] = confirmed_verdict(by_number[number], c)
+        if number not in verdicts and c.throughput:
+            verdicts[number] = confirmed_verdict(by_number.get(number), c)
     if best is not None:
         verdicts[best.number] = "exported"
     return (best.number if best is not None else None), verdicts

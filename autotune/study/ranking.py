@@ -163,10 +163,12 @@ def judged(row: TrialRow, c: Confirmation) -> float:
     return math.sqrt(short * c.throughput)
 
 
-def confirmed_verdict(row: TrialRow, c: Confirmation) -> str:
+def confirmed_verdict(row: TrialRow | None, c: Confirmation) -> str:
     """How ``show`` and the dashboard name a confirmed trial that was not exported: its
-    confirmation, and the figure it was judged by (:func:`judged`), which another beat."""
-    return f"confirmed {c.throughput or 0:.4g}/s, both runs {judged(row, c):.4g}/s"
+    confirmation, and the figure it was judged by (:func:`judged`), which another beat; the
+    confirmation alone where the trial's row is not at hand (the dashboard reads finished trials)."""
+    both = f", both runs {judged(row, c):.4g}/s" if row is not None else ""
+    return f"confirmed {c.throughput or 0:.4g}/s{both}"
 
 
 def choose_best(
