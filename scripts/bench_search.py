@@ -77,6 +77,7 @@ class Ran:
     params: dict[str, Any]
     result: str
     proposer: str = ""  # which proposer made a search trial (seed, local, pool, valid, tpe)
+    status: str = ""  # a search trial's outcome (ok, oom, crash, ...)
 
     def __str__(self) -> str:
         return f"{self.number}: {short(self.params)} -> {self.result}"
@@ -143,7 +144,7 @@ class Tracker:
         self.statuses[number] = str(outcome.status)
         if outcome.status == "ok":  # measured: whether the choice then finds it is another matter
             self.run.measured = max(self.run.measured, self.land.safe_value(params))
-        self.run.trials.append(Ran(number, params, self.result(params, outcome)))
+        self.run.trials.append(Ran(number, params, self.result(params, outcome), status=str(outcome.status)))
         limit = self.land.recipe.gpu_memory_gib * (1 - self.land.recipe.headroom)
         if (
             outcome.status == "ok"
@@ -382,6 +383,15 @@ def record(land: Landscape, name: str, run: Run) -> dict[str, Any]:
         "stopped": run.stopped,
         "exported": run.exported,
         "log": run.log if ours else [],
+        # each launched trial: number, proposer, status, value and safe value in truth (of the best),
+        # configuration; written to the JSON with --keep-trials only (scripts/bench_proposers.py)
+        "trials": [
+            [r.number, r.proposer, r.status, land.value(r.params) / best, land.safe_value(r.params) / best]
+            + [r.params]
+            for r in run.trials
+        ]
+        if ours
+        else [],
     }
 
 
@@ -428,6 +438,11 @@ def main() -> int:
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--jobs", type=int, default=1, help="landscapes run in parallel processes")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks.md")
+    parser.add_argument(
+        "--keep-trials",
+        action="store_true",
+        help="keep every autotune run's launched trials in the JSON (for scripts/bench_proposers.py)",
+    )
     args = parser.parse_args()
     families = [f for f in args.families.split(",") if f]
     bad = [f for f in families if f not in FAMILIES] + [
@@ -474,7 +489,14 @@ def main() -> int:
     # missed 0.95, the ones the notes read (any other is reproduced by its seed): with every run's
     # log, three seeds' JSON was 3.4 MB
     body = ",\n".join(
-        json.dumps({**r, "log": r["log"] if r["final"] < 0.95 else []}, default=str) for r in rows
+        json.dumps(
+            {
+                **{k: v for k, v in r.items() if k != "trials" or args.keep_trials},
+                "log": r["log"] if r["final"] < 0.95 else [],
+            },
+            default=str,
+        )
+        for r in rows
     )
     args.out.with_suffix(".json").write_text(f"[\n{body}\n]\n")
     print(f"wrote {args.out}")

@@ -275,6 +275,51 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     assert all(set(r["by_proposer"]) <= {"seed", "local", "pool", "valid", "tpe"} for r in ours)
 
 
+def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path):
+    """scripts/bench_proposers.py: with --keep-trials each autotune run keeps its launched trials
+    (proposer, status, value and safe value in truth); without it the JSON stays as it was. The
+    table counts every launched trial once, by the proposer the study recorded (the same counts as
+    the run's ``by_proposer``), a trial good only where it ran and was at 0.95 safely; every export
+    is traced to one proposer. Bad input: one line naming the fix, exit 2."""
+    out = tmp_path / "bench.md"
+    tiny = ["--landscapes", "3", "--families", "plain,ppo", "--trials", "8", "--policies", "autotune"]
+    run = script("bench_search.py", *tiny, "--keep-trials", "--out", str(out), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = json.loads(out.with_suffix(".json").read_text())
+    for r in rows:
+        assert len(r["trials"]) == r["launched"]
+        counted: dict[str, dict[str, int]] = {}
+        for _number, proposer, status, value, safe, params in r["trials"]:
+            counted.setdefault(proposer, {}).setdefault(status, 0)
+            counted[proposer][status] += 1
+            assert 0 <= safe <= value + 1e-9 and isinstance(params, dict)
+        assert counted == r["by_proposer"]
+    table = script("bench_proposers.py", str(out.with_suffix(".json")), cwd=tmp_path)
+    assert table.returncode == 0, table.stdout + table.stderr[-2000:]
+    trials, exports = (
+        [line.split("|") for line in block.splitlines()[2:]] for block in table.stdout.split("\n\n")[1:3]
+    )
+    assert sum(int(c[4]) for c in trials) == sum(r["launched"] for r in rows)
+    ran = sum(1 for r in rows for t in r["trials"] if t[2] == "ok")
+    assert sum(int(c[5]) for c in trials) == ran
+    good = sum(1 for r in rows for t in r["trials"] if t[2] == "ok" and t[4] >= 0.95)
+    assert sum(int(c[6].split()[0]) for c in trials) == good
+    assert sum(int(c[3]) for c in exports) == sum(1 for r in rows if r["exported"])
+    assert all(c[2].strip() in {"seed", "local", "pool", "valid", "tpe"} for c in exports)
+    plain = tmp_path / "plain.md"
+    again = script("bench_search.py", *tiny, "--out", str(plain), cwd=tmp_path)
+    assert again.returncode == 0 and all(
+        "trials" not in r for r in json.loads(plain.with_suffix(".json").read_text())
+    )
+    for bad in (plain.with_suffix(".json"), plain, tmp_path / "none.json"):
+        refused = script("bench_proposers.py", str(bad), cwd=tmp_path, timeout=120)
+        assert refused.returncode == 2 and len(refused.stdout.strip().splitlines()) == 1, refused.stdout
+        assert refused.stdout.startswith("error: ") and "Traceback" not in refused.stderr
+    assert (
+        "--keep-trials" in script("bench_proposers.py", str(plain.with_suffix(".json")), cwd=tmp_path).stdout
+    )
+
+
 def test_every_drawn_noise_falls_in_one_band_of_the_report():
     """The report's misses by drawn noise: each run in exactly one band, a band's lower edge its own."""
     sys.path.insert(0, str(ROOT / "scripts"))
