@@ -116,13 +116,15 @@ def misses(ours: list[dict[str, Any]], families: list[str]) -> list[str]:
 
 def proposers(ours: list[dict[str, Any]], families: list[str]) -> list[str]:
     """Launched search trials by the proposer that made them (seeds, the local walk, the grid's best
-    open candidate, TPE), and the share that ran out of memory: where a family's trials go."""
+    open candidate, TPE, a transient crash's re-run), and the share that ran out of memory: where a
+    family's trials go."""
     kinds = sorted({k for r in ours for k in r.get("by_proposer", {})})
     lines = [
         "## Launched trials by proposer",
         "",
         "Per family, launched search trials (confirmations apart) by the proposer that made them, with the "
-        "share that ran out of memory (autotune/search/policy.py names the proposers).",
+        "share that ran out of memory (autotune/search/policy.py names the proposers; rerun: a transient "
+        "crash run once more).",
         "",
         "| | " + " | ".join(kinds) + " |",
         "|---|" + "---|" * len(kinds),

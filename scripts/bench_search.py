@@ -76,7 +76,7 @@ class Ran:
     number: int
     params: dict[str, Any]
     result: str
-    proposer: str = ""  # which proposer made a search trial (seed, local, pool, valid, tpe)
+    proposer: str = ""  # which proposer made a search trial (seed, local, pool, valid, tpe, rerun)
     status: str = ""  # a search trial's outcome (ok, oom, crash, ...)
 
     def __str__(self) -> str:
@@ -99,7 +99,7 @@ class Run:
     confirms: list[Ran] = field(default_factory=list)  # each confirmation run
     held_hours: list[float] = field(default_factory=list)  # GPU-hours of each confirmation that held
     measured: float = 0.0  # best possible value of any configuration a launched trial ran (kept headroom)
-    # launched search trials by proposer (seed, local, pool, valid, tpe): {status: count}
+    # launched search trials by proposer (seed, local, pool, valid, tpe, rerun): {status: count}
     by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
     # autotune's planner as the search left it (bench_inspect.py asks it why); never pickled
     planner: Any = field(default=None, repr=False, compare=False)
@@ -314,12 +314,14 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
             report=False,
         )
         result = search.run()
-    # which proposer made each launched trial (a trial TPE sampled carries no proposal attribute)
+    # which proposer made each launched trial (a trial TPE sampled carries no proposal attribute; a
+    # transient crash's re-run is queued whole, by the loop, not proposed)
     proposers: dict[int, str] = {}
     for name in optuna.get_all_study_names(storage):
         for t in storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False):
             if t.number in tracker.statuses:
-                proposers[t.number] = t.system_attrs.get(PROPOSAL_ATTR, "tpe")
+                rerun = "rerun" if "rerun_of" in t.user_attrs else "tpe"
+                proposers[t.number] = t.system_attrs.get(PROPOSAL_ATTR, rerun)
                 counts = tracker.run.by_proposer.setdefault(proposers[t.number], {})
                 status = tracker.statuses[t.number]
                 counts[status] = counts.get(status, 0) + 1

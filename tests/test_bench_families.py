@@ -272,7 +272,7 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     assert "## Launched trials by proposer" in text
     ours = [r for r in rows if r["policy"] == "autotune"]
     assert all(sum(sum(c.values()) for c in r["by_proposer"].values()) == r["launched"] for r in ours)
-    assert all(set(r["by_proposer"]) <= {"seed", "local", "pool", "valid", "tpe"} for r in ours)
+    assert all(set(r["by_proposer"]) <= {"seed", "local", "pool", "valid", "tpe", "rerun"} for r in ours)
 
 
 def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path):
@@ -302,22 +302,60 @@ def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path)
     assert sum(int(c[4]) for c in trials) == sum(r["launched"] for r in rows)
     ran = sum(1 for r in rows for t in r["trials"] if t[2] == "ok")
     assert sum(int(c[5]) for c in trials) == ran
-    good = sum(1 for r in rows for t in r["trials"] if t[2] == "ok" and t[4] >= 0.95)
-    assert sum(int(c[6].split()[0]) for c in trials) == good
+    safe = sum(1 for r in rows for t in r["trials"] if t[2] == "ok" and t[4] >= 0.95)
+    assert sum(int(c[7].split()[0]) for c in trials if c[7].strip() != "-") == safe
     assert sum(int(c[3]) for c in exports) == sum(1 for r in rows if r["exported"])
-    assert all(c[2].strip() in {"seed", "local", "pool", "valid", "tpe"} for c in exports)
+    assert all(c[2].strip() in {"seed", "local", "pool", "valid", "tpe", "rerun"} for c in exports)
     plain = tmp_path / "plain.md"
     again = script("bench_search.py", *tiny, "--out", str(plain), cwd=tmp_path)
     assert again.returncode == 0 and all(
         "trials" not in r for r in json.loads(plain.with_suffix(".json").read_text())
     )
-    for bad in (plain.with_suffix(".json"), plain, tmp_path / "none.json"):
+    scalar, broken = tmp_path / "scalar.json", tmp_path / "broken.json"
+    scalar.write_text("5")
+    broken.write_text(json.dumps([{**rows[0], "trials": [[1, "seed", "ok"]]}]))
+    for bad in (plain.with_suffix(".json"), plain, tmp_path / "none.json", scalar, broken):
         refused = script("bench_proposers.py", str(bad), cwd=tmp_path, timeout=120)
         assert refused.returncode == 2 and len(refused.stdout.strip().splitlines()) == 1, refused.stdout
         assert refused.stdout.startswith("error: ") and "Traceback" not in refused.stderr
     assert (
         "--keep-trials" in script("bench_proposers.py", str(plain.with_suffix(".json")), cwd=tmp_path).stdout
     )
+
+
+def test_the_proposers_table_phases_each_trial_and_traces_each_export_to_the_trial_that_ran_it():
+    """bench_proposers.tables on runs written out by hand: the phase is the launched trial's place
+    (the 19th and later share the last), a trial counts at 0.95 by its value and safely by its safe
+    value, the mean is of the trials that ran, and an export is traced to the first trial that ran
+    its configuration (a crash of it before does not count), scored as the report scores it."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_proposers import tables
+
+    a, b, c = {"m": 1}, {"m": 2}, {"m": 4}
+    # trial numbers apart from the launch order (trials not launched between them), 26 launched
+    trials = [[100, "seed", "oom", 0.0, 0.0, c]]
+    trials += [[103 + 3 * i, "local", "ok", 0.5, 0.5, {"m": 8, "i": i}] for i in range(25)]
+    trials[7] = [121, "pool", "crash", 1.1, 0.0, b]
+    trials[8] = [124, "rerun", "ok", 1.1, 0.0, b]  # inside the headroom in truth: at 0.95, not safely
+    trials[19] = [157, "pool", "ok", 0.96, 0.96, a]  # the 20th launched: the last phase
+    trials[22] = [166, "local", "ok", 1.1, 0.0, b]  # b again, later: the export is the re-run's
+    run = {"family": "plain", "exported": b, "final": 1.1, "final_safe": 0.0, "trials": trials}
+    lines = tables([run, {**run, "family": "ppo", "exported": a, "final": 0.96, "final_safe": 0.96}])
+    cells = {
+        tuple(x.strip() for x in line.split("|")[1:4]): [x.strip() for x in line.split("|")[4:-1]]
+        for line in lines
+    }
+    assert cells[("plain", "seed", "1-6")] == ["1", "0", "-", "-", "-"]
+    assert cells[("plain", "pool", "7-12")] == ["1", "0", "-", "-", "-"]  # the crash: launched, not ran
+    assert cells[("plain", "rerun", "7-12")] == ["1", "1", "1 (100%)", "0 (0%)", "1.10"]
+    assert cells[("plain", "local", "13-18")] == ["6", "6", "0 (0%)", "0 (0%)", "0.50"]
+    assert cells[("plain", "local", "19+")] == ["7", "7", "1 (14%)", "0 (0%)", "0.59"]
+    assert cells[("plain", "pool", "19+")] == ["1", "1", "1 (100%)", "1 (100%)", "0.96"]
+    assert ("plain", "pool", "1-6") not in cells and ("plain", "local", "25+") not in cells
+    # the exports: traced past the crash to the re-run that ran it; scored as the report scores them
+    assert cells[("plain", "rerun", "1")] == ["1 (100%)", "0 (0%)"]
+    assert cells[("ppo", "pool", "1")] == ["1 (100%)", "1 (100%)"]
+    assert ("plain", "pool", "1") not in cells  # the crash that launched it first is not credited
 
 
 def test_every_drawn_noise_falls_in_one_band_of_the_report():
