@@ -279,8 +279,8 @@ def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path)
     """scripts/bench_proposers.py: with --keep-trials each autotune run keeps its launched trials
     (proposer, status, value and safe value in truth); without it the JSON stays as it was. The
     table counts every launched trial once, by the proposer the study recorded (the same counts as
-    the run's ``by_proposer``), a trial good only where it ran and was at 0.95 safely; every export
-    is traced to one proposer. Bad input: one line naming the fix, exit 2."""
+    the run's ``by_proposer``), a trial at 0.95 safely only where it ran; every export is traced to
+    one proposer. Bad input: one line naming the fix, exit 2."""
     out = tmp_path / "bench.md"
     tiny = ["--landscapes", "3", "--families", "plain,ppo", "--trials", "8", "--policies", "autotune"]
     run = script("bench_search.py", *tiny, "--keep-trials", "--out", str(out), cwd=tmp_path)
