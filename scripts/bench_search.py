@@ -120,7 +120,6 @@ class Tracker:
         self.hours = 0.0
         self.choice: tuple[float, dict[str, Any]] | None = None
         self.crashes = 0
-        self.statuses: dict[int, str] = {}  # launched search trial -> its status
 
     def __call__(
         self, params: dict[str, Any], trial_dir: Path, number: int, control: TrialControl
@@ -141,7 +140,6 @@ class Tracker:
             self.run.ooms += 1
         if outcome.status == "crash":
             self.crashes += 1
-        self.statuses[number] = str(outcome.status)
         if outcome.status == "ok":  # measured: whether the choice then finds it is another matter
             self.run.measured = max(self.run.measured, self.land.safe_value(params))
         self.run.trials.append(Ran(number, params, self.result(params, outcome), status=str(outcome.status)))
@@ -319,13 +317,12 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     proposers: dict[int, str] = {}
     for name in optuna.get_all_study_names(storage):
         for t in storage.get_all_trials(storage.get_study_id_from_name(name), deepcopy=False):
-            if t.number in tracker.statuses:
-                rerun = "rerun" if "rerun_of" in t.user_attrs else "tpe"
-                proposers[t.number] = t.system_attrs.get(PROPOSAL_ATTR, rerun)
-                counts = tracker.run.by_proposer.setdefault(proposers[t.number], {})
-                status = tracker.statuses[t.number]
-                counts[status] = counts.get(status, 0) + 1
+            rerun = "rerun" if "rerun_of" in t.user_attrs else "tpe"
+            proposers[t.number] = t.system_attrs.get(PROPOSAL_ATTR, rerun)
     tracker.run.trials = [replace(r, proposer=proposers.get(r.number, "")) for r in tracker.run.trials]
+    for r in tracker.run.trials:
+        counts = tracker.run.by_proposer.setdefault(r.proposer, {})
+        counts[r.status] = counts.get(r.status, 0) + 1
     tracker.run.exported = result.best.params if result.best else None
     tracker.run.final = land.value(tracker.run.exported)
     tracker.run.stopped = (result.stopped_reason or "").split(": ", 1)[-1]
@@ -388,8 +385,14 @@ def record(land: Landscape, name: str, run: Run) -> dict[str, Any]:
         # each launched trial: number, proposer, status, value and safe value in truth (of the best),
         # configuration; written to the JSON with --keep-trials only (scripts/bench_proposers.py)
         "trials": [
-            [r.number, r.proposer, r.status, land.value(r.params) / best, land.safe_value(r.params) / best]
-            + [r.params]
+            [
+                r.number,
+                r.proposer,
+                r.status,
+                land.value(r.params) / best,
+                land.safe_value(r.params) / best,
+                r.params,
+            ]
             for r in run.trials
         ]
         if ours
