@@ -1,11 +1,11 @@
 #!/usr/bin/env python
 """One benchmark run, trial by trial, beside its landscape's truth: what the notes read a miss by.
 
-    python scripts/bench_inspect.py 1/6 [--trials 30]
+    python scripts/bench_inspect.py 1/6 [--trials 30] [--luck N]
 
 ``SEED/INDEX`` names a run as docs/benchmarks.md does (seed 1, landscape #6). The run is autotune's
-search on that landscape exactly as ``scripts/bench_search.py --seed SEED`` runs it (the same
-recipe, executor and seeds, so the same decisions), printed with what the benchmark knows and the
+search on that landscape exactly as ``scripts/bench_search.py --seed SEED [--luck N]`` runs it (the
+same recipe, executor and seeds, so the same decisions), printed with what the benchmark knows and the
 search does not: each launched trial's and each confirmation's value in truth, the export's score,
 and the landscape's best configurations. A trial's knobs are shown where they differ from the
 landscape's best, so a walk that never reached it shows which knobs it never moved. For a run that
@@ -55,17 +55,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("run", help="SEED/INDEX, as docs/benchmarks.md names a run (1/6 or 1/#6)")
     parser.add_argument("--trials", type=int, default=30)
+    parser.add_argument("--luck", type=int, default=0, help="the run of bench_search.py ... --luck N")
     args = parser.parse_args()
     try:
         seed, index = run_of(args.run)
     except ValueError:
         print(f"error: {args.run}: name a run as SEED/INDEX, both whole numbers >= 0: 1/6")
         return 2
+    if not 0 <= args.luck < 1000:
+        print(f"error: --luck {args.luck}: give the whole number the benchmark ran with, 0 to 999")
+        return 2
     logging.basicConfig(level=logging.WARNING)
     quiet()
     d = landscape(index, seed)
     land = build_landscape(d, args.trials)
-    run = policy_autotune(land, search_seed(seed, index), args.trials)
+    run = policy_autotune(land, search_seed(seed, index, args.luck), args.trials)
     by_key = {candidate_key(c): c for c in land.candidates}
     ranked = sorted(land.safe.items(), key=lambda kv: -kv[1])
     best = by_key[ranked[0][0]]

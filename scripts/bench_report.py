@@ -147,6 +147,7 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
     cmd = (
         f"python scripts/bench_search.py --landscapes {args.landscapes} --families {args.families} "
         f"--trials {args.trials} --seed {args.seed} --jobs {args.jobs}"
+        + (f" --luck {args.luck}" if getattr(args, "luck", 0) else "")
     )
     seeds = sorted({r.get("seed", 0) for r in rows})
     per_seed = (

@@ -406,18 +406,30 @@ def quiet() -> None:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
 
 
-def search_seed(seed: int, index: int) -> int:
-    """The seed a policy's search of landscape ``index`` under ``--seed seed`` runs with."""
-    return seed * 1000 + index
+#: How far apart ``--luck`` draws put the searches' seeds: seeds and landscape indices below 1000 keep
+#: every (seed, landscape, luck) apart.
+LUCK_STRIDE = 1_000_000
 
 
-def run_landscape(job: tuple[Any, list[str], int, int]) -> tuple[Any, list[dict[str, Any]]]:
+def search_seed(seed: int, index: int, luck: int = 0) -> int:
+    """The seed a policy's search of landscape ``index`` under ``--seed seed`` runs with: its trials'
+    run-to-run noise and transient crashes, and the samplers' draws. ``luck`` (``--luck``) draws them
+    anew on the same landscapes."""
+    return seed * 1000 + index + luck * LUCK_STRIDE
+
+
+def run_landscape(job: tuple[Any, list[str], int, int, int]) -> tuple[Any, list[dict[str, Any]]]:
     """Every policy on one landscape (a unit of work for --jobs)."""
-    d, policies, trials, seed = job
+    d, policies, trials, seed, luck = job
     quiet()
     land = build_landscape(d, trials)
+    drawn = {"luck": luck} if luck else {}  # the JSON of the benchmark's own draw stays as it was
     return d, [
-        {"seed": seed, **record(land, name, POLICIES[name](land, search_seed(seed, d.index), trials))}
+        {
+            "seed": seed,
+            **drawn,
+            **record(land, name, POLICIES[name](land, search_seed(seed, d.index, luck), trials)),
+        }
         for name in policies
     ]
 
@@ -448,6 +460,14 @@ def main() -> int:
         action="store_true",
         help="keep every autotune run's launched trials in the JSON (for scripts/bench_proposers.py)",
     )
+    parser.add_argument(
+        "--luck",
+        type=int,
+        default=0,
+        help="draw the searches' luck anew (run-to-run noise, transient crashes, the samplers' draws) on "
+        "the same landscapes: 1, 2, ... (0, the default, is the benchmark's own draw); "
+        "scripts/bench_compare.py tells a change from such a draw",
+    )
     args = parser.parse_args()
     families = [f for f in args.families.split(",") if f]
     bad = [f for f in families if f not in FAMILIES] + [
@@ -464,6 +484,9 @@ def main() -> int:
     except ValueError:
         print(f"error: --seed {args.seed}: give whole numbers >= 0, each once, comma-separated: --seed 0,1,2")
         return 2
+    if not 0 <= args.luck < 1000:
+        print(f"error: --luck {args.luck}: give a whole number from 0 (the benchmark's own draw) to 999")
+        return 2
     logging.basicConfig(level=logging.WARNING)
     quiet()
     started = time.time()
@@ -475,7 +498,7 @@ def main() -> int:
             index += 1
             if d.family in families:
                 chosen.append(d)
-        jobs += [(d, args.policies.split(","), args.trials, seed) for d in chosen]
+        jobs += [(d, args.policies.split(","), args.trials, seed, args.luck) for d in chosen]
     rows: list[dict[str, Any]] = []
     # landscapes are independent: processes change the wall time, not one figure (rows keep their order)
     with multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else nullcontext() as pool:

@@ -358,6 +358,124 @@ def test_the_proposers_table_phases_each_trial_and_traces_each_export_to_the_tri
     assert ("plain", "pool", "1") not in cells  # the crash that launched it first is not credited
 
 
+def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
+    """``bench_search.py --luck 1`` searches the same landscapes (each run's best possible the same)
+    with its trials' noise drawn anew, so some run's search goes otherwise; bench_compare.py pairs
+    the two runs by seed and landscape and counts, for each group, the share at 0.95 of both and the
+    runs that crossed it each way, as the JSONs say. Bad input: one line naming the fix, exit 2."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_compare import sign_test
+
+    tiny = ["--landscapes", "3", "--families", "plain,ppo", "--trials", "8", "--policies", "autotune"]
+    base, luck = tmp_path / "base.md", tmp_path / "luck.md"
+    for out, more in ((base, []), (luck, ["--luck", "1"])):
+        run = script("bench_search.py", *tiny, *more, "--out", str(out), cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-2000:]
+    first, second = (json.loads(p.with_suffix(".json").read_text()) for p in (base, luck))
+    assert all("luck" not in r for r in first) and all(r["luck"] == 1 for r in second)
+    assert "--luck 1" in luck.read_text() and "--luck" not in base.read_text()
+    pairs = list(zip(first, second))
+    assert all(
+        (a["seed"], a["landscape"], a["best_possible"]) == (b["seed"], b["landscape"], b["best_possible"])
+        for a, b in pairs
+    )
+    assert any(a["log"] != b["log"] or a["cost"] != b["cost"] for a, b in pairs), "the luck drew nothing anew"
+    shown = script(
+        "bench_compare.py", str(base.with_suffix(".json")), str(luck.with_suffix(".json")), cwd=tmp_path
+    )
+    assert shown.returncode == 0, shown.stdout + shown.stderr[-2000:]
+    cells = {
+        line.split("|")[1].strip(): line.split("|")
+        for line in shown.stdout.splitlines()
+        if line.startswith("| ")
+    }
+    for name, rows in (("base.json", first), ("luck.json", second)):
+        good = sum(r["final"] >= 0.95 for r in rows)
+        assert cells[name][3].strip().startswith(f"{good} (") and int(cells[name][4]) == sum(
+            r["final_safe"] >= 0.95 for r in rows
+        )
+    up = sum(a["final"] < 0.95 <= b["final"] for a, b in pairs)
+    down = sum(b["final"] < 0.95 <= a["final"] for a, b in pairs)
+    before, after = (sum(r["final"] >= 0.95 for r in rows) for rows in (first, second))
+    assert cells["all"][3].strip() == f"{before} -> {after}" and (
+        int(cells["all"][4]),
+        int(cells["all"][5]),
+    ) == (up, down)
+    assert float(cells["all"][6]) == round(sign_test(up, down), 2)
+    families = {r["family"] for r in first}
+    assert sum(int(cells[f][2]) for f in families) == len(pairs) == int(cells["seed 0"][2])
+    refused = script("bench_search.py", *tiny, "--luck", "-1", "--out", str(tmp_path / "x.md"), cwd=tmp_path)
+    assert (
+        refused.returncode == 2
+        and refused.stdout.startswith("error: --luck -1")
+        and not (tmp_path / "x.md").exists()
+    )
+    other_seed = [{**r, "seed": 7} for r in first]
+    moved = [{**first[0], "best_possible": first[0]["best_possible"] * 1.1}, *first[1:]]
+    lacking = [{k: v for k, v in r.items() if k != "final_safe"} for r in first]
+    bad = {"scalar": 5, "others": [{**first[0], "policy": "random"}], "seed": other_seed, "moved": moved}
+    bad |= {"lacking": lacking, "twice": first + first}
+    for name, content in bad.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(content))
+    for name in [*bad, "none", "base"]:
+        given = tmp_path / (f"{name}.json" if name != "base" else "base.md")
+        refused = script(
+            "bench_compare.py", str(base.with_suffix(".json")), str(given), cwd=tmp_path, timeout=120
+        )
+        assert refused.returncode == 2 and len(refused.stdout.strip().splitlines()) == 1, (
+            name,
+            refused.stdout,
+        )
+        assert refused.stdout.startswith("error: ") and "Traceback" not in refused.stderr, name
+
+
+def test_the_comparison_counts_each_group_and_its_sign_test_exactly():
+    """bench_compare.compare on runs written out by hand: a run crosses 0.95 up or down (at 0.95
+    itself counting as reached), each seed and family counted apart, and the sign test is the exact
+    binomial one (two-sided)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_compare import compare, sign_test
+
+    assert sign_test(0, 0) == 1.0 and sign_test(3, 3) == 1.0 and sign_test(5, 0) == sign_test(0, 5) == 0.0625
+    assert sign_test(1, 5) == 2 * 7 / 64 and sign_test(19, 17) == sign_test(17, 19) < 1.0
+
+    def run(seed: int, index: int, family: str, final: float) -> dict:
+        common = {"fitting": 9, "cost": 10.0 + index, "at20": final, "ooms": 0, "launched": 9}
+        return {
+            "seed": seed,
+            "landscape": index,
+            "family": family,
+            "final": final,
+            "final_safe": final,
+            **common,
+        }
+
+    finals = [(0, 1, "trl", 0.96, 0.90), (0, 2, "trl", 0.94, 0.95), (0, 3, "ppo", 0.80, 0.97)]
+    finals += [(1, 1, "ppo", 0.99, 0.99), (1, 4, "plain", 0.90, 0.93), (1, 5, "trl", 0.95, 0.949)]
+    a = {(s, i): run(s, i, f, x) for s, i, f, x, _ in finals}
+    b = {(s, i): run(s, i, f, y) for s, i, f, _, y in finals}
+    lines = compare(a, b, ("a", "b"))
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+        for line in lines
+        if line.startswith("| ")
+    }
+    assert rows["a"][:5] == ["6", "3 (50.0%)", "3", "1", "0.80"]
+    assert rows["b"][:5] == ["6", "3 (50.0%)", "3", "0", "0.90"]
+    assert rows["seed 0"] == ["3", "1 -> 2", "2", "1", "1.00"]
+    assert rows["seed 1"] == ["3", "2 -> 1", "0", "1", "1.00"]
+    assert rows["trl"] == ["3", "2 -> 1", "1", "2", "1.00"]
+    assert rows["ppo"] == ["2", "1 -> 2", "1", "0", "1.00"]
+    assert rows["plain"] == ["1", "0 -> 0", "0", "0", "1.00"]
+    assert rows["all"] == ["6", "3 -> 3", "2", "2", "1.00"]
+    assert [line for line in lines if line.startswith("- ")] == [
+        "- 0/#1 trl: 0.960 -> 0.900",
+        "- 0/#2 trl: 0.940 -> 0.950",
+        "- 0/#3 ppo: 0.800 -> 0.970",
+        "- 1/#5 trl: 0.950 -> 0.949",
+    ]
+
+
 def test_every_drawn_noise_falls_in_one_band_of_the_report():
     """The report's misses by drawn noise: each run in exactly one band, a band's lower edge its own."""
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -427,6 +545,22 @@ def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_i
     assert len(trials) == row["launched"] and all("(true " in t for t in trials)
     assert f"score {row['final']:.3f}" in shown.stdout
     assert any(line.strip().startswith("1.000 (the best)") for line in lines)
+    # a run of the searches' luck drawn anew (--luck) is replayed with the same --luck
+    lucky = tmp_path / "luck.md"
+    more = ["--landscapes", "1", "--families", "plain", *tiny, "--policies", "autotune", "--luck", "2"]
+    run = script("bench_search.py", *more, "--seed", "1", "--out", str(lucky), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    (other,) = json.loads(lucky.with_suffix(".json").read_text())
+    again = script("bench_inspect.py", f"1/{row['landscape']}", *tiny, "--luck", "2", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"score {other['final']:.3f}" in again.stdout
+    assert (
+        again.stdout.count("(true ") - again.stdout.split("confirmations:")[1].count("(true ")
+        == other["launched"]
+    )
+    assert again.stdout != shown.stdout  # another draw, another search (or the flag did nothing)
+    refused = script("bench_inspect.py", "1/1", "--luck", "-3", cwd=tmp_path, timeout=120)
+    assert refused.returncode == 2 and refused.stdout.startswith("error: --luck -3") and not refused.stderr
     for bad in ("1/x", "x", "1/-2"):
         refused = script("bench_inspect.py", bad, cwd=tmp_path, timeout=120)
         assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [

@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Two benchmark runs of autotune compared run by run: a change told from the searches' luck.
+
+    python scripts/bench_search.py --seed 0,1,2 --policies autotune --out /tmp/base.md
+    python scripts/bench_search.py --seed 0,1,2 --policies autotune --luck 1 --out /tmp/luck.md
+    python scripts/bench_compare.py /tmp/base.json /tmp/luck.json
+
+Both runs search the same landscapes (the same ``--seed`` and ``--landscapes``), so their runs pair
+up by seed and landscape. A change to the search moves some runs up and some down even where it
+changes nothing that matters: a search's path is chaotic, and one trial measured otherwise sends the
+rest of it elsewhere. ``--luck N`` draws exactly that (the same search, its trials' noise and
+transient crashes drawn anew), and this script says how far apart two runs are: the report's
+headline for both, the share at 0.95 by seed and family, and the runs that crossed 0.95 each way
+with an exact two-sided sign test over them (McNemar's test: under no real difference a run that
+crosses is as likely to cross up as down). A p-value well above 0.05 is a difference the benchmark
+cannot tell from luck; the luck draws' own differences, in docs/benchmarks-notes.md, say how large
+that is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_report import metrics  # noqa: E402
+
+GOOD = 0.95  # issue 19's share of the best possible
+NEEDED = {
+    "seed",
+    "landscape",
+    "family",
+    "best_possible",
+    "final",
+    "final_safe",
+    "fitting",
+    "cost",
+    "at20",
+    "ooms",
+    "launched",
+}
+
+Key = tuple[int, int]
+
+
+def sign_test(up: int, down: int) -> float:
+    """Exact two-sided p-value of ``up`` against ``down`` when each is as likely as the other."""
+    n = up + down
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, i) for i in range(min(up, down) + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def load(path: Path) -> dict[Key, dict[str, Any]]:
+    """autotune's runs of a benchmark JSON by (seed, landscape); ValueError says what is wrong."""
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a benchmark JSON ({exc})") from exc
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: not a benchmark JSON (a list of runs)")
+    ours = [r for r in rows if isinstance(r, dict) and r.get("policy") == "autotune"]
+    if not ours:
+        raise ValueError(
+            f"{path}: no run of autotune; run scripts/bench_search.py with autotune among --policies"
+        )
+    for r in ours:
+        if not NEEDED <= set(r):
+            raise ValueError(
+                f"{path}: a run is not as scripts/bench_search.py writes it (lacks {min(NEEDED - set(r))})"
+            )
+    runs = {(int(r["seed"]), int(r["landscape"])): r for r in ours}
+    if len(runs) != len(ours):
+        raise ValueError(f"{path}: a seed/landscape appears twice: one benchmark run per file")
+    return runs
+
+
+def headline(name: str, rows: list[dict[str, Any]]) -> str:
+    m = metrics(rows)
+    good, safe = (sum(r[k] >= GOOD for r in rows) for k in ("final", "final_safe"))
+    return (
+        f"| {name} | {m['runs']} | {good} ({m['share95']:.1%}) | {safe} "
+        f"| {m['below85']} | {m['worst']:.2f} | {m['empty']} | {m['cost']:.1f} | {m['stretch']:.0%} |"
+    )
+
+
+def compare(
+    base: dict[Key, dict[str, Any]], other: dict[Key, dict[str, Any]], names: tuple[str, str]
+) -> list[str]:
+    """The markdown the script prints for the runs both hold."""
+    keys = sorted(set(base) & set(other))
+    lines = [
+        "| | runs | >= 0.95 | counted safely | < 0.85 | worst | empty export | median cost | 0.98 @20 |",
+        "|---|---|---|---|---|---|---|---|---|",
+        headline(names[0], [base[k] for k in keys]),
+        headline(names[1], [other[k] for k in keys]),
+        "",
+        "| group | runs | >= 0.95: first -> second | crossed up | crossed down | sign test p |",
+        "|---|---|---|---|---|---|",
+    ]
+    groups = [(f"seed {s}", lambda k, s=s: k[0] == s) for s in sorted({k[0] for k in keys})]
+    groups += [(f, lambda k, f=f: base[k]["family"] == f) for f in sorted({base[k]["family"] for k in keys})]
+    groups.append(("all", lambda k: True))
+    crossed: list[tuple[Key, float, float]] = []
+    for name, member in groups:
+        mine = [k for k in keys if member(k)]
+        before = sum(base[k]["final"] >= GOOD for k in mine)
+        after = sum(other[k]["final"] >= GOOD for k in mine)
+        moved = [k for k in mine if (base[k]["final"] >= GOOD) != (other[k]["final"] >= GOOD)]
+        up = sum(other[k]["final"] >= GOOD for k in moved)
+        lines.append(
+            f"| {name} | {len(mine)} | {before} -> {after} | {up} | {len(moved) - up} "
+            f"| {sign_test(up, len(moved) - up):.2f} |"
+        )
+        if name == "all":
+            crossed = [(k, base[k]["final"], other[k]["final"]) for k in moved]
+    lines += ["", "Runs that crossed 0.95:" if crossed else "No run crossed 0.95."]
+    lines += [f"- {s}/#{i} {base[(s, i)]['family']}: {a:.3f} -> {b:.3f}" for (s, i), a, b in crossed]
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("first", type=Path, help="a JSON beside a bench_search.py report (the base)")
+    parser.add_argument("second", type=Path, help="another, of the same seeds and landscapes")
+    args = parser.parse_args()
+    try:
+        base, other = load(args.first), load(args.second)
+    except ValueError as exc:
+        print(f"error: {exc}")
+        return 2
+    both = set(base) & set(other)
+    if not both:
+        print(
+            f"error: {args.first} and {args.second} share no run: benchmark the same --seed and --landscapes"
+        )
+        return 2
+    changed = sorted(k for k in both if not math.isclose(base[k]["best_possible"], other[k]["best_possible"]))
+    if changed:
+        s, i = changed[0]
+        print(
+            f"error: {s}/#{i} has another best possible in each file: the landscapes changed between the "
+            "two runs; compare runs of the same simulator"
+        )
+        return 2
+    apart = len(set(base) ^ set(other))
+    print(
+        f"{len(both)} runs of autotune in both files"
+        + (f" ({apart} in only one, left out)" if apart else "")
+        + "\n"
+    )
+    print("\n".join(compare(base, other, (args.first.name, args.second.name))))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
