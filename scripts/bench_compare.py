@@ -8,19 +8,20 @@
 Both runs search the same landscapes (the same ``--seed`` and ``--landscapes``), so their runs pair
 up by seed and landscape. A change to the search moves some runs up and some down even where it
 changes nothing that matters: a search's path is chaotic, and one trial measured otherwise sends the
-rest of it elsewhere. ``--luck N`` draws exactly that (the same search, its trials' noise and
-transient crashes drawn anew), and this script says how far apart two runs are: the report's
-headline for both, the share at 0.95 by seed and family, and the runs that crossed 0.95 each way
-with an exact two-sided sign test over them (McNemar's test: under no real difference a run that
-crosses is as likely to cross up as down). A p-value well above 0.05 is a difference the benchmark
-cannot tell from luck; the luck draws' own differences, in docs/benchmarks-notes.md, say how large
-that is.
+rest of it elsewhere. ``--luck N`` draws exactly that (the same search, its trials' noise, transient
+crashes and samplers' draws drawn anew), and this script says how far apart two runs are: the
+report's headline for both, the share at 0.95 by seed and family with the mean change of the score
+(capped at 1, as a run above the best possible gains nothing), and the runs that crossed 0.95 each
+way with an exact two-sided sign test over them (McNemar's test: under no real difference a run that
+crosses is as likely to cross up as down). The test is the row of all runs; the seeds' and families'
+rows are there to read, not to test (ten p-values, one of them small by chance now and then). A
+p-value well above 0.05 is a difference the benchmark cannot tell from luck; the thirtieth pass in
+docs/benchmarks-notes.md says how far apart two draws of luck alone land.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
@@ -28,22 +29,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_report import metrics  # noqa: E402
+from bench_report import GOOD, autotune_runs, metrics  # noqa: E402
 
-GOOD = 0.95  # issue 19's share of the best possible
-NEEDED = {
-    "seed",
-    "landscape",
-    "family",
-    "best_possible",
-    "final",
-    "final_safe",
-    "fitting",
-    "cost",
-    "at20",
-    "ooms",
-    "launched",
-}
+from autotune.sim.families import FAMILIES  # noqa: E402
+
+WHOLE = ("seed", "landscape")  # what names a run
+NUMBERS = ("best_possible", "final", "final_safe", "fitting", "cost", "at20", "ooms", "launched")
 
 Key = tuple[int, int]
 
@@ -59,26 +50,33 @@ def sign_test(up: int, down: int) -> float:
 
 def load(path: Path) -> dict[Key, dict[str, Any]]:
     """autotune's runs of a benchmark JSON by (seed, landscape); ValueError says what is wrong."""
-    try:
-        rows = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a benchmark JSON ({exc})") from exc
-    if not isinstance(rows, list):
-        raise ValueError(f"{path}: not a benchmark JSON (a list of runs)")
-    ours = [r for r in rows if isinstance(r, dict) and r.get("policy") == "autotune"]
+    ours = autotune_runs(path)
     if not ours:
         raise ValueError(
             f"{path}: no run of autotune; run scripts/bench_search.py with autotune among --policies"
         )
     for r in ours:
-        if not NEEDED <= set(r):
-            raise ValueError(
-                f"{path}: a run is not as scripts/bench_search.py writes it (lacks {min(NEEDED - set(r))})"
-            )
-    runs = {(int(r["seed"]), int(r["landscape"])): r for r in ours}
+        whole = all(type(r.get(k)) is int and r[k] >= 0 for k in WHOLE)
+        numbers = all(type(r.get(k)) in (int, float) and math.isfinite(r[k]) for k in NUMBERS) and isinstance(
+            r.get("family"), str
+        )
+        if not (whole and numbers):
+            name = f"{r.get('seed')}/#{r.get('landscape')}"
+            raise ValueError(f"{path}: run {name} is not as scripts/bench_search.py writes it")
+    runs = {(r["seed"], r["landscape"]): r for r in ours}
     if len(runs) != len(ours):
         raise ValueError(f"{path}: a seed/landscape appears twice: one benchmark run per file")
     return runs
+
+
+def label(path: Path, runs: dict[Key, dict[str, Any]]) -> str:
+    """A file as the user named it, with the luck its runs were drawn with."""
+    lucks = sorted({r.get("luck", 0) for r in runs.values()})
+    return f"{path} (luck {', '.join(map(str, lucks))})"
+
+
+def p_value(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
 def headline(name: str, rows: list[dict[str, Any]]) -> str:
@@ -101,11 +99,13 @@ def compare(
         headline(names[0], [base[k] for k in keys]),
         headline(names[1], [other[k] for k in keys]),
         "",
-        "| group | runs | >= 0.95: first -> second | crossed up | crossed down | sign test p |",
-        "|---|---|---|---|---|---|",
+        "| group | runs | >= 0.95: first -> second | crossed up | crossed down | mean change | sign test p |",
+        "|---|---|---|---|---|---|---|",
     ]
+    order = [f for f in FAMILIES if any(base[k]["family"] == f for k in keys)]
+    order += sorted({base[k]["family"] for k in keys} - set(order))
     groups = [(f"seed {s}", lambda k, s=s: k[0] == s) for s in sorted({k[0] for k in keys})]
-    groups += [(f, lambda k, f=f: base[k]["family"] == f) for f in sorted({base[k]["family"] for k in keys})]
+    groups += [(f, lambda k, f=f: base[k]["family"] == f) for f in order]
     groups.append(("all", lambda k: True))
     crossed: list[tuple[Key, float, float]] = []
     for name, member in groups:
@@ -114,9 +114,10 @@ def compare(
         after = sum(other[k]["final"] >= GOOD for k in mine)
         moved = [k for k in mine if (base[k]["final"] >= GOOD) != (other[k]["final"] >= GOOD)]
         up = sum(other[k]["final"] >= GOOD for k in moved)
+        change = sum(min(other[k]["final"], 1.0) - min(base[k]["final"], 1.0) for k in mine) / len(mine)
         lines.append(
-            f"| {name} | {len(mine)} | {before} -> {after} | {up} | {len(moved) - up} "
-            f"| {sign_test(up, len(moved) - up):.2f} |"
+            f"| {name} | {len(mine)} | {before} -> {after} | {up} | {len(moved) - up} | {change:+.4f} "
+            f"| {p_value(sign_test(up, len(moved) - up))} |"
         )
         if name == "all":
             crossed = [(k, base[k]["final"], other[k]["final"]) for k in moved]
@@ -155,7 +156,7 @@ def main() -> int:
         + (f" ({apart} in only one, left out)" if apart else "")
         + "\n"
     )
-    print("\n".join(compare(base, other, (args.first.name, args.second.name))))
+    print("\n".join(compare(base, other, (label(args.first, base), label(args.second, other)))))
     return 0
 
 

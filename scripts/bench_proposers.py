@@ -23,7 +23,8 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-GOOD = 0.95
+from bench_report import GOOD, autotune_runs
+
 PHASE = 6  # launched trials a phase of the table spans
 PHASES = 4  # the last one takes every later trial
 UNTRACED = "(untraced)"  # an export no trial that ran had measured: a tracing failure, shown as such
@@ -81,13 +82,7 @@ def tables(rows: list[dict[str, Any]]) -> list[str]:
 
 def load(path: Path) -> list[dict[str, Any]]:
     """autotune's runs of a benchmark JSON kept with --keep-trials; ValueError says what is wrong."""
-    try:
-        rows = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ValueError(f"{path}: not a benchmark JSON ({exc})") from exc
-    if not isinstance(rows, list):
-        raise ValueError(f"{path}: not a benchmark JSON (a list of runs)")
-    ours = [r for r in rows if isinstance(r, dict) and r.get("policy") == "autotune"]
+    ours = autotune_runs(path)
     if not ours or any("trials" not in r for r in ours):
         raise ValueError(
             f"{path}: no launched trials kept; run scripts/bench_search.py with --keep-trials "

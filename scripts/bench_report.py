@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+from pathlib import Path
 from typing import Any
+
+GOOD = 0.95  # issue 19's share of the best possible: a run at or above it counts
 
 TARGETS = (
     "Targets (issue 19), within 30 launched trials: >= 0.95 of the best possible in at least 95% of runs, "
@@ -17,11 +21,23 @@ def p10(values: list[float]) -> float:
     return ordered[int(0.1 * (len(ordered) - 1))] if ordered else 0.0
 
 
+def autotune_runs(path: Path) -> list[dict[str, Any]]:
+    """autotune's rows of the JSON that scripts/bench_search.py writes beside its report (the scripts
+    that read a benchmark run back start here); ValueError says what is wrong."""
+    try:
+        rows = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a benchmark JSON ({exc})") from exc
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: not a benchmark JSON (a list of runs)")
+    return [r for r in rows if isinstance(r, dict) and r.get("policy") == "autotune"]
+
+
 def metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
     finals = [r["final"] for r in rows]
     return {
         "runs": len(rows),
-        "share95": sum(f >= 0.95 for f in finals) / len(rows),
+        "share95": sum(f >= GOOD for f in finals) / len(rows),
         "p10": p10(finals),
         "worst": min(finals),
         "below85": sum(f < 0.85 for f in finals),
@@ -84,8 +100,8 @@ def miss_rows(groups: list[tuple[str, list[dict[str, Any]]]]) -> list[str]:
     for name, group in groups:
         if not group:
             continue
-        miss = [r for r in group if r["final"] < 0.95]
-        chose = sum(r.get("measured_best", 0.0) >= 0.95 for r in miss)
+        miss = [r for r in group if r["final"] < GOOD]
+        chose = sum(r.get("measured_best", 0.0) >= GOOD for r in miss)
         share = metrics(group)["share95"]
         lines.append(f"| {name} | {len(group)} | {share:.0%} | {len(miss)} | {chose} | {len(miss) - chose} |")
     return lines

@@ -51,6 +51,7 @@ from bench_landscapes import (  # noqa: E402
 from bench_report import run_name, write_report  # noqa: E402
 
 from autotune.candidate import constraints  # noqa: E402
+from autotune.errors import SearchStopped  # noqa: E402
 from autotune.runners import TrialContext  # noqa: E402
 from autotune.search.confirm import CONFIRM_NUMBER_OFFSET  # noqa: E402
 from autotune.search.loop import Search  # noqa: E402
@@ -296,22 +297,34 @@ def policy_hf(land: Landscape, seed: int, trials: int) -> Run:
     return run_fixed_list(land, seed, [], trials, adaptive=search)
 
 
+#: Times a search stopped by the same crash three times in a row is resumed, as its message tells
+#: the user to (``autotune resume``): on a landscape that crashes up to 5% of trials at random, three
+#: in a row come now and then, and a user resumes; a search that stops a third time exports nothing.
+RESUMES = 2
+
+
 def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     recipe = make_recipe(land.case, seed, trials)
     context = TrialContext(recipe, land.context.space, land.context.model, land.context.gpu)
     tracker = Tracker(land, land.executor(seed))
     storage = optuna.storages.InMemoryStorage()
+    result, stops = None, []
     with tempfile.TemporaryDirectory() as tmp:
-        search = Search(
-            recipe,
-            StudyPaths(Path(tmp), recipe.name),
-            context,
-            Quiet(trials),
-            execute=tracker,
-            storage=storage,
-            report=False,
-        )
-        result = search.run()
+        for _ in range(RESUMES + 1):  # the same study each time, as `autotune resume` continues it
+            search = Search(
+                recipe,
+                StudyPaths(Path(tmp), recipe.name),
+                context,
+                Quiet(trials),
+                execute=tracker,
+                storage=storage,
+                report=False,
+            )
+            try:
+                result = search.run()
+                break
+            except SearchStopped as exc:
+                stops.append(str(exc).split(" (see ", 1)[0])
     # which proposer made each launched trial (a trial TPE sampled carries no proposal attribute; a
     # transient crash's re-run is queued whole, by the loop, not proposed)
     proposers: dict[int, str] = {}
@@ -323,9 +336,13 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     for r in tracker.run.trials:
         counts = tracker.run.by_proposer.setdefault(r.proposer, {})
         counts[r.status] = counts.get(r.status, 0) + 1
-    tracker.run.exported = result.best.params if result.best else None
+    tracker.run.exported = result.best.params if result and result.best else None
     tracker.run.final = land.value(tracker.run.exported)
-    tracker.run.stopped = (result.stopped_reason or "").split(": ", 1)[-1]
+    tracker.run.stopped = (
+        (result.stopped_reason or "").split(": ", 1)[-1] if result else f"stopped: {stops[-1]}"
+    )
+    if result and stops:
+        tracker.run.stopped += f" (resumed after: {'; '.join(stops)})"
     tracker.run.crashes = tracker.crashes
     tracker.run.total_hours = tracker.hours
     tracker.run.planner = search.planner
@@ -406,8 +423,8 @@ def quiet() -> None:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
 
 
-#: How far apart ``--luck`` draws put the searches' seeds: seeds and landscape indices below 1000 keep
-#: every (seed, landscape, luck) apart.
+#: How far apart ``--luck`` draws put the searches' seeds: with seeds (``--seed``, 0-999) and landscape
+#: indices below 1000, every (seed, landscape, luck) has its own.
 LUCK_STRIDE = 1_000_000
 
 
@@ -435,9 +452,10 @@ def run_landscape(job: tuple[Any, list[str], int, int, int]) -> tuple[Any, list[
 
 
 def seeds_of(text: str) -> list[int]:
-    """``--seed``: one seed or several, comma-separated (``0,1,2``); ValueError if not whole numbers."""
+    """``--seed``: one seed or several, comma-separated (``0,1,2``); ValueError if not whole numbers
+    0-999 (:func:`search_seed` keeps seeds, landscapes and draws of luck apart below 1000)."""
     seeds = [int(part) for part in text.split(",") if part.strip()]
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0:
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= 1000:
         raise ValueError(text)
     return seeds
 
@@ -482,7 +500,9 @@ def main() -> int:
     try:
         seeds = seeds_of(args.seed)
     except ValueError:
-        print(f"error: --seed {args.seed}: give whole numbers >= 0, each once, comma-separated: --seed 0,1,2")
+        print(
+            f"error: --seed {args.seed}: give whole numbers 0-999, each once, comma-separated: --seed 0,1,2"
+        )
         return 2
     if not 0 <= args.luck < 1000:
         print(f"error: --luck {args.luck}: give a whole number from 0 (the benchmark's own draw) to 999")
