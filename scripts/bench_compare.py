@@ -56,11 +56,9 @@ def load(path: Path) -> dict[Key, dict[str, Any]]:
             f"{path}: no run of autotune; run scripts/bench_search.py with autotune among --policies"
         )
     for r in ours:
-        whole = all(type(r.get(k)) is int and r[k] >= 0 for k in WHOLE)
-        numbers = all(type(r.get(k)) in (int, float) and math.isfinite(r[k]) for k in NUMBERS) and isinstance(
-            r.get("family"), str
-        )
-        if not (whole and numbers):
+        whole = all(type(r.get(k)) is int and r[k] >= 0 for k in WHOLE) and type(r.get("luck", 0)) is int
+        numbers = all(type(r.get(k)) in (int, float) and math.isfinite(r[k]) for k in NUMBERS)
+        if not (whole and numbers and isinstance(r.get("family"), str)):
             name = f"{r.get('seed')}/#{r.get('landscape')}"
             raise ValueError(f"{path}: run {name} is not as scripts/bench_search.py writes it")
     runs = {(r["seed"], r["landscape"]): r for r in ours}
@@ -115,6 +113,7 @@ def compare(
         moved = [k for k in mine if (base[k]["final"] >= GOOD) != (other[k]["final"] >= GOOD)]
         up = sum(other[k]["final"] >= GOOD for k in moved)
         change = sum(min(other[k]["final"], 1.0) - min(base[k]["final"], 1.0) for k in mine) / len(mine)
+        change = round(change, 4) + 0.0  # never "-0.0000"
         lines.append(
             f"| {name} | {len(mine)} | {before} -> {after} | {up} | {len(moved) - up} | {change:+.4f} "
             f"| {p_value(sign_test(up, len(moved) - up))} |"

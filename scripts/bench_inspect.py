@@ -41,7 +41,7 @@ def run_of(text: str) -> tuple[int, int]:
     """``SEED/INDEX`` (``1/6``; ``1/#6`` as the report writes it); ValueError otherwise."""
     seed, _, index = text.partition("/")
     seed_n, index_n = int(seed), int(index.lstrip("#"))
-    if seed_n < 0 or index_n < 0:
+    if not 0 <= seed_n < 1000 or index_n < 0:  # bench_search.py's --seed is 0-999
         raise ValueError(text)
     return seed_n, index_n
 
@@ -60,7 +60,7 @@ def main() -> int:
     try:
         seed, index = run_of(args.run)
     except ValueError:
-        print(f"error: {args.run}: name a run as SEED/INDEX, both whole numbers >= 0: 1/6")
+        print(f"error: {args.run}: name a run as SEED/INDEX, the seed 0-999, the index >= 0: 1/6")
         return 2
     if not 0 <= args.luck < 1000:
         print(f"error: --luck {args.luck}: give the whole number the benchmark ran with, 0 to 999")

@@ -57,7 +57,8 @@ from autotune.search.confirm import CONFIRM_NUMBER_OFFSET  # noqa: E402
 from autotune.search.loop import Search  # noqa: E402
 from autotune.search.policy import PROPOSAL_ATTR  # noqa: E402
 from autotune.sim.families import FAMILIES, landscape  # noqa: E402
-from autotune.study import StudyPaths, candidate_key  # noqa: E402
+from autotune.study import StudyPaths, candidate_key, choose_best, confirmations, rows  # noqa: E402
+from autotune.study.incidents import long_run_failures  # noqa: E402
 from autotune.trial.control import StopRule, TrialControl  # noqa: E402
 from autotune.trial.outcome import Outcome  # noqa: E402
 
@@ -299,7 +300,8 @@ def policy_hf(land: Landscape, seed: int, trials: int) -> Run:
 
 #: Times a search stopped by the same crash three times in a row is resumed, as its message tells
 #: the user to (``autotune resume``): on a landscape that crashes up to 5% of trials at random, three
-#: in a row come now and then, and a user resumes; a search that stops a third time exports nothing.
+#: in a row come now and then, and a user resumes. A search that stops once more is scored by what
+#: its best/ holds then (the loop exports each new best as it comes, unconfirmed).
 RESUMES = 2
 
 
@@ -336,13 +338,17 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     for r in tracker.run.trials:
         counts = tracker.run.by_proposer.setdefault(r.proposer, {})
         counts[r.status] = counts.get(r.status, 0) + 1
-    tracker.run.exported = result.best.params if result and result.best else None
+    if result is not None:
+        best = result.best
+        tracker.run.stopped = (result.stopped_reason or "").split(": ", 1)[-1]
+        if stops:
+            tracker.run.stopped += f" (resumed after: {'; '.join(stops)})"
+    else:
+        study = search.state.study
+        best, _ = choose_best(rows(study), recipe, confirmations(study), long_run_failures(study))
+        tracker.run.stopped = f"stopped {len(stops)} times (resumed {len(stops) - 1}): {stops[-1]}"
+    tracker.run.exported = best.params if best else None
     tracker.run.final = land.value(tracker.run.exported)
-    tracker.run.stopped = (
-        (result.stopped_reason or "").split(": ", 1)[-1] if result else f"stopped: {stops[-1]}"
-    )
-    if result and stops:
-        tracker.run.stopped += f" (resumed after: {'; '.join(stops)})"
     tracker.run.crashes = tracker.crashes
     tracker.run.total_hours = tracker.hours
     tracker.run.planner = search.planner
@@ -426,6 +432,7 @@ def quiet() -> None:
 #: How far apart ``--luck`` draws put the searches' seeds: with seeds (``--seed``, 0-999) and landscape
 #: indices below 1000, every (seed, landscape, luck) has its own.
 LUCK_STRIDE = 1_000_000
+LANDSCAPE_INDICES = 1000  # the indices a seed's landscapes may take before its searches' seeds meet another's
 
 
 def search_seed(seed: int, index: int, luck: int = 0) -> int:
@@ -518,6 +525,11 @@ def main() -> int:
             index += 1
             if d.family in families:
                 chosen.append(d)
+        if index > LANDSCAPE_INDICES:
+            print(
+                f"error: --landscapes {args.landscapes}: too many of --families {args.families}; give fewer"
+            )
+            return 2
         jobs += [(d, args.policies.split(","), args.trials, seed, args.luck) for d in chosen]
     rows: list[dict[str, Any]] = []
     # landscapes are independent: processes change the wall time, not one figure (rows keep their order)
