@@ -484,6 +484,7 @@ def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
         bad[f"{key}-{value}"] = [{**first[0], key: value}, *first[1:]]
     bad["nan"] = [{**first[0], "cost": float("nan")}, *first[1:]]
     bad["family"] = [{**first[0], "family": ["a"]}, *first[1:]]
+    bad["luck"] = [{**first[0], "luck": [1]}, *first[1:]]
     for name, content in bad.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(content))
     for name in [*bad, "none", "base"]:
