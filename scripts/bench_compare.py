@@ -8,15 +8,17 @@
 Both runs search the same landscapes (the same ``--seed`` and ``--landscapes``), so their runs pair
 up by seed and landscape. A change to the search moves some runs up and some down even where it
 changes nothing that matters: a search's path is chaotic, and one trial measured otherwise sends the
-rest of it elsewhere. ``--luck N`` draws exactly that (the same search, its trials' noise, transient
-crashes and samplers' draws drawn anew), and this script says how far apart two runs are: the
-report's headline for both, the share at 0.95 by seed and family with the mean change of the score
-(capped at 1, as a run above the best possible gains nothing), and the runs that crossed 0.95 each
-way with an exact two-sided sign test over them (McNemar's test: under no real difference a run that
-crosses is as likely to cross up as down). The test is the row of all runs; the seeds' and families'
+rest of it elsewhere. ``--luck N`` shakes every path from its first trial (the same search, its
+trials' noise, transient crashes and samplers' draws drawn anew); a change measured on the same draw
+shakes only the paths it reaches, from where it first decides otherwise. This script says how far
+apart two runs are: the report's headline for both, the share at 0.95 by seed and family with the
+mean change of the score (capped at 1, as a run above the best possible gains nothing), and the runs
+that crossed 0.95 each way with an exact two-sided sign test over them (McNemar's test: under no real
+difference a run that crosses is as likely to cross up as down). The test is the row of all runs; the seeds' and families'
 rows are there to read, not to test (ten p-values, one of them small by chance now and then). A
-p-value well above 0.05 is a difference the benchmark cannot tell from luck; the thirtieth pass in
-docs/benchmarks-notes.md says how far apart two draws of luck alone land.
+p-value well above 0.05 is a difference the benchmark cannot tell from luck. Two runs of different
+draws differ by luck alone by about 1.7 points of the share at 0.95 on six seeds (one standard
+deviation; the thirtieth pass in docs/benchmarks-notes.md).
 """
 
 from __future__ import annotations
