@@ -14,11 +14,11 @@ shakes only the paths it reaches, from where it first decides otherwise. This sc
 apart two runs are: the report's headline for both, the share at 0.95 by seed and family with the
 mean change of the score (capped at 1, as a run above the best possible gains nothing), and the runs
 that crossed 0.95 each way with an exact two-sided sign test over them (McNemar's test: under no real
-difference a run that crosses is as likely to cross up as down). The test is the row of all runs; the seeds' and families'
-rows are there to read, not to test (ten p-values, one of them small by chance now and then). A
-p-value well above 0.05 is a difference the benchmark cannot tell from luck. Two runs of different
-draws differ by luck alone by about 1.7 points of the share at 0.95 on six seeds (one standard
-deviation; the thirtieth pass in docs/benchmarks-notes.md).
+difference a run that crosses is as likely to cross up as down). The test is the row of all runs;
+the seeds' and families' rows are there to read, not to test (ten p-values, one of them small by
+chance now and then). A p-value well above 0.05 is a difference the benchmark cannot tell from luck.
+Two runs of different draws differ by luck alone by about 1.7 points of the share at 0.95 on six
+seeds (one standard deviation; the thirtieth pass in docs/benchmarks-notes.md).
 """
 
 from __future__ import annotations
