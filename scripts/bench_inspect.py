@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_landscapes import build_landscape  # noqa: E402
-from bench_search import policy_autotune, quiet, search_seed  # noqa: E402
+from bench_search import APART, policy_autotune, quiet, search_seed  # noqa: E402
 
 from autotune.candidate.moves import knobs_apart  # noqa: E402
 from autotune.sim.families import landscape  # noqa: E402
@@ -41,7 +41,7 @@ def run_of(text: str) -> tuple[int, int]:
     """``SEED/INDEX`` (``1/6``; ``1/#6`` as the report writes it); ValueError otherwise."""
     seed, _, index = text.partition("/")
     seed_n, index_n = int(seed), int(index.lstrip("#"))
-    if not 0 <= seed_n < 1000 or index_n < 0:  # bench_search.py's --seed is 0-999
+    if not 0 <= seed_n < APART or index_n < 0:  # bench_search.py's --seed
         raise ValueError(text)
     return seed_n, index_n
 
@@ -62,7 +62,7 @@ def main() -> int:
     except ValueError:
         print(f"error: {args.run}: name a run as SEED/INDEX, the seed 0-999, the index >= 0: 1/6")
         return 2
-    if not 0 <= args.luck < 1000:
+    if not 0 <= args.luck < APART:
         print(f"error: --luck {args.luck}: give the whole number the benchmark ran with, 0 to 999")
         return 2
     logging.basicConfig(level=logging.WARNING)

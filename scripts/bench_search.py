@@ -429,17 +429,16 @@ def quiet() -> None:
     optuna.logging.set_verbosity(optuna.logging.ERROR)
 
 
-#: How far apart ``--luck`` draws put the searches' seeds: with seeds (``--seed``, 0-999) and landscape
-#: indices below 1000, every (seed, landscape, luck) has its own.
-LUCK_STRIDE = 1_000_000
-LANDSCAPE_INDICES = 1000  # the indices a seed's landscapes may take before its searches' seeds meet another's
+#: The bound on ``--seed``, ``--luck`` and a seed's landscape indices: below it every (seed, landscape,
+#: luck) gives its search a seed of its own (:func:`search_seed`).
+APART = 1000
 
 
 def search_seed(seed: int, index: int, luck: int = 0) -> int:
     """The seed a policy's search of landscape ``index`` under ``--seed seed`` runs with: its trials'
     run-to-run noise and transient crashes, and the samplers' draws. ``luck`` (``--luck``) draws them
     anew on the same landscapes."""
-    return seed * 1000 + index + luck * LUCK_STRIDE
+    return (luck * APART + seed) * APART + index
 
 
 def run_landscape(job: tuple[Any, list[str], int, int, int]) -> tuple[Any, list[dict[str, Any]]]:
@@ -460,9 +459,9 @@ def run_landscape(job: tuple[Any, list[str], int, int, int]) -> tuple[Any, list[
 
 def seeds_of(text: str) -> list[int]:
     """``--seed``: one seed or several, comma-separated (``0,1,2``); ValueError if not whole numbers
-    0-999 (:func:`search_seed` keeps seeds, landscapes and draws of luck apart below 1000)."""
+    below :data:`APART`."""
     seeds = [int(part) for part in text.split(",") if part.strip()]
-    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= 1000:
+    if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= APART:
         raise ValueError(text)
     return seeds
 
@@ -511,7 +510,7 @@ def main() -> int:
             f"error: --seed {args.seed}: give whole numbers 0-999, each once, comma-separated: --seed 0,1,2"
         )
         return 2
-    if not 0 <= args.luck < 1000:
+    if not 0 <= args.luck < APART:
         print(f"error: --luck {args.luck}: give a whole number from 0 (the benchmark's own draw) to 999")
         return 2
     logging.basicConfig(level=logging.WARNING)
@@ -525,7 +524,7 @@ def main() -> int:
             index += 1
             if d.family in families:
                 chosen.append(d)
-        if index > LANDSCAPE_INDICES:
+        if index > APART:
             print(
                 f"error: --landscapes {args.landscapes}: too many of --families {args.families}; give fewer"
             )
