@@ -570,3 +570,152 @@ def test_an_oom_holding_a_known_knobs_costly_value_is_still_where_an_experiment_
     tried = {candidate_key(s.params) for s in planner.seen}
     asked = saver_experiment(planner, here, space, fixed, [], tried, candidate_key, 0.03)
     assert asked == {**PPO, "zero_stage": 3, "colocate_all_models": True}, asked
+
+
+def test_a_configuration_that_ran_and_died_shows_no_knobs_direction(tmp_path):
+    """Seen in the benchmark (plain 8B on 8 x 80 GB, a trainer that logs no memory): micro-batch 16
+    with fused Adam ran, then died in its longer confirmation run; its twin without fused Adam (a few
+    percent slower: fused Adam changes speed only) held its own. The dead run and the twin made a
+    one-knob OOM/ok pair that hinted fused Adam needs more memory; with the twin's measured cost that
+    hint cleared the twin of the edge, and the export died in a long run. A configuration that both
+    ran and died is at the edge, where the same run lives or dies by the allocator's luck: a pair
+    with it shows the edge, not the knob."""
+    planner, _ = ppo_planner(tmp_path)
+    edge = {**PPO, "micro_train_batch_size": 16}
+    twin = {**edge, "colocate_all_models": True}
+    small = {**PPO, "micro_train_batch_size": 4}
+    planner.observe(1, edge, "ok", None, None, 3.0)  # no peak logged
+    planner.observe(2, twin, "ok", None, None, 2.7)
+    planner.observe(3, small, "ok", None, None, 1.5)
+    planner.observe(4, {**small, "colocate_all_models": True}, "ok", None, None, 1.3)  # slower here too
+    assert unmeasured_risks(planner, 0.03) == ({}, [])  # no OOM yet: no edge
+    planner.observe(1, edge, "oom", "cuda", None)  # trial 1's confirmation died
+    assert planner.knobs.hinted == {} and planner.knobs.learned == {}
+    risks, clears = unmeasured_risks(planner, 0.03)
+    assert set(risks) == {"2"} and clears == [], (risks, clears)
+    assert "trial 1, which needs no more memory" in risks["2"]
+
+    # an OOM of a configuration that never ran still shows the way (the cleared case stands)
+    planner, _ = ppo_planner(tmp_path)
+    planner.observe(1, edge, "oom", "cuda", None)
+    for number, params, value in (
+        (2, twin, 2.7),
+        (3, small, 1.5),
+        (4, {**small, "colocate_all_models": True}, 1.3),
+    ):
+        planner.observe(number, params, "ok", None, None, value)
+    assert planner.knobs.hinted == {"colocate_all_models": "down"}
+    assert unmeasured_risks(planner, 0.03) == ({"2": risks["2"]}, ["2"])
+
+
+def ppo_search(tmp_path, execute=None, **fields):
+    """A search of the PPO trainer in its own knob names, through ``--command``, on 8 x A100-80GB
+    (opened again on the same SQLite study, as ``autotune resume`` does), and how it is told a
+    trial's outcome."""
+    from autotune.progress import Reporter
+    from autotune.runners import TrialContext
+    from autotune.search.loop import Search
+    from autotune.study import StudyPaths
+
+    _, space = ppo_planner(tmp_path)
+    gpu = find_gpu_type("A100-80GB")
+    command = "python train.py --micro {micro_train_batch_size} --zero {zero_stage} --off {adam_offload}"
+    recipe = Recipe(
+        model="Qwen2.5-7B-Instruct",
+        gpus=8,
+        gpu_type=gpu.name,
+        gpu_memory_gib=gpu.memory_gib,
+        runner="command",
+        command=command
+        + " --colocate {colocate_all_models} --vllm {vllm_gpu_memory_utilization} --gb {global_batch}",
+        space=str(tmp_path / "ppo.yaml"),
+        global_batch=64,
+        name="p",
+        **fields,
+    )
+    context = TrialContext(recipe, space, resolve_model(recipe.model), gpu)
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    search = Search(
+        recipe,
+        StudyPaths(tmp_path, "p"),
+        context,
+        Reporter(10),
+        execute=execute,
+        storage=storage,
+        report=False,
+    )
+    study = search.open().study
+
+    def told(params, outcome):
+        search.tell(study.ask(), params, candidate_key(params), outcome)
+
+    return search, study, told
+
+
+def test_a_resumed_study_remembers_the_edge_a_dead_confirmation_found(tmp_path):
+    """A leader's confirmation that ran out of memory puts the successes beside it at the edge. A
+    resumed study learned only its trials and the production run's OOMs, so the first trial after
+    the resume rewrote the risk list without that edge, and the export could pick a success the
+    dead run had put at risk."""
+    from autotune.study.ranking import save_confirmation
+    from autotune.trial.outcome import Outcome
+
+    edge = {**PPO, "micro_train_batch_size": 16}
+    search, study, told = ppo_search(tmp_path)
+    for params, value in (
+        (edge, 3.0),
+        ({**edge, "colocate_all_models": True}, 2.9),
+        ({**PPO, "micro_train_batch_size": 4}, 1.5),
+    ):
+        told(params, Outcome(status=Status.OK, throughput=value, steps=5, launched=True))
+    assert not study.user_attrs.get("at_risk")
+    # trial 0's longer run dies as confirm() records it: the study keeps it, the planner learns it
+    save_confirmation(study, 0, Outcome(status=Status.OOM, oom_kind="cuda", steps=6, launched=True))
+    search.planner.observe(0, edge, Status.OOM, "cuda", None)
+    save_risks(study, search.planner)
+    assert set(study.user_attrs["at_risk"]) == {"1"}  # apart only in a knob of unknown direction
+
+    search, study, told = ppo_search(tmp_path)  # resumed
+    told({**PPO, "micro_train_batch_size": 2}, Outcome(status=Status.OK, throughput=1.0, launched=True))
+    assert set(study.user_attrs["at_risk"]) == {"1"}, study.user_attrs["at_risk"]
+    best, notes = choose_best(
+        rows(study), search.recipe, {0: Confirmation(Status.OOM, steps=6, oom_kind="cuda")}
+    )
+    assert best.params == {**PPO, "micro_train_batch_size": 4}, notes
+
+
+def test_a_confirmation_that_held_sets_no_bar_once_its_trial_cannot_be_exported(tmp_path):
+    """The leaders are confirmed until the best held confirmation leaves the rest no chance. A leader
+    whose confirmation held can be put at the edge by the next leader's longer run dying (the two
+    apart only in a knob of unknown direction); its figure then set a bar the export could not meet,
+    no other leader was confirmed, and the export fell back to a short trial alone."""
+    from autotune.search.confirm import confirm
+    from autotune.study.ranking import confirmations
+    from autotune.trial.outcome import Outcome
+
+    edge = {**PPO, "micro_train_batch_size": 16}
+    twin = {**edge, "colocate_all_models": True}
+    small = {**PPO, "micro_train_batch_size": 4}
+    runs = []
+
+    def execute(params, trial_dir, number, control):
+        assert control.purpose == "confirm"
+        runs.append(params)
+        if params == edge:
+            return Outcome(status=Status.OOM, oom_kind="cuda", steps=6, launched=True)
+        return Outcome(status=Status.OK, throughput=3.0 if params == twin else 1.5, steps=11, launched=True)
+
+    search, study, told = ppo_search(tmp_path, execute, confirm=2)
+    for params, value in (
+        (twin, 3.0),
+        (edge, 2.9),
+        (small, 1.5),
+        ({**PPO, "micro_train_batch_size": 2}, 1.0),
+    ):
+        told(params, Outcome(status=Status.OK, throughput=value, steps=5, launched=True))
+    assert confirm(search.state, execute) == 3
+    assert runs == [twin, edge, small]
+    assert set(study.user_attrs["at_risk"]) == {"0"}  # the twin, once its neighbour's longer run died
+    done = confirmations(study)
+    best, notes = choose_best(rows(study), search.recipe, done)
+    assert best.params == small and any("trial 2 was confirmed" in n for n in notes), notes

@@ -79,7 +79,9 @@ def confirm(
         done = confirmations(study)
         all_rows = rows(study)
         candidates, _ = eligible(all_rows, recipe, done, confirming=True)
-        held = [c for c in done.values() if held_up(c)]
+        # confirmations of leaders still exportable only: one that held but a later OOM put at the
+        # edge (another leader's longer run died) sets no bar the export could meet
+        held = [done[r.number] for r in candidates if r.number in done and held_up(done[r.number])]
         # the best confirmation alone: which leaders are confirmed does not depend on how the
         # choice then weighs each one's two runs (study.ranking.judged)
         best = max((c.throughput or 0.0 for c in held), default=0.0)

@@ -55,7 +55,7 @@ from autotune.study import (
     recover_interrupted,
     rows,
 )
-from autotune.study.incidents import incidents, long_run_failures
+from autotune.study.incidents import long_run_failures
 from autotune.study.lock import StudyLock
 from autotune.study.ranking import Confirmation, noise
 from autotune.trial.control import StopRule, TrialControl
@@ -320,12 +320,7 @@ class Search:
         state = SearchState(
             self.recipe, self.paths, self.space, self.fixed, self.reporter, self.planner, study, stopping
         )
-        for row in rows(study):
-            state.observe_row(row)
-        if self.planner is not None:
-            for inc in incidents(study):  # a production run's OOM: stronger than any short trial
-                if inc.status == "oom":
-                    self.planner.observe(-inc.number, inc.params, "oom", inc.oom_kind, None)
+        state.relearn()  # its trials, confirmations that died and a production run's OOMs
         state.improved_at = len(launched_rows(study))  # a resumed search waits its patience again
         state.measured_since_gain = 0
         self._state = state

@@ -22,7 +22,8 @@ from autotune.recipe import Recipe
 from autotune.search.headroom import fits_headroom
 from autotune.search.planner import Planner
 from autotune.search.stopping import Stopping
-from autotune.study import StudyPaths, TrialRow, launched_rows
+from autotune.study import StudyPaths, TrialRow, launched_rows, rows
+from autotune.study.incidents import incidents
 from autotune.study.ranking import MIN_NOISE, headroom_limit
 from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import STATUSES, UNINFORMATIVE, Outcome, Status, read_outcome
@@ -146,6 +147,28 @@ class SearchState:
         if row.status not in STATUSES:
             return False
         return self.observe(Finished.of_row(row, self.leftover))
+
+    def relearn(self) -> None:
+        """Learn what an opened study already holds: its trials, the longer confirmation runs that
+        ran out of memory and a production run's OOMs (stronger than any short trial). A resumed
+        study that forgot a leader's dead confirmation forgot the edge it found: the next trial's
+        risk list (``headroom.save_risks``) cleared the successes beside it."""
+        by_number = {}
+        for row in rows(self.study):
+            self.observe_row(row)
+            by_number[row.number] = row
+        if self.planner is None:
+            return
+        for number, attr in self.study.user_attrs.items():
+            if not number.startswith("confirm:") or not isinstance(attr, dict):
+                continue
+            row = by_number.get(int(number.split(":", 1)[1]))
+            if row is not None and attr.get("status") == Status.OOM:
+                kind, leftover = attr.get("oom_kind"), bool(attr.get("leftover_gib"))
+                self.planner.observe(row.number, row.params, Status.OOM, kind, None, leftover=leftover)
+        for inc in incidents(self.study):
+            if inc.status == "oom":
+                self.planner.observe(-inc.number, inc.params, "oom", inc.oom_kind, None)
 
 
 class TrialSteps(Protocol):
