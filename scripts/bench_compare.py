@@ -18,7 +18,9 @@ difference a run that crosses is as likely to cross up as down). The test is the
 the seeds' and families' rows are there to read, not to test (ten p-values, one of them small by
 chance now and then). A p-value well above 0.05 is a difference the benchmark cannot tell from luck.
 Two runs of different draws differ by luck alone by about 1.7 points of the share at 0.95 on six
-seeds (one standard deviation; the thirtieth pass in docs/benchmarks-notes.md).
+seeds (one standard deviation; the thirtieth pass in docs/benchmarks-notes.md). Files that hold
+several draws each (``--luck 0,1,2``) pair up by seed, landscape and draw, and the draws are counted
+apart too: a change judged on three draws at once.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from autotune.sim.families import FAMILIES  # noqa: E402
 WHOLE = ("seed", "landscape")  # what names a run
 NUMBERS = ("best_possible", "final", "final_safe", "fitting", "cost", "at20", "ooms", "launched")
 
-Key = tuple[int, int]
+Key = tuple[int, ...]  # (seed, landscape), or (seed, landscape, luck) where a file holds several draws
 
 
 def sign_test(up: int, down: int) -> float:
@@ -50,8 +52,8 @@ def sign_test(up: int, down: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def load(path: Path) -> dict[Key, dict[str, Any]]:
-    """autotune's runs of a benchmark JSON by (seed, landscape); ValueError says what is wrong."""
+def load(path: Path) -> list[dict[str, Any]]:
+    """autotune's runs of a benchmark JSON, checked; ValueError says what is wrong."""
     ours = autotune_runs(path)
     if not ours:
         raise ValueError(
@@ -63,10 +65,19 @@ def load(path: Path) -> dict[Key, dict[str, Any]]:
         if not (whole and numbers and isinstance(r.get("family"), str)):
             name = f"{r.get('seed')}/#{r.get('landscape')}"
             raise ValueError(f"{path}: run {name} is not as scripts/bench_search.py writes it")
-    runs = {(r["seed"], r["landscape"]): r for r in ours}
+    return ours
+
+
+def by_run(path: Path, ours: list[dict[str, Any]], draws: bool) -> dict[Key, dict[str, Any]]:
+    """The runs by (seed, landscape), and by their draw too when ``draws``; ValueError on a run twice."""
+    runs = {(r["seed"], r["landscape"], *([r.get("luck", 0)] if draws else [])): r for r in ours}
     if len(runs) != len(ours):
-        raise ValueError(f"{path}: a seed/landscape appears twice: one benchmark run per file")
+        raise ValueError(f"{path}: a seed/landscape appears twice in one draw: one benchmark run per file")
     return runs
+
+
+def name(key: Key) -> str:
+    return f"{key[0]}/#{key[1]}" + (f" luck {key[2]}" if len(key) > 2 else "")
 
 
 def label(path: Path, runs: dict[Key, dict[str, Any]]) -> str:
@@ -106,9 +117,11 @@ def compare(
     order += sorted({base[k]["family"] for k in keys} - set(order))
     groups = [(f"seed {s}", lambda k, s=s: k[0] == s) for s in sorted({k[0] for k in keys})]
     groups += [(f, lambda k, f=f: base[k]["family"] == f) for f in order]
+    lucks = sorted({k[2] for k in keys if len(k) > 2})
+    groups += [(f"luck {n}", lambda k, n=n: k[2] == n) for n in lucks if len(lucks) > 1]
     groups.append(("all", lambda k: True))
     crossed: list[tuple[Key, float, float]] = []
-    for name, member in groups:
+    for group, member in groups:
         mine = [k for k in keys if member(k)]
         before = sum(base[k]["final"] >= GOOD for k in mine)
         after = sum(other[k]["final"] >= GOOD for k in mine)
@@ -117,13 +130,13 @@ def compare(
         change = sum(min(other[k]["final"], 1.0) - min(base[k]["final"], 1.0) for k in mine) / len(mine)
         change = round(change, 4) + 0.0  # never "-0.0000"
         lines.append(
-            f"| {name} | {len(mine)} | {before} -> {after} | {up} | {len(moved) - up} | {change:+.4f} "
+            f"| {group} | {len(mine)} | {before} -> {after} | {up} | {len(moved) - up} | {change:+.4f} "
             f"| {p_value(sign_test(up, len(moved) - up))} |"
         )
-        if name == "all":
+        if group == "all":
             crossed = [(k, base[k]["final"], other[k]["final"]) for k in moved]
     lines += ["", "Runs that crossed 0.95:" if crossed else "No run crossed 0.95."]
-    lines += [f"- {s}/#{i} {base[(s, i)]['family']}: {a:.3f} -> {b:.3f}" for (s, i), a, b in crossed]
+    lines += [f"- {name(k)} {base[k]['family']}: {a:.3f} -> {b:.3f}" for k, a, b in crossed]
     return lines
 
 
@@ -133,7 +146,11 @@ def main() -> int:
     parser.add_argument("second", type=Path, help="another, of the same seeds and landscapes")
     args = parser.parse_args()
     try:
-        base, other = load(args.first), load(args.second)
+        first, second = load(args.first), load(args.second)
+        # one draw a file: its runs pair by seed and landscape, whatever the draw (luck 1 against 2);
+        # several: by the draw too
+        draws = max(len({r.get("luck", 0) for r in rows}) for rows in (first, second)) > 1
+        base, other = by_run(args.first, first, draws), by_run(args.second, second, draws)
     except ValueError as exc:
         print(f"error: {exc}")
         return 2
@@ -145,10 +162,9 @@ def main() -> int:
         return 2
     changed = sorted(k for k in both if not math.isclose(base[k]["best_possible"], other[k]["best_possible"]))
     if changed:
-        s, i = changed[0]
         print(
-            f"error: {s}/#{i} has another best possible in each file: the landscapes changed between the "
-            "two runs; compare runs of the same simulator"
+            f"error: {name(changed[0])} has another best possible in each file: the landscapes changed "
+            "between the two runs; compare runs of the same simulator"
         )
         return 2
     apart = len(set(base) ^ set(other))

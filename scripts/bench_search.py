@@ -458,8 +458,8 @@ def run_landscape(job: tuple[Any, list[str], int, int, int]) -> tuple[Any, list[
 
 
 def seeds_of(text: str) -> list[int]:
-    """``--seed``: one seed or several, comma-separated (``0,1,2``); ValueError if not whole numbers
-    below :data:`APART`."""
+    """``--seed`` or ``--luck``: one or several, comma-separated (``0,1,2``); ValueError if not whole
+    numbers below :data:`APART`, each once."""
     seeds = [int(part) for part in text.split(",") if part.strip()]
     if not seeds or len(set(seeds)) != len(seeds) or min(seeds) < 0 or max(seeds) >= APART:
         raise ValueError(text)
@@ -486,11 +486,11 @@ def main() -> int:
     )
     parser.add_argument(
         "--luck",
-        type=int,
-        default=0,
+        default="0",
         help="draw the searches' luck anew (run-to-run noise, transient crashes, the samplers' draws) on "
-        "the same landscapes: 1, 2, ... (0, the default, is the benchmark's own draw); "
-        "scripts/bench_compare.py tells a change from such a draw",
+        "the same landscapes: 1, 2, ... (0, the default, is the benchmark's own draw); several, "
+        "comma-separated (0,1,2), are reported together and each apart; scripts/bench_compare.py tells "
+        "a change from such a draw",
     )
     args = parser.parse_args()
     families = [f for f in args.families.split(",") if f]
@@ -510,8 +510,13 @@ def main() -> int:
             f"error: --seed {args.seed}: give whole numbers 0-999, each once, comma-separated: --seed 0,1,2"
         )
         return 2
-    if not 0 <= args.luck < APART:
-        print(f"error: --luck {args.luck}: give a whole number from 0 (the benchmark's own draw) to 999")
+    try:
+        lucks = seeds_of(args.luck)
+    except ValueError:
+        print(
+            f"error: --luck {args.luck}: give whole numbers 0-999 (0: the benchmark's own draw), each once, "
+            "comma-separated: --luck 0,1,2"
+        )
         return 2
     logging.basicConfig(level=logging.WARNING)
     quiet()
@@ -529,7 +534,7 @@ def main() -> int:
                 f"error: --landscapes {args.landscapes}: too many of --families {args.families}; give fewer"
             )
             return 2
-        jobs += [(d, args.policies.split(","), args.trials, seed, args.luck) for d in chosen]
+        jobs += [(d, args.policies.split(","), args.trials, seed, luck) for luck in lucks for d in chosen]
     rows: list[dict[str, Any]] = []
     # landscapes are independent: processes change the wall time, not one figure (rows keep their order)
     with multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else nullcontext() as pool:
@@ -538,8 +543,8 @@ def main() -> int:
             rows += landscape_rows
             ours = landscape_rows[0]
             print(
-                f"[{done}/{len(jobs)}] {run_name(ours, len(seeds))} {d.family} {d.name}: {ours['policy']} "
-                f"{ours['final']:.0%} cost {ours['cost']:.1f} ({ours['stopped'][:60]})",
+                f"[{done}/{len(jobs)}] {run_name(ours, len(seeds), len(lucks))} {d.family} {d.name}: "
+                f"{ours['policy']} {ours['final']:.0%} cost {ours['cost']:.1f} ({ours['stopped'][:60]})",
                 flush=True,
             )
     lines = write_report(rows, args, time.time() - started)

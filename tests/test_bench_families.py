@@ -466,12 +466,59 @@ def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
     partial = script("bench_compare.py", first_json, str(part), cwd=tmp_path)
     assert partial.returncode == 0 and "(1 in only one, left out)" in partial.stdout
     assert f"| all | {len(pairs) - 1} |" in partial.stdout
-    for luck_given in ("-1", "1000"):
+    for luck_given in ("-1", "1000", "0,0", "1,x", ""):
         refused = script(
             "bench_search.py", *tiny, "--luck", luck_given, "--out", str(tmp_path / "x.md"), cwd=tmp_path
         )
         assert refused.returncode == 2 and refused.stdout.startswith(f"error: --luck {luck_given}")
         assert not (tmp_path / "x.md").exists()
+
+    # several draws in one run: the same searches as the two runs above, reported together and apart
+    both = tmp_path / "both.md"
+    run = script("bench_search.py", *tiny, "--luck", "0,1", "--out", str(both), cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    together = json.loads(both.with_suffix(".json").read_text())
+    assert sorted(together, key=lambda r: r.get("luck", 0)) == first + second
+    report = both.read_text()
+    assert "--luck 0,1" in report and "## The same searches, their luck drawn anew" in report
+    lines = {line.split("|")[1].strip(): line.split("|") for line in report.splitlines() if line[:2] == "| "}
+    for n, rows in ((0, first), (1, second)):
+        share = sum(r["final"] >= 0.95 for r in rows) / len(rows)
+        assert lines[f"luck {n}"][3].strip() == f"{share:.0%}"
+    reached = {}
+    for r in together:
+        reached.setdefault((r["landscape"], r["family"]), []).append(r["final"] >= 0.95)
+    every, none = sum(all(h) for h in reached.values()), sum(not any(h) for h in reached.values())
+    section = report.split("Landscapes by the draws (of 2) in which autotune reached 0.95:")[1].split("##")[0]
+    lines = {line.split("|")[1].strip(): line.split("|") for line in section.splitlines() if line[:2] == "| "}
+    assert [c.strip() for c in lines["all"][2:6]] == [
+        str(len(reached)),
+        str(every),
+        str(len(reached) - every - none),
+        str(none),
+    ]
+    assert (
+        f"| 0/#{first[0]['landscape']} luck 0 |" in report
+        and f"| 0/#{second[0]['landscape']} luck 1 |" in report
+    )
+    # two files of several draws pair by draw too: one run moved in one draw is one crossing, named so
+    moved = [dict(r) for r in together]
+    hit = next(r for r in moved if r.get("luck") == 1)
+    hit["final"] = 0.5 if hit["final"] >= 0.95 else 1.0
+    (tmp_path / "moved.json").write_text(json.dumps(moved))
+    shown = script(
+        "bench_compare.py", str(both.with_suffix(".json")), str(tmp_path / "moved.json"), cwd=tmp_path
+    )
+    assert shown.returncode == 0, shown.stdout + shown.stderr[-2000:]
+    assert f"{len(together)} runs of autotune in both files\n" in shown.stdout
+    assert f"- 0/#{hit['landscape']} luck 1 {hit['family']}: " in shown.stdout
+    groups = {
+        line.split("|")[1].strip(): line.split("|") for line in shown.stdout.splitlines() if line[:2] == "| "
+    }
+    assert int(groups["luck 1"][4]) + int(groups["luck 1"][5]) == 1 and groups["luck 0"][4:6] == [
+        " 0 ",
+        " 0 ",
+    ]
     bad = {
         "scalar": 5,
         "others": [{**first[0], "policy": "random"}],
