@@ -193,20 +193,6 @@ def choose_best(
             notes.append(f"trial {candidates[0].number} was not confirmed by a longer run")
         return candidates[0], notes
     best = max(held, key=lambda r: judged(r, confirmed[r.number]))
-    if best.at_risk:
-        # a peak nobody measured, cleared of the edge by one longer run that held: where a candidate
-        # without that risk is as fast within the noise, the one that holds for sure is the better bet
-        # (a run at the edge lives or dies by the allocator's luck; seen: micro-batch 32 with
-        # activation offload held its confirmation and died in a long run, 1.4% ahead of a safe one)
-        bar = judged(best, confirmed[best.number]) / (1 + noise(rows_, confirmed))
-        safe = [r for r in held if not r.at_risk and judged(r, confirmed[r.number]) >= bar]
-        if safe:
-            other = max(safe, key=lambda r: judged(r, confirmed[r.number]))
-            notes.append(
-                f"trial {best.number} passed over: its peak was not measured and only its own longer run "
-                f"cleared it; trial {other.number}, confirmed as fast within the noise, is clear of the edge"
-            )
-            best = other
     c = confirmed[best.number]
     peak = c.peak_memory_gib
     notes.append(
