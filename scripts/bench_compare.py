@@ -18,9 +18,9 @@ difference a run that crosses is as likely to cross up as down). The test is the
 the seeds' and families' rows are there to read, not to test (ten p-values, one of them small by
 chance now and then). A p-value well above 0.05 is a difference the benchmark cannot tell from luck.
 Two runs of different draws differ by luck alone by about 1.7 points of the share at 0.95 on six
-seeds (one standard deviation; the thirtieth pass in docs/benchmarks-notes.md). Files that hold
-several draws each (``--luck 0,1,2``) pair up by seed, landscape and draw, and the draws are counted
-apart too: a change judged on three draws at once.
+seeds (one standard deviation; the thirtieth pass in docs/benchmarks-notes.md). Where either file
+holds several draws (``--luck 0,1,2``) the runs pair up by seed, landscape and draw, and the draws are
+counted apart too: a change judged on three draws at once.
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def name(key: Key) -> str:
     return f"{key[0]}/#{key[1]}" + (f" luck {key[2]}" if len(key) > 2 else "")
 
 
-def label(path: Path, runs: dict[Key, dict[str, Any]]) -> str:
-    """A file as the user named it, with the luck its runs were drawn with."""
-    lucks = sorted({r.get("luck", 0) for r in runs.values()})
+def label(path: Path, runs: list[dict[str, Any]]) -> str:
+    """A file as the user named it, with the luck its compared runs were drawn with."""
+    lucks = sorted({r.get("luck", 0) for r in runs})
     return f"{path} (luck {', '.join(map(str, lucks))})"
 
 
@@ -157,7 +157,8 @@ def main() -> int:
     both = set(base) & set(other)
     if not both:
         print(
-            f"error: {args.first} and {args.second} share no run: benchmark the same --seed and --landscapes"
+            f"error: {args.first} and {args.second} share no run: benchmark the same --seed and --landscapes "
+            "(and, where a file holds several draws, the same --luck)"
         )
         return 2
     changed = sorted(k for k in both if not math.isclose(base[k]["best_possible"], other[k]["best_possible"]))
@@ -173,7 +174,9 @@ def main() -> int:
         + (f" ({apart} in only one, left out)" if apart else "")
         + "\n"
     )
-    print("\n".join(compare(base, other, (label(args.first, base), label(args.second, other)))))
+    shared = sorted(both)
+    names = (label(args.first, [base[k] for k in shared]), label(args.second, [other[k] for k in shared]))
+    print("\n".join(compare(base, other, names)))
     return 0
 
 

@@ -194,14 +194,14 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
     ours = [r for r in rows if r["policy"] == "autotune"]
     families = sorted({r["family"] for r in rows})
     policies = list(dict.fromkeys(r["policy"] for r in rows))
-    luck = str(getattr(args, "luck", "0"))
+    seeds = sorted({r.get("seed", 0) for r in rows})
+    lucks = sorted({r.get("luck", 0) for r in rows})
+    draws = len(lucks)
     cmd = (
         f"python scripts/bench_search.py --landscapes {args.landscapes} --families {args.families} "
         f"--trials {args.trials} --seed {args.seed} --jobs {args.jobs}"
-        + (f" --luck {luck}" if luck != "0" else "")
+        + (f" --luck {','.join(map(str, lucks))}" if lucks != [0] else "")
     )
-    seeds = sorted({r.get("seed", 0) for r in rows})
-    draws = len({r.get("luck", 0) for r in rows})
     per_seed = (
         [
             "Each seed draws its own landscapes and searches; a run is named seed/#landscape below.",

@@ -515,10 +515,15 @@ def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
     groups = {
         line.split("|")[1].strip(): line.split("|") for line in shown.stdout.splitlines() if line[:2] == "| "
     }
-    assert int(groups["luck 1"][4]) + int(groups["luck 1"][5]) == 1 and groups["luck 0"][4:6] == [
-        " 0 ",
-        " 0 ",
-    ]
+    assert int(groups["luck 1"][4]) + int(groups["luck 1"][5]) == 1
+    assert groups["luck 0"][4:6] == [" 0 ", " 0 "]
+    # several draws against one: the one draw they share, by draw (luck 1 is not paired with luck 0)
+    mixed = script("bench_compare.py", str(both.with_suffix(".json")), first_json, cwd=tmp_path)
+    assert mixed.returncode == 0, mixed.stdout + mixed.stderr[-2000:]
+    assert mixed.stdout.startswith(f"{len(first)} runs of autotune in both files ({len(second)} in only one")
+    assert (
+        f"| {both.with_suffix('.json')} (luck 0) |" in mixed.stdout and "No run crossed 0.95." in mixed.stdout
+    )
     bad = {
         "scalar": 5,
         "others": [{**first[0], "policy": "random"}],

@@ -657,7 +657,8 @@ def test_a_resumed_study_remembers_the_edge_a_dead_confirmation_found(tmp_path):
     resumed study learned only its trials and the production run's OOMs, so the first trial after
     the resume rewrote the risk list without that edge, and the export could pick a success the
     dead run had put at risk."""
-    from autotune.study.ranking import save_confirmation
+    from autotune.study.incidents import Incident, save_incident
+    from autotune.study.ranking import confirmations, save_confirmation
     from autotune.trial.outcome import Outcome
 
     edge = {**PPO, "micro_train_batch_size": 16}
@@ -675,12 +676,26 @@ def test_a_resumed_study_remembers_the_edge_a_dead_confirmation_found(tmp_path):
     save_risks(study, search.planner)
     assert set(study.user_attrs["at_risk"]) == {"1"}  # apart only in a knob of unknown direction
 
+    # a confirmation that held is no OOM; attributes not as autotune writes them are left out, and a
+    # production run's OOM is learned as before
+    save_confirmation(study, 2, Outcome(status=Status.OK, throughput=1.4, steps=11, launched=True))
+    for key, value in (
+        ("confirm:x", {"status": "oom"}),
+        ("confirm:7", "oom"),
+        ("confirm:8", {"status": "?"}),
+    ):
+        study.set_user_attr(key, value)
+    lost = {**edge, "vllm_gpu_memory_utilization": 0.9}  # needs more than any success
+    save_incident(study, Incident(1, 1, "oom", "cuda", 120, "CUDA out of memory", lost))
+    ooms = sorted((s.number, s.params == edge) for s in search.planner.seen if s.status == Status.OOM)
+    assert ooms == [(0, True)]
+
     search, study, told = ppo_search(tmp_path)  # resumed
+    ooms = sorted((s.number, s.params == edge) for s in search.planner.seen if s.status == Status.OOM)
+    assert ooms == [(-1, False), (0, True)], search.planner.seen
     told({**PPO, "micro_train_batch_size": 2}, Outcome(status=Status.OK, throughput=1.0, launched=True))
     assert set(study.user_attrs["at_risk"]) == {"1"}, study.user_attrs["at_risk"]
-    best, notes = choose_best(
-        rows(study), search.recipe, {0: Confirmation(Status.OOM, steps=6, oom_kind="cuda")}
-    )
+    best, notes = choose_best(rows(study), search.recipe, confirmations(study))
     assert best.params == {**PPO, "micro_train_batch_size": 4}, notes
 
 
@@ -719,3 +734,16 @@ def test_a_confirmation_that_held_sets_no_bar_once_its_trial_cannot_be_exported(
     done = confirmations(study)
     best, notes = choose_best(rows(study), search.recipe, done)
     assert best.params == small and any("trial 2 was confirmed" in n for n in notes), notes
+
+    # a leader a production run lost is neither confirmed nor a bar: the next one is confirmed
+    from autotune.study.incidents import Incident, long_run_failures, save_incident
+
+    runs.clear()
+    (tmp_path / "lost").mkdir()
+    search, study, told = ppo_search(tmp_path / "lost", execute, confirm=1)
+    for params, value in ((twin, 3.0), (small, 1.5)):
+        told(params, Outcome(status=Status.OK, throughput=value, steps=5, launched=True))
+    save_incident(study, Incident(1, 1, "oom", "cuda", 300, "CUDA out of memory", twin))
+    assert confirm(search.state, execute) == 1 and runs == [small]
+    best, notes = choose_best(rows(study), search.recipe, confirmations(study), long_run_failures(study))
+    assert best.params == small and any("trial 1 was confirmed" in n for n in notes), notes

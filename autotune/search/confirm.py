@@ -18,7 +18,6 @@ from autotune.search.headroom import save_risks
 from autotune.search.state import Finished, SearchState
 from autotune.search.transient import transient_error
 from autotune.study import (
-    Confirmation,
     StudyPaths,
     TrialRow,
     confirmations,
@@ -26,7 +25,8 @@ from autotune.study import (
     rows,
     save_confirmation,
 )
-from autotune.study.ranking import headroom_limit, noise
+from autotune.study.incidents import long_run_failures
+from autotune.study.ranking import noise
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.execute import abort_on_error
 from autotune.trial.layout import TrialFiles
@@ -52,12 +52,14 @@ def confirm(
     trial throughput, plus twice the noise, could still beat the best confirmed throughput (a near-tie
     is decided by the confirmations, each beside its short trial), until ``recipe.confirm`` have held,
     in at most ``recipe.confirm`` + 2 runs (the two more stand in for leaders that die in their longer
-    run). A candidate ahead of every confirmed one by more than the noise is always confirmed, so a
-    resumed search that found a better configuration exports it. Each run is admitted only if its own
-    expected length fits the time budget, and the study's clock is saved after each. With several GPU
-    ``slots`` the leaders still needed are confirmed at once, one per slot. A run that ran out of
-    memory is learned from (:meth:`SearchState.observe`); one that held teaches nothing the short trial
-    did not. Returns the runs made now.
+    run). Held confirmations count only while their leader can still be exported (another leader's
+    dead run can put it at the edge, a production run can have lost it): a bar the export cannot meet
+    would leave the export a short trial alone. A candidate ahead of every confirmed one by more than
+    the noise is always confirmed, so a resumed search that found a better configuration exports it.
+    Each run is admitted only if its own expected length fits the time budget, and the study's clock is
+    saved after each. With several GPU ``slots`` the leaders still needed are confirmed at once, one
+    per slot. A run that ran out of memory is learned from (:meth:`SearchState.observe`); one that held
+    teaches nothing the short trial did not. Returns the runs made now.
     """
     study, recipe, paths, reporter, budget = (
         state.study,
@@ -68,20 +70,16 @@ def confirm(
     )
     if recipe.confirm <= 0:
         return 0
-    limit = headroom_limit(recipe)
-
-    def held_up(c: Confirmation) -> bool:
-        return c.status == Status.OK and (limit is None or (c.peak_memory_gib or 0) <= limit)
-
+    failed = long_run_failures(study)  # what a production run lost is never confirmed, nor a bar
     runs = 0
     slots = slots or [None]
     while runs < recipe.confirm + 2:
         done = confirmations(study)
         all_rows = rows(study)
-        candidates, _ = eligible(all_rows, recipe, done, confirming=True)
-        # confirmations of leaders still exportable only: one that held but a later OOM put at the
-        # edge (another leader's longer run died) sets no bar the export could meet
-        held = [done[r.number] for r in candidates if r.number in done and held_up(done[r.number])]
+        candidates, _ = eligible(all_rows, recipe, done, failed_long=failed, confirming=True)
+        # the candidates' held confirmations only (eligible passes over one that died or peaked inside
+        # the headroom): one whose leader a later OOM put at the edge sets no bar the export could meet
+        held = [done[r.number] for r in candidates if r.number in done]
         # the best confirmation alone: which leaders are confirmed does not depend on how the
         # choice then weighs each one's two runs (study.ranking.judged)
         best = max((c.throughput or 0.0 for c in held), default=0.0)

@@ -216,17 +216,18 @@ def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
     say no more of ZeRO-3 than one (tests/test_search_learned.py). A hint still tells the export's
     risk test which knob may set a success apart from an OOM (``headroom.unmeasured_risks``), where a
     held confirmation tests it. An OOM of a configuration that also ran (a short trial fine, its longer
-    run dead) is at the edge, where the same configuration runs or dies by the allocator's luck: a pair
-    with it shows the edge, not the knob. Seen: a plain 8B trainer, micro-batch 16 with fused Adam
-    dead in its confirmation and its twin without fused Adam held, hinted that fused Adam needs more
-    (it changes only speed); the hint cleared the twin of the edge and the export died in a long run."""
+    run dead: a confirmation or a production run) is at the edge, where the same configuration runs
+    or dies by the allocator's luck: a pair with it shows the edge, not the knob. Seen: a plain 8B
+    trainer, micro-batch 16 with fused Adam dead in its confirmation and its twin without fused Adam
+    held, hinted that fused Adam needs more (it changes only speed); the hint cleared the twin of the
+    edge and the export died in a long run."""
     base = replace(knobs, learned={}, hinted={})  # what is known without the measurements
-    clean = [s for s in seen if not s.leftover]
-    ran = [s.params for s in clean if s.status == "ok"]
+    ran = [s.params for s in seen if s.status == "ok"]  # beside leftovers too: it ran even then
     done = [
         s
-        for s in clean
-        if s.status == "ok" or s.status == "oom" and s.oom_kind == "cuda" and s.params not in ran
+        for s in seen
+        if not s.leftover
+        and (s.status == "ok" or s.status == "oom" and s.oom_kind == "cuda" and s.params not in ran)
     ]
     votes: dict[str, dict[str, set]] = {}  # knob -> direction -> the other knobs' settings it was seen at
     for i, a in enumerate(done):

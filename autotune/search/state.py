@@ -24,7 +24,7 @@ from autotune.search.planner import Planner
 from autotune.search.stopping import Stopping
 from autotune.study import StudyPaths, TrialRow, launched_rows, rows
 from autotune.study.incidents import incidents
-from autotune.study.ranking import MIN_NOISE, headroom_limit
+from autotune.study.ranking import MIN_NOISE, confirmations, headroom_limit
 from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import STATUSES, UNINFORMATIVE, Outcome, Status, read_outcome
 
@@ -159,13 +159,10 @@ class SearchState:
             by_number[row.number] = row
         if self.planner is None:
             return
-        for number, attr in self.study.user_attrs.items():
-            if not number.startswith("confirm:") or not isinstance(attr, dict):
-                continue
-            row = by_number.get(int(number.split(":", 1)[1]))
-            if row is not None and attr.get("status") == Status.OOM:
-                kind, leftover = attr.get("oom_kind"), bool(attr.get("leftover_gib"))
-                self.planner.observe(row.number, row.params, Status.OOM, kind, None, leftover=leftover)
+        for number, c in confirmations(self.study).items():
+            if c.status == Status.OOM and number in by_number:
+                params = by_number[number].params
+                self.planner.observe(number, params, Status.OOM, c.oom_kind, None, leftover=c.leftover)
         for inc in incidents(self.study):
             if inc.status == "oom":
                 self.planner.observe(-inc.number, inc.params, "oom", inc.oom_kind, None)

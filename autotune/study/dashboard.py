@@ -31,7 +31,7 @@ from optuna.trial import FrozenTrial, TrialState
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
 from autotune.study.paths import StudyPaths
-from autotune.study.ranking import Confirmation, choose_best, confirmed_verdict, eligible
+from autotune.study.ranking import choose_best, confirmations_of, confirmed_verdict, eligible
 from autotune.study.record import FINISHED, mark_risks, row_of
 
 EXTRA = "pip install 'autotune[dashboard]'"
@@ -54,11 +54,7 @@ def decisions(
     The same decisions as the export and ``autotune show``: ranking, the headroom rule and the
     confirmation runs, read from the storage as they are now."""
     rows = mark_risks([row_of(t) for t in trials if t.state in FINISHED], study_attrs)
-    confirmed = {
-        int(k.split(":", 1)[1]): Confirmation.from_attr(v)
-        for k, v in study_attrs.items()
-        if k.startswith("confirm:") and k.split(":", 1)[1].isdigit() and isinstance(v, dict)
-    }
+    confirmed = confirmations_of(study_attrs)
     best, _ = choose_best(rows, recipe, confirmed)
     passed: dict[int, str] = {}
     eligible(rows, recipe, confirmed, passed_over=passed)

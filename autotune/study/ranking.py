@@ -32,6 +32,7 @@ class Confirmation:
     peak_memory_gib: float | None = None
     steps: int = 0
     oom_kind: str | None = None
+    leftover: bool = False  # started beside a predecessor's memory: an OOM of it says nothing of itself
 
     @classmethod
     def from_attr(cls, value: dict[str, Any]) -> Confirmation:
@@ -41,6 +42,7 @@ class Confirmation:
             value.get("peak_memory_gib"),
             value.get("steps") or 0,
             value.get("oom_kind"),
+            bool(value.get("leftover_gib")),
         )
 
 
@@ -211,10 +213,21 @@ def choose_best(
 
 def confirmations(study: optuna.Study) -> dict[int, Confirmation]:
     """Outcomes of the longer confirmation runs, by the trial they confirm."""
+    return confirmations_of(study.user_attrs)
+
+
+def confirmations_of(attrs: dict[str, Any]) -> dict[int, Confirmation]:
+    """:func:`confirmations` from a study's user attributes. One that is not as ``save_confirmation``
+    writes it (another program's, or edited by hand) is left out: a study stays resumable."""
     out = {}
-    for key, value in study.user_attrs.items():
-        if key.startswith("confirm:"):
-            out[int(key.split(":", 1)[1])] = Confirmation.from_attr(value)
+    for key, value in attrs.items():
+        number = key.split(":", 1)[1] if key.startswith("confirm:") else ""
+        if not (number.isdigit() and isinstance(value, dict)):
+            continue
+        try:
+            out[int(number)] = Confirmation.from_attr(value)
+        except (KeyError, ValueError):
+            continue
     return out
 
 
