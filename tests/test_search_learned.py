@@ -612,28 +612,23 @@ def ppo_search(tmp_path, execute=None, **fields):
     """A search of the PPO trainer in its own knob names, through ``--command``, on 8 x A100-80GB
     (opened again on the same SQLite study, as ``autotune resume`` does), and how it is told a
     trial's outcome."""
+    from dataclasses import replace
+
     from autotune.progress import Reporter
     from autotune.runners import TrialContext
     from autotune.search.loop import Search
     from autotune.study import StudyPaths
 
-    _, space = ppo_planner(tmp_path)
-    gpu = find_gpu_type("A100-80GB")
+    planner, space = ppo_planner(tmp_path)
     command = "python train.py --micro {micro_train_batch_size} --zero {zero_stage} --off {adam_offload}"
-    recipe = Recipe(
-        model="Qwen2.5-7B-Instruct",
-        gpus=8,
-        gpu_type=gpu.name,
-        gpu_memory_gib=gpu.memory_gib,
-        runner="command",
+    recipe = replace(
+        planner.recipe,
         command=command
         + " --colocate {colocate_all_models} --vllm {vllm_gpu_memory_utilization} --gb {global_batch}",
-        space=str(tmp_path / "ppo.yaml"),
-        global_batch=64,
         name="p",
         **fields,
     )
-    context = TrialContext(recipe, space, resolve_model(recipe.model), gpu)
+    context = TrialContext(recipe, space, planner.model, planner.gpu)
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     search = Search(
         recipe,
