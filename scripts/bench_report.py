@@ -277,7 +277,8 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
         )
     lines += [
         "",
-        "Their drawn physics and, for the worst three, every launched trial (true value in brackets):",
+        "Their drawn physics and, for the worst three, every launched trial (true value in brackets, "
+        "and whether its long runs reach it only inside the headroom):",
         "",
     ]
     for i, r in enumerate(worst):

@@ -159,13 +159,17 @@ class Tracker:
         return outcome
 
     def result(self, params: dict[str, Any], outcome: Outcome) -> str:
-        """What a run measured, and its configuration's value in truth, as the log keeps them."""
+        """What a run measured, and its configuration's value in truth, as the log keeps them; a value
+        that long runs reach only inside the headroom says so (it counts for nothing as *measured*, and
+        the best possible is taken without it)."""
+        value = self.land.value(params)
+        inside = ", peaks inside the headroom" if value and not self.land.safe_value(params) else ""
         return (
             f"{outcome.status}"
             f"{'/' + outcome.oom_kind if outcome.oom_kind else ''}"
             f"{f' {outcome.throughput:.3g}/s' if outcome.throughput else ''}"
             f"{f' peak {outcome.peak_memory_gib:.1f}' if outcome.peak_memory_gib else ''}"
-            f" (true {self.land.value(params) / max(self.land.best, 1e-9):.2f})"
+            f" (true {value / max(self.land.best, 1e-9):.2f}{inside})"
         )
 
 

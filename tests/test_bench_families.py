@@ -26,6 +26,7 @@ from autotune.sim.replay import FamilyExecutor
 from autotune.study import candidate_key
 from autotune.trial.classify import diagnose
 from autotune.trial.control import StopRule, TrialControl
+from autotune.trial.outcome import Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -693,6 +694,29 @@ def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_i
             f"error: {bad}: name a run as SEED/INDEX, the seed 0-999, the index >= 0: 1/6"
         ], (refused.stdout, refused.stderr[-500:])
         assert "Traceback" not in refused.stderr
+
+
+def test_a_trials_log_line_says_when_its_value_in_truth_peaks_inside_the_headroom():
+    """A trial's log line (docs/benchmarks.json, bench_inspect.py) gives its configuration's value in
+    truth. One whose long runs reach that value only inside the headroom counts for nothing as the
+    best possible or as *measured*; without a word it read as a good configuration passed over (a
+    plain 8B landscape: "true 1.03" for a configuration worth 0 safely). The line says so."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_landscapes import build_landscape
+    from bench_search import Tracker
+
+    land = build_landscape(landscape(9, 0), 8)  # plain 8B on 8 x 80 GB
+    inside = [c for c in land.candidates if land.value(c) > 0 and land.safe_value(c) == 0]
+    safe = [c for c in land.candidates if land.safe_value(c) > 0]
+    assert inside and safe
+    tracker = Tracker(land, land.executor(0))
+    ran = Outcome(status="ok", throughput=5.0)
+    value = land.value(inside[0]) / land.best
+    assert tracker.result(inside[0], ran) == f"ok 5/s (true {value:.2f}, peaks inside the headroom)"
+    assert tracker.result(safe[0], ran) == f"ok 5/s (true {land.value(safe[0]) / land.best:.2f})"
+    died = Outcome(status="oom", oom_kind="cuda")
+    dead = next(c for c in land.candidates if land.value(c) == 0)
+    assert tracker.result(dead, died) == "oom/cuda (true 0.00)"
 
 
 def test_an_inspected_miss_says_what_the_planner_thought_of_the_configurations_nearest_the_export():
