@@ -108,7 +108,7 @@ class Run:
 
     @property
     def log(self) -> list[str]:
-        """One line per launched trial, as docs/benchmarks.json keeps it."""
+        """One line per launched trial, as the report prints the worst runs'."""
         return [str(ran) for ran in self.trials]
 
 
@@ -461,7 +461,27 @@ def run_landscape(job: tuple[Any, list[str], int, int, int]) -> tuple[Any, list[
     ]
 
 
-def seeds_of(text: str) -> list[int]:
+#: What the JSON keeps of a baseline's run: its name and the figures the report's tables count.
+BASELINE_FIELDS = (
+    *("seed", "luck", "landscape", "family", "policy"),
+    *("final", "final_safe", "fitting", "cost", "at20", "ooms", "launched"),
+)
+
+
+def kept(row: dict[str, Any], keep_trials: bool) -> dict[str, Any]:
+    """A run as the JSON beside the report keeps it, one row a line (a rerun's diff shows the runs
+    that moved). docs/benchmarks.json is tracked and holds three seeds under three draws, five
+    policies each (whole rows came to over 4 MB), so it keeps what the scripts that read it use:
+    autotune's runs without their trial logs (``bench_inspect.py SEED/INDEX --luck N`` replays any run
+    with more, and the report prints the worst three's) and without ``trials`` unless
+    ``--keep-trials``; the baselines' by :data:`BASELINE_FIELDS` (their exports are reproduced by the
+    seed)."""
+    if row["policy"] != "autotune":
+        return {k: v for k, v in row.items() if k in BASELINE_FIELDS}
+    return {k: v for k, v in row.items() if k != "log" and (k != "trials" or keep_trials)}
+
+
+def numbers_of(text: str) -> list[int]:
     """``--seed`` or ``--luck``: one or several, comma-separated (``0,1,2``); ValueError if not whole
     numbers below :data:`APART`, each once."""
     seeds = [int(part) for part in text.split(",") if part.strip()]
@@ -508,14 +528,14 @@ def main() -> int:
         )
         return 2
     try:
-        seeds = seeds_of(args.seed)
+        seeds = numbers_of(args.seed)
     except ValueError:
         print(
             f"error: --seed {args.seed}: give whole numbers 0-999, each once, comma-separated: --seed 0,1,2"
         )
         return 2
     try:
-        lucks = seeds_of(args.luck)
+        lucks = numbers_of(args.luck)
     except ValueError:
         print(
             f"error: --luck {args.luck}: give whole numbers 0-999 (0: the benchmark's own draw), each once, "
@@ -553,19 +573,7 @@ def main() -> int:
             )
     lines = write_report(rows, args, time.time() - started)
     args.out.write_text("\n".join(lines) + "\n")
-    # one row a line (a rerun's diff shows the runs that moved); the trial log only of the runs that
-    # missed 0.95, the ones the notes read (any other is reproduced by its seed): with every run's
-    # log, three seeds' JSON was 3.4 MB
-    body = ",\n".join(
-        json.dumps(
-            {
-                **{k: v for k, v in r.items() if k != "trials" or args.keep_trials},
-                "log": r["log"] if r["final"] < 0.95 else [],
-            },
-            default=str,
-        )
-        for r in rows
-    )
+    body = ",\n".join(json.dumps(kept(r, args.keep_trials), default=str, separators=(",", ":")) for r in rows)
     args.out.with_suffix(".json").write_text(f"[\n{body}\n]\n")
     print(f"wrote {args.out}")
     return 0
