@@ -171,3 +171,61 @@ def test_the_confirmations_run_an_at_risk_success_a_held_run_clears(tmp_path):
     assert confirmed == [CONFIRM_NUMBER_OFFSET + 0]  # trial 0's confirmation, and only it
     best, notes = choose_best(rows(study), search.recipe, confirmations(study))
     assert best.number == 0, notes
+
+
+def edge_at_32(calls, held=False):
+    """Larger micro-batches run faster; at 32 a longer run peaks inside the headroom (unless
+    ``held``). Records (purpose, micro-batch) of every run."""
+
+    def execute(params, trial_dir, number, control):
+        size = params["per_device_train_batch_size"]
+        calls.append((control.purpose, size))
+        peak = 23.5 if control.purpose == "confirm" and size >= 32 and not held else 5.0
+        return Outcome(status="ok", throughput=10.0 + size, peak_memory_gib=peak, steps=5, wall_time_s=1.0)
+
+    return execute
+
+
+def test_a_search_whose_best_fails_its_longer_run_searches_on_from_what_can_be_exported(tmp_path):
+    """Seen: QLoRA 7B on 2 x 40 GB (the benchmark's 0/#92) stopped converged after 16 of 30 trials;
+    the longer runs of its four leaders all peaked inside the headroom, so its patience had been
+    counted against a bar nothing could be exported at, and the export fell to 0.93 of the best
+    possible. The search goes on, once, from the best trial still exportable, and confirms again."""
+    import optuna
+
+    from autotune.search.policy import walk_from
+    from autotune.study import choose_best, rows
+
+    pins = {k: v for k, v in LEAN.items() if k != "num_generations"}
+    calls = []
+    search = make_search(
+        tmp_path / "a", gpus=2, execute=edge_at_32(calls), trials=40, patience=3, confirm=1, pins=pins
+    )
+    result = search.run()
+    first = calls.index(next(c for c in calls if c[0] == "confirm"))
+    after = [c for c in calls[first:] if c[0] == "search"]
+    assert after, calls  # before: the search ended at its first confirmations
+    assert result.best is not None and result.best.params["per_device_train_batch_size"] == 16
+    assert result.confirmation is not None and result.confirmation.throughput  # confirmed again
+    assert "converged" in (result.stopped_reason or ""), result.stopped_reason
+    assert result.launched < 40
+    # the walk steps from what can still be exported, not from the short trial its longer run lost
+    study = optuna.load_study(study_name="r", storage=search.storage)
+    assert choose_best(rows(study), search.recipe)[0].params["per_device_train_batch_size"] == 32
+    assert walk_from(study, search.recipe).params["per_device_train_batch_size"] == 16
+
+    # a leader whose longer run holds: the search ends with its confirmations, as before
+    calls = []
+    search = make_search(
+        tmp_path / "b",
+        gpus=2,
+        execute=edge_at_32(calls, held=True),
+        trials=40,
+        patience=3,
+        confirm=1,
+        pins=pins,
+    )
+    result = search.run()
+    first = calls.index(next(c for c in calls if c[0] == "confirm"))
+    assert all(c[0] == "confirm" for c in calls[first:]), calls
+    assert result.best.params["per_device_train_batch_size"] == 32

@@ -52,8 +52,9 @@ from autotune.search.momentum import between, flat_knobs, keep_going, promising_
 from autotune.search.planner import Planner, Seen
 from autotune.search.seeds import seed_candidates
 from autotune.search.trade import next_trade, saver_experiment
-from autotune.study import candidate_key, choose_best, confirmations, measured_configs, rows
+from autotune.study import TrialRow, candidate_key, confirmations, eligible, measured_configs, rows
 from autotune.study.claims import pending_keys
+from autotune.study.incidents import long_run_failures
 from autotune.study.ranking import headroom_limit, noise
 from autotune.study.recovery import claim_owner
 
@@ -178,7 +179,7 @@ class PolicySampler(BaseSampler):
         """The most promising untried neighbour of the best trial so far."""
         if self.planner is None:
             return None
-        best, _ = choose_best(rows(study), self.recipe)
+        best = walk_from(study, self.recipe)
         if best is None:  # nothing fits yet: walk from the nearest OOM
             return cures.toward_feasible(
                 self.planner, self.space, self.fixed, self.rules, tried(study), candidate_key
@@ -237,6 +238,14 @@ class PolicySampler(BaseSampler):
             ):
                 return cand
         return None
+
+
+def walk_from(study: optuna.Study, recipe: Recipe) -> TrialRow | None:
+    """The trial the local walk steps from: the fastest short trial still exportable. Once
+    confirmations ran (a search going on after them, a resumed one), not one whose longer run died
+    or peaked inside the headroom, nor one a production run lost: its neighbours share its edge."""
+    left, _ = eligible(rows(study), recipe, confirmations(study), failed_long=long_run_failures(study))
+    return left[0] if left else None
 
 
 def co_leaders(planner: Planner, best: int, spread: float) -> list[Seen]:

@@ -135,6 +135,15 @@ class SearchState:
         self.best_value = value
         return True
 
+    def rebar(self, value: float) -> None:
+        """Count the patience again from ``value``, the fastest short trial still exportable: a
+        resumed search, or one whose bar was a short trial its longer run then disqualified
+        (:func:`autotune.search.confirm.searching_on`), judges what comes next against what can be
+        exported."""
+        self.best_value = value
+        self.improved_at = len(launched_rows(self.study))
+        self.measured_since_gain = 0
+
     def leftover(self, number: int) -> bool:
         """Whether trial ``number`` started on GPUs still holding an earlier trial's memory (its
         outcome.json says so; a folder on another node, or none, says no)."""
