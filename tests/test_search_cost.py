@@ -191,10 +191,14 @@ def test_a_search_whose_best_fails_its_longer_run_searches_on_from_what_can_be_e
     the longer runs of its four leaders all peaked inside the headroom, so its patience had been
     counted against a bar nothing could be exported at, and the export fell to 0.93 of the best
     possible. The search goes on, once, from the best trial still exportable, and confirms again."""
+    from dataclasses import replace
+
     import optuna
 
-    from autotune.search.policy import walk_from
-    from autotune.study import choose_best, rows
+    from autotune.search.confirm import searching_on
+    from autotune.search.headroom import incumbent
+    from autotune.search.state import walk_from
+    from autotune.study import choose_best, confirmations, launched_rows, rows
 
     pins = {k: v for k, v in LEAN.items() if k != "num_generations"}
     calls = []
@@ -204,15 +208,42 @@ def test_a_search_whose_best_fails_its_longer_run_searches_on_from_what_can_be_e
     result = search.run()
     first = calls.index(next(c for c in calls if c[0] == "confirm"))
     after = [c for c in calls[first:] if c[0] == "search"]
-    assert after, calls  # before: the search ended at its first confirmations
+    assert len(after) >= 3, calls  # before: the search ended at its first confirmations
     assert result.best is not None and result.best.params["per_device_train_batch_size"] == 16
     assert result.confirmation is not None and result.confirmation.throughput  # confirmed again
-    assert "converged" in (result.stopped_reason or ""), result.stopped_reason
-    assert result.launched < 40
-    # the walk steps from what can still be exported, not from the short trial its longer run lost
+    reason = result.stopped_reason or ""
+    assert "converged" in reason and "over the best 26 " in reason, reason  # the bar: what can be exported
+    assert reason.endswith(
+        "(searched on from 26 completions/s: a longer run took away the best it converged on)"
+    )
     study = optuna.load_study(study_name="r", storage=search.storage)
+    assert study.user_attrs["stopped"] == reason
+    # the walk and the planner's incumbent step from what can still be exported, not from the short
+    # trials the longer runs took away
+    lost = {n for n, c in confirmations(study).items() if (c.peak_memory_gib or 0) > 20}
+    assert lost and lost <= search.planner.passed_over, (lost, search.planner.passed_over)
     assert choose_best(rows(study), search.recipe)[0].params["per_device_train_batch_size"] == 32
     assert walk_from(study, search.recipe).params["per_device_train_batch_size"] == 16
+    assert incumbent(search.planner).params["per_device_train_batch_size"] == 16
+
+    # once: a search that went on does not go on again; nor one stopped otherwise, or out of time
+    state = search.state
+    converged = "stopped after 9 trials: converged, the last 3 that ran brought no gain"
+    assert searching_on(state, converged) == 26.0  # its short trials' leader is still lost
+    assert searching_on(state, "stopped after 9 trials: the --trials limit") is None
+    assert searching_on(state, "stopped after 9 trials: space exhausted") is None
+    state.recipe = replace(state.recipe, trials=len(launched_rows(study)))
+    assert searching_on(state, converged) is None
+    state.recipe = replace(state.recipe, trials=40)
+    state.stopping.budget.limit_s = 1e-6
+    assert searching_on(state, converged) is None
+
+    # resumed (`autotune resume`): the patience and the incumbent start from what can be exported
+    again = make_search(tmp_path / "a", gpus=2, execute=edge_at_32([]), trials=50, confirm=1, pins=pins)
+    again.storage = search.storage
+    resumed = again.open()
+    assert resumed.best_value == 26.0
+    assert incumbent(again.planner).params["per_device_train_batch_size"] == 16
 
     # a leader whose longer run holds: the search ends with its confirmations, as before
     calls = []
@@ -229,3 +260,4 @@ def test_a_search_whose_best_fails_its_longer_run_searches_on_from_what_can_be_e
     first = calls.index(next(c for c in calls if c[0] == "confirm"))
     assert all(c[0] == "confirm" for c in calls[first:]), calls
     assert result.best.params["per_device_train_batch_size"] == 32
+    assert "searched on" not in (result.stopped_reason or "")

@@ -140,21 +140,36 @@ def confirm(
 def searching_on(state: SearchState, stopped: str | None) -> float | None:
     """The best short trial still exportable, when the search should go on from it; else None.
 
-    A search that stopped as converged counted its patience against its best short trial. When that
-    trial's longer run then died or peaked inside the headroom, and every exportable trial is slower
-    by more than :data:`MIN_NOISE` (the bar's own trial is gone, not a near-tie), the trials since
-    were judged against a bar nothing can be exported at, while trials are left: the search goes on
-    (once, :meth:`Search.run`) from what can be. Seen: a QLoRA 7B whose four leaders all peaked
-    inside the headroom in their longer runs stopped after 16 of 30 trials and exported 0.93 of the
-    best possible; going on, it exported 0.99 (docs/benchmarks-notes.md)."""
+    A search that stopped as converged counted its patience against its best short trial. When a
+    longer run took that trial away (its confirmation died or peaked inside the headroom, or a
+    production run lost it) and every exportable trial is slower by more than :data:`MIN_NOISE` (the
+    bar's own trial is gone, not a near-tie), the trials since were judged against a bar nothing can
+    be exported at, while trials are left: the search goes on (once, :meth:`Search.run`) from what
+    can be. A leader whose unmeasured peak an OOM put at risk is no such case: the search knew it
+    before it stopped, and going on there only added OOMs beside a confirmed export (a plain trainer
+    that logs no memory, docs/benchmarks-notes.md). Seen: a QLoRA 7B whose four leaders all
+    peaked inside the headroom in their longer runs stopped after 16 of 30 trials and exported 0.93
+    of the best possible; going on, it exported 0.99 (docs/benchmarks-notes.md, thirty-second
+    pass)."""
     study, recipe = state.study, state.recipe
     if stopped is None or ": converged" not in stopped or state.stopping.budget.exceeded():
         return None
     if len(launched_rows(study)) >= recipe.trials:
         return None
-    left, _ = eligible(rows(study), recipe, confirmations(study), failed_long=long_run_failures(study))
-    value = max((r.throughput or 0.0 for r in left), default=0.0)
-    return value if state.best_value > value * (1 + MIN_NOISE) else None
+    all_rows = rows(study)
+    short, _ = eligible(all_rows, recipe)  # by the short trials alone (an unmeasured peak at risk is out)
+    left, _ = eligible(all_rows, recipe, confirmations(study), failed_long=long_run_failures(study))
+    value = left[0].throughput or 0.0 if left else 0.0  # the short trials' leader, if still there
+    return value if short and (short[0].throughput or 0.0) > value * (1 + MIN_NOISE) else None
+
+
+def search_on(state: SearchState, bar: float) -> str:
+    """Go on from ``bar`` (:func:`searching_on`): the patience counted again from what can be
+    exported (:meth:`SearchState.rebar`); returns the note the search's final stop reason carries."""
+    note = f" (searched on from {bar:.3g} completions/s: a longer run took away the best it converged on)"
+    state.reporter.message(f"searching on{note[12:-1]}")
+    state.rebar()
+    return note
 
 
 def run_one(

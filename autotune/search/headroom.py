@@ -33,10 +33,17 @@ def incumbent(planner: Planner) -> Seen | None:
     Every "can anything still beat the best?" is asked against this one. A trial that ran but
     peaked inside the headroom is never exported, so it must not set the bar: when it did, a 14B
     search stopped "converged" after 9 trials at 0.82 of the best possible, measured against a
-    throughput it could not export.
+    throughput it could not export. Nor does one a longer run took away (``Planner.passed_over``).
     """
     limit = headroom_limit(planner.recipe)
-    ok = [s for s in planner.seen if s.status == "ok" and s.throughput and fits_headroom(s.peak_gib, limit)]
+    ok = [
+        s
+        for s in planner.seen
+        if s.status == "ok"
+        and s.throughput
+        and fits_headroom(s.peak_gib, limit)
+        and s.number not in planner.passed_over
+    ]
     return max(ok, key=lambda s: s.throughput or 0.0, default=None)
 
 

@@ -31,13 +31,13 @@ from autotune.progress import Reporter, short_params
 from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
 from autotune.search import candidates
-from autotune.search.confirm import confirm, searching_on
+from autotune.search.confirm import confirm, search_on, searching_on
 from autotune.search.headroom import incumbent, save_risks
 from autotune.search.knobs import KnobMemory
 from autotune.search.momentum import flat_knobs
 from autotune.search.parallel import Scheduler, answered  # noqa: F401  (answered: tests import it from here)
 from autotune.search.planner import Planner
-from autotune.search.policy import PolicySampler, make_tpe, tried, walk_from
+from autotune.search.policy import PolicySampler, make_tpe, tried
 from autotune.search.prior_check import blind_knobs, local_optimum, neighbourhood_measured, prior_agrees
 from autotune.search.pruning import BelowBestPruner
 from autotune.search.state import Finished, Previous, SearchState
@@ -160,24 +160,24 @@ class Search:
     def run(self) -> SearchResult:
         state = self.open()
         study = state.study
-        confirmed = 0
-        for again in (False, True):  # again only where the confirmations took its bar (searching_on)
+        confirmed, went_on = 0, ""
+        for again in (False, True):  # again only where its bar cannot be exported (searching_on)
             stopped_reason = Scheduler(state, self, self.slots).run()  # ask, gate, execute, tell
             launched = len(launched_rows(study))
             if stopped_reason is None:
                 stopped_reason = f"stopped after {launched} trials: the --trials limit"
-            study.set_user_attr("stopped", stopped_reason)
             with StudyLock(study._storage, study.study_name, "finish"):  # noqa: SLF001  once, across nodes
                 recover_interrupted(study, self.paths, sweep=True)
                 confirmed += confirm(state, self.execute, self.slots)
                 bar = None if again else searching_on(state, stopped_reason)
                 if bar is None:
+                    stopped_reason += went_on
+                    study.set_user_attr("stopped", stopped_reason)
                     study.set_user_attr("elapsed_s", round(state.stopping.budget.elapsed(), 1))
                     exported = export_study(study, self.recipe, self.paths.best, withdraw=True)
                     self.refresh_report(study)
                     break
-            self.reporter.message(f"searching on from {bar:.3g}/s: its best failed a longer run")
-            state.rebar(bar)
+            went_on = search_on(state, bar)
         done = confirmations(study)
         best, _ = choose_best(rows(study), self.recipe, done, long_run_failures(study))
         return SearchResult(
@@ -328,8 +328,7 @@ class Search:
             self.recipe, self.paths, self.space, self.fixed, self.reporter, self.planner, study, stopping
         )
         state.relearn()  # its trials, confirmations that died and a production run's OOMs
-        start = walk_from(study, self.recipe)  # a resumed search waits its patience again, from
-        state.rebar(start.throughput or 0.0 if start else 0.0)  # what its confirmations left exportable
+        state.rebar()  # a resumed search waits its patience again, from what it can export
         self._state = state
         return state
 

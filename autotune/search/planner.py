@@ -81,6 +81,9 @@ class Planner(SpeedExpectation, ModelTrust):
     _turn: int = 0  # which knob the local search moves next
     rel_error: float = 0.25  # typical |measured - predicted| / measured after calibration
     knobs: KnobMemory = field(default_factory=KnobMemory)  # which knobs' memory effect is known
+    # successes a longer run took from the export (a confirmation that died or peaked inside the
+    # headroom, a production run lost): never the incumbent, nor a centre of the walk
+    passed_over: set[int] = field(default_factory=set)
     # what is kept between calls (the grid is 48,720 candidates for a 7B on 4 GPUs: never printed)
     _memo: Memo = field(default_factory=Memo, init=False, repr=False, compare=False)  # vector(), prior()
     _pool: list[tuple[float, dict[str, Any]]] | None = field(default=None, **KEPT)

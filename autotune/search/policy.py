@@ -51,10 +51,10 @@ from autotune.search.headroom import fits_headroom
 from autotune.search.momentum import between, flat_knobs, keep_going, promising_onward
 from autotune.search.planner import Planner, Seen
 from autotune.search.seeds import seed_candidates
+from autotune.search.state import walk_from
 from autotune.search.trade import next_trade, saver_experiment
-from autotune.study import TrialRow, candidate_key, confirmations, eligible, measured_configs, rows
+from autotune.study import candidate_key, confirmations, measured_configs, rows
 from autotune.study.claims import pending_keys
-from autotune.study.incidents import long_run_failures
 from autotune.study.ranking import headroom_limit, noise
 from autotune.study.recovery import claim_owner
 
@@ -240,14 +240,6 @@ class PolicySampler(BaseSampler):
         return None
 
 
-def walk_from(study: optuna.Study, recipe: Recipe) -> TrialRow | None:
-    """The trial the local walk steps from: the fastest short trial still exportable. Once
-    confirmations ran (a search going on after them, a resumed one), not one whose longer run died
-    or peaked inside the headroom, nor one a production run lost: its neighbours share its edge."""
-    left, _ = eligible(rows(study), recipe, confirmations(study), failed_long=long_run_failures(study))
-    return left[0] if left else None
-
-
 def co_leaders(planner: Planner, best: int, spread: float) -> list[Seen]:
     """The incumbent and the measured successes a second run could rank above it: within twice the
     noise of its throughput (two runs of one configuration differ that much), keeping the headroom,
@@ -255,7 +247,14 @@ def co_leaders(planner: Planner, best: int, spread: float) -> list[Seen]:
     at 0.99 of the best possible measured 3.52/s against a lucky micro-batch-1 incumbent's 3.69/s, and
     the one-knob walk never left the incumbent's corner (VL 3B #33: 0.84)."""
     limit = headroom_limit(planner.recipe)
-    ok = [s for s in planner.seen if s.status == "ok" and s.throughput and fits_headroom(s.peak_gib, limit)]
+    ok = [
+        s
+        for s in planner.seen
+        if s.status == "ok"
+        and s.throughput
+        and fits_headroom(s.peak_gib, limit)
+        and s.number not in planner.passed_over
+    ]
     top = next((s for s in ok if s.number == best), None)
     if top is None:
         return []

@@ -22,8 +22,8 @@ from autotune.recipe import Recipe
 from autotune.search.headroom import fits_headroom
 from autotune.search.planner import Planner
 from autotune.search.stopping import Stopping
-from autotune.study import StudyPaths, TrialRow, launched_rows, rows
-from autotune.study.incidents import incidents
+from autotune.study import StudyPaths, TrialRow, eligible, launched_rows, rows
+from autotune.study.incidents import incidents, long_run_failures
 from autotune.study.ranking import MIN_NOISE, confirmations, headroom_limit
 from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import STATUSES, UNINFORMATIVE, Outcome, Status, read_outcome
@@ -75,6 +75,23 @@ class Finished:
             row.launched,
             status == Status.OOM and leftover(row.number),
         )
+
+
+def walk_from(study: optuna.Study, recipe: Recipe) -> TrialRow | None:
+    """The trial the local walk steps from: the fastest short trial still exportable. Once
+    confirmations ran (a search going on after them, a resumed one), not one whose longer run died
+    or peaked inside the headroom, nor one a production run lost: its neighbours share its edge."""
+    left, _ = eligible(rows(study), recipe, confirmations(study), failed_long=long_run_failures(study))
+    return left[0] if left else None
+
+
+def passed_over(study: optuna.Study, recipe: Recipe) -> set[int]:
+    """The trials exportable by their short trial that a longer run took away: what the study's
+    confirmations and production runs removed from :func:`walk_from`'s list."""
+    all_rows = rows(study)
+    short, _ = eligible(all_rows, recipe)
+    left, _ = eligible(all_rows, recipe, confirmations(study), failed_long=long_run_failures(study))
+    return {r.number for r in short} - {r.number for r in left}
 
 
 @dataclass
@@ -135,14 +152,19 @@ class SearchState:
         self.best_value = value
         return True
 
-    def rebar(self, value: float) -> None:
-        """Count the patience again from ``value``, the fastest short trial still exportable: a
-        resumed search, or one whose bar was a short trial its longer run then disqualified
+    def rebar(self) -> float:
+        """Count the patience again from the fastest short trial still exportable (:func:`walk_from`;
+        returned), with the trials a longer run took away out of the planner's incumbent: a resumed
+        search, or one whose bar a longer run then disqualified
         (:func:`autotune.search.confirm.searching_on`), judges what comes next against what can be
         exported."""
-        self.best_value = value
+        start = walk_from(self.study, self.recipe)
+        if self.planner is not None:
+            self.planner.passed_over = passed_over(self.study, self.recipe)
+        self.best_value = (start.throughput or 0.0) if start else 0.0
         self.improved_at = len(launched_rows(self.study))
         self.measured_since_gain = 0
+        return self.best_value
 
     def leftover(self, number: int) -> bool:
         """Whether trial ``number`` started on GPUs still holding an earlier trial's memory (its
