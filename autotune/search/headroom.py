@@ -35,8 +35,14 @@ def incumbent(planner: Planner) -> Seen | None:
     search stopped "converged" after 9 trials at 0.82 of the best possible, measured against a
     throughput it could not export. Nor does one a longer run took away (``Planner.passed_over``).
     """
+    return max(exportable(planner), key=lambda s: s.throughput or 0.0, default=None)
+
+
+def exportable(planner: Planner) -> list[Seen]:
+    """The measured successes the export could pick by what the planner knows: a throughput, a peak
+    that keeps the headroom free, not taken away by a longer run (``Planner.passed_over``)."""
     limit = headroom_limit(planner.recipe)
-    ok = [
+    return [
         s
         for s in planner.seen
         if s.status == "ok"
@@ -44,7 +50,6 @@ def incumbent(planner: Planner) -> Seen | None:
         and fits_headroom(s.peak_gib, limit)
         and s.number not in planner.passed_over
     ]
-    return max(ok, key=lambda s: s.throughput or 0.0, default=None)
 
 
 def unmeasured_risks(planner: Planner, spread: float) -> tuple[dict[str, str], list[str]]:

@@ -47,7 +47,7 @@ from autotune.candidate.moves import knobs_apart
 from autotune.candidate.space import Space
 from autotune.recipe import Recipe
 from autotune.search import candidates, cures
-from autotune.search.headroom import fits_headroom
+from autotune.search.headroom import exportable
 from autotune.search.momentum import between, flat_knobs, keep_going, promising_onward
 from autotune.search.planner import Planner, Seen
 from autotune.search.seeds import seed_candidates
@@ -55,7 +55,7 @@ from autotune.search.state import walk_from
 from autotune.search.trade import next_trade, saver_experiment
 from autotune.study import candidate_key, confirmations, measured_configs, rows
 from autotune.study.claims import pending_keys
-from autotune.study.ranking import headroom_limit, noise
+from autotune.study.ranking import noise
 from autotune.study.recovery import claim_owner
 
 PROPOSAL_ATTR = "autotune:proposal"  # trial system attribute: seed | local | pool | valid
@@ -246,15 +246,7 @@ def co_leaders(planner: Planner, best: int, spread: float) -> list[Seen]:
     in another region (two knobs or more away). With 8% step-time noise a micro-batch-8 configuration
     at 0.99 of the best possible measured 3.52/s against a lucky micro-batch-1 incumbent's 3.69/s, and
     the one-knob walk never left the incumbent's corner (VL 3B #33: 0.84)."""
-    limit = headroom_limit(planner.recipe)
-    ok = [
-        s
-        for s in planner.seen
-        if s.status == "ok"
-        and s.throughput
-        and fits_headroom(s.peak_gib, limit)
-        and s.number not in planner.passed_over
-    ]
+    ok = exportable(planner)
     top = next((s for s in ok if s.number == best), None)
     if top is None:
         return []
