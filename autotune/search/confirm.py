@@ -15,7 +15,7 @@ from autotune.candidate import constraints
 from autotune.recipe import Recipe
 from autotune.runners.base import on_gpus
 from autotune.search.headroom import save_risks
-from autotune.search.state import Finished, SearchState
+from autotune.search.state import Finished, SearchState, short_and_left
 from autotune.search.transient import transient_error
 from autotune.study import (
     StudyPaths,
@@ -156,9 +156,7 @@ def searching_on(state: SearchState, stopped: str | None) -> float | None:
         return None
     if len(launched_rows(study)) >= recipe.trials:
         return None
-    all_rows = rows(study)
-    short, _ = eligible(all_rows, recipe)  # by the short trials alone (an unmeasured peak at risk is out)
-    left, _ = eligible(all_rows, recipe, confirmations(study), failed_long=long_run_failures(study))
+    short, left = short_and_left(study, recipe)
     value = left[0].throughput or 0.0 if left else 0.0  # the short trials' leader, if still there
     return value if short and (short[0].throughput or 0.0) > value * (1 + MIN_NOISE) else None
 
@@ -166,10 +164,10 @@ def searching_on(state: SearchState, stopped: str | None) -> float | None:
 def search_on(state: SearchState, bar: float) -> str:
     """Go on from ``bar`` (:func:`searching_on`): the patience counted again from what can be
     exported (:meth:`SearchState.rebar`); returns the note the search's final stop reason carries."""
-    note = f" (searched on from {bar:.3g} completions/s: a longer run took away the best it converged on)"
-    state.reporter.message(f"searching on{note[12:-1]}")
+    why = f"from {bar:.3g} completions/s: a longer run took away the best it converged on"
+    state.reporter.message(f"searching on {why}")
     state.rebar()
-    return note
+    return f" (searched on {why})"
 
 
 def run_one(

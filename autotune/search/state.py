@@ -85,12 +85,19 @@ def walk_from(study: optuna.Study, recipe: Recipe) -> TrialRow | None:
     return left[0] if left else None
 
 
-def passed_over(study: optuna.Study, recipe: Recipe) -> set[int]:
-    """The trials exportable by their short trial that a longer run took away: what the study's
-    confirmations and production runs removed from :func:`walk_from`'s list."""
+def short_and_left(study: optuna.Study, recipe: Recipe) -> tuple[list[TrialRow], list[TrialRow]]:
+    """The trials exportable by their short trials alone (an unmeasured peak at risk is out), and
+    those still exportable once the longer runs (confirmations, production runs) had their say
+    (:func:`walk_from`'s list); fastest first."""
     all_rows = rows(study)
     short, _ = eligible(all_rows, recipe)
     left, _ = eligible(all_rows, recipe, confirmations(study), failed_long=long_run_failures(study))
+    return short, left
+
+
+def passed_over(study: optuna.Study, recipe: Recipe) -> set[int]:
+    """The trials exportable by their short trial that a longer run took away."""
+    short, left = short_and_left(study, recipe)
     return {r.number for r in short} - {r.number for r in left}
 
 
