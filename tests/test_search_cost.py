@@ -186,6 +186,41 @@ def edge_at_32(calls, held=False):
     return execute
 
 
+def unlogged_edge_at_32(calls):
+    """:func:`edge_at_32` for a trainer that logs no memory: no run has a peak, and a longer run of
+    micro-batch 32 dies of an OOM."""
+
+    def execute(params, trial_dir, number, control):
+        size = params["per_device_train_batch_size"]
+        calls.append((control.purpose, size))
+        if control.purpose == "confirm" and size >= 32:
+            return Outcome(status="oom", oom_kind="cuda", steps=2, wall_time_s=1.0)
+        return Outcome(status="ok", throughput=10.0 + size, steps=5, wall_time_s=1.0)
+
+    return execute
+
+
+def test_a_search_without_measured_peaks_does_not_search_on_after_a_lost_leader(tmp_path):
+    """Seen (the benchmark's 2/#27 under luck 2, a plain 0.5B trainer that logs no memory): its
+    leader died in a longer run, the search went on, and the OOMs it added beside the confirmed
+    trials put them all at risk (their peaks unmeasured, judged by the OOMs around them); it
+    exported 0.35 of the best possible in place of a confirmed 1.00. Without a measured peak the
+    search ends with its confirmations, as it did before it could go on."""
+    from autotune.search.confirm import searching_on
+
+    pins = {k: v for k, v in LEAN.items() if k != "num_generations"}
+    calls = []
+    search = make_search(
+        tmp_path, gpus=2, execute=unlogged_edge_at_32(calls), trials=40, patience=3, confirm=1, pins=pins
+    )
+    result = search.run()
+    first = calls.index(next(c for c in calls if c[0] == "confirm"))
+    assert ("confirm", 32) in calls and all(c[0] == "confirm" for c in calls[first:]), calls
+    assert "searched on" not in (result.stopped_reason or "")
+    converged = "stopped after 9 trials: converged, the last 3 that ran brought no gain"
+    assert searching_on(search.state, converged) is None
+
+
 def test_a_search_whose_best_fails_its_longer_run_searches_on_from_what_can_be_exported(tmp_path):
     """Seen: QLoRA 7B on 2 x 40 GB (the benchmark's 0/#92) stopped converged after 16 of 30 trials;
     the longer runs of its four leaders all peaked inside the headroom, so its patience had been

@@ -147,16 +147,22 @@ def searching_on(state: SearchState, stopped: str | None) -> float | None:
     be exported at, while trials are left: the search goes on (once, :meth:`Search.run`) from what
     can be. A leader whose unmeasured peak an OOM put at risk is no such case: the search knew it
     before it stopped, and going on there only added OOMs beside a confirmed export (a plain trainer
-    that logs no memory, docs/benchmarks-notes.md). Seen: a QLoRA 7B whose four leaders all
-    peaked inside the headroom in their longer runs stopped after 16 of 30 trials and exported 0.93
-    of the best possible; going on, it exported 0.99 (docs/benchmarks-notes.md, thirty-second
-    pass)."""
+    that logs no memory, docs/benchmarks-notes.md). Nor is a bar whose peak nobody measured (a
+    trainer that logs no memory, no NVML): there the search knows the edge only by its OOMs, and
+    each OOM the going on adds puts the successes beside it at risk, the confirmed ones too (a plain
+    0.5B trainer went on after its leader died in a longer run and exported 0.35 of the best
+    possible in place of a confirmed 1.00). Seen: a QLoRA 7B whose four leaders all peaked inside
+    the headroom in their longer runs stopped after 16 of 30 trials and exported 0.93 of the best
+    possible; going on, it exported 0.99 (docs/benchmarks-notes.md, thirty-second and
+    thirty-third passes)."""
     study, recipe = state.study, state.recipe
     if stopped is None or ": converged" not in stopped or state.stopping.budget.exceeded():
         return None
     if len(launched_rows(study)) >= recipe.trials:
         return None
     short, left = short_and_left(study, recipe)
+    if left and left[0].peak_memory_gib is None:
+        return None  # its headroom is judged by the OOMs around it: going on would add more
     value = left[0].throughput or 0.0 if left else 0.0  # the short trials' leader, if still there
     return value if short and (short[0].throughput or 0.0) > value * (1 + MIN_NOISE) else None
 
