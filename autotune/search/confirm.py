@@ -138,23 +138,22 @@ def confirm(
 
 
 def searching_on(state: SearchState, stopped: str | None) -> float | None:
-    """The best short trial still exportable, when the search should go on from it; else None.
+    """The best short trial still exportable (0.0 when none is), when the search should go on from
+    it; else None.
 
     A search that stopped as converged counted its patience against its best short trial. When a
     longer run took that trial away (its confirmation died or peaked inside the headroom, or a
     production run lost it) and every exportable trial is slower by more than :data:`MIN_NOISE` (the
     bar's own trial is gone, not a near-tie), the trials since were judged against a bar nothing can
     be exported at, while trials are left: the search goes on (once, :meth:`Search.run`) from what
-    can be. A leader whose unmeasured peak an OOM put at risk is no such case: the search knew it
-    before it stopped, and going on there only added OOMs beside a confirmed export (a plain trainer
-    that logs no memory, docs/benchmarks-notes.md). Nor is a bar whose peak nobody measured (a
-    trainer that logs no memory, no NVML): there the search knows the edge only by its OOMs, and
-    each OOM the going on adds puts the successes beside it at risk, the confirmed ones too (a plain
-    0.5B trainer went on after its leader died in a longer run and exported 0.35 of the best
-    possible in place of a confirmed 1.00). Seen: a QLoRA 7B whose four leaders all peaked inside
-    the headroom in their longer runs stopped after 16 of 30 trials and exported 0.93 of the best
-    possible; going on, it exported 0.99 (docs/benchmarks-notes.md, thirty-second and
-    thirty-third passes)."""
+    can be. Not where the short trials' leader was an unmeasured peak an OOM put at risk (the search
+    knew that before it stopped), nor where the bar's own peak was never measured (a trainer that
+    logs no memory, no NVML): there the search knows the edge only by its OOMs, and each OOM that
+    going on adds puts the successes beside it at risk, the confirmed ones too (a plain 0.5B trainer
+    went on after its leader died in a longer run and exported 0.35 of the best possible in place of
+    a confirmed 1.00). Seen: a QLoRA 7B whose four leaders all peaked inside the headroom in their
+    longer runs stopped after 16 of 30 trials and exported 0.93 of the best possible; going on, it
+    exported 0.99 (docs/benchmarks-notes.md, thirty-second and thirty-third passes)."""
     study, recipe = state.study, state.recipe
     if stopped is None or ": converged" not in stopped or state.stopping.budget.exceeded():
         return None
