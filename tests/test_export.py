@@ -661,3 +661,36 @@ def test_export_into_a_folder_that_holds_other_things_deletes_nothing(tmp_path):
     assert json.loads((project / "params.json").read_text()) == best.params
     assert {p.name for p in written} <= {p.name for p in project.iterdir()}
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp folder left
+
+
+def test_summary_names_the_runners_up_within_the_measured_noise_and_their_longer_runs(tmp_path):
+    """A runner-up 1% behind the choice's short trial is not slower when the runs are noisy by 4%
+    (issue 19, item 6): summary.md says which exportable runners-up ran within the noise the study
+    measured (the largest gap between a confirmed trial's two runs), and shows each longer run.
+    One that died in its longer run, or peaked inside the headroom, is not offered, however close."""
+    from autotune.study.ranking import Confirmation
+    from autotune.trial.outcome import Status
+
+    r = recipe()  # 80 GiB cards, 5% headroom: at most 76 GiB
+    choice = TrialRow(0, params(), "ok", throughput=10.0, peak_memory_gib=60.0)
+    died = TrialRow(1, params(per_device_train_batch_size=8), "ok", throughput=9.9, peak_memory_gib=62.0)
+    edge = TrialRow(2, params(num_generations=4), "ok", throughput=9.95, peak_memory_gib=78.0)
+    close = TrialRow(3, params(zero_stage=2), "ok", throughput=9.7, peak_memory_gib=50.0)
+    slower = TrialRow(4, params(gradient_accumulation_steps=4), "ok", throughput=9.0, peak_memory_gib=40.0)
+    confirmed = {
+        0: Confirmation(Status.OK, throughput=9.6, peak_memory_gib=61.0, steps=21),
+        1: Confirmation(Status.OOM, steps=5, oom_kind="cuda"),
+    }
+    out = tmp_path / "best"
+    write_best(out, choice, r, [choice, died, edge, close, slower], confirmed=confirmed)
+    summary = (out / "summary.md").read_text()
+    table = summary.split("## Runners-up")[1].split("## GPU utilization")[0]
+    assert "| 1 | 9.9 | -1% | died (oom/cuda) | 62.0 |" in table
+    assert "| 3 | 9.7 | -3% | - | 50.0 |" in table and "| 4 | 9 | -10% | - | 40.0 |" in table
+    assert "Run-to-run noise: 4% (measured" in table
+    assert "Trial 3 ran within it of the choice" in table  # not 1 (died), 2 (inside the headroom) or 4
+    assert "so it may serve as well" in table
+    # with no longer run made, the noise is the 3% assumed: trial 1 is within it, trial 3 is not
+    write_best(out, choice, r, [choice, died, edge, close, slower])
+    plain = (out / "summary.md").read_text()
+    assert "Run-to-run noise: 3% (assumed" in plain and "Trial 1 ran within it of the choice" in plain

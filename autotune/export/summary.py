@@ -13,8 +13,10 @@ from autotune.candidate.constraints import space_of
 from autotune.export.layout import BEST_FILES, COMMAND_SH, LAUNCH_SH, PARAMS_JSON, SWIFT_SH
 from autotune.export.trl import fmt
 from autotune.recipe import Recipe
+from autotune.study.ranking import MIN_NOISE, Confirmation, eligible, judged, noise
 from autotune.study.record import TrialRow
 from autotune.trial.layout import GPU_CSV
+from autotune.trial.outcome import Status
 
 STATUS_ORDER = ("ok", "oom", "invalid", "crash", "timeout", "hang", "interrupted", "skipped")
 RUNNERS_UP = 5
@@ -81,8 +83,12 @@ def summary_md(
     notes: list[str],
     names: list[str],
     stopped: str | None = None,
+    confirmed: dict[int, Confirmation] | None = None,
+    failed_long: dict[str, str] | None = None,
 ) -> str:
     params = best.params
+    confirmed = confirmed or {}
+    exportable = {r.number for r in eligible(rows, recipe, confirmed, failed_long=failed_long)[0]}
     capacity = recipe.gpu_memory_gib
     lines = [f"# autotune: best GRPO configuration for {recipe.model}", ""]
     lines.append(
@@ -93,7 +99,7 @@ def summary_md(
         + "."
     )
     lines += _choice_section(best, recipe, params, capacity)
-    lines += _runners_up_section(best, rows, params)
+    lines += _runners_up_section(best, rows, params, confirmed, exportable)
     lines += utilization_section(best, rows, recipe)
     lines += _trials_section(rows, stopped)
     if notes:
@@ -137,8 +143,28 @@ def _choice_section(best: TrialRow, recipe: Recipe, params: dict[str, Any], capa
     return lines
 
 
-def _runners_up_section(best: TrialRow, rows: list[TrialRow], params: dict[str, Any]) -> list[str]:
-    """The fastest other ok trials, and how each differs from the choice."""
+def _longer_run(row: TrialRow, c: Confirmation | None) -> str:
+    """A trial's confirmation as the runners-up table shows it: both runs' figure when it held
+    (what the choice compared, :func:`judged`), how it died when it did, "-" when none was made."""
+    if c is None:
+        return "-"
+    if c.status != Status.OK:
+        kind = f"{c.status}/{c.oom_kind}" if c.oom_kind else str(c.status)
+        return f"died ({kind})"
+    return f"{fmt(c.throughput)} (both {judged(row, c):.3g})"
+
+
+def _runners_up_section(
+    best: TrialRow,
+    rows: list[TrialRow],
+    params: dict[str, Any],
+    confirmed: dict[int, Confirmation],
+    exportable: set[int],
+) -> list[str]:
+    """The fastest other ok trials, their longer runs, how each differs from the choice, and which
+    exportable ones ran within the noise the search measured of itself: with runs noisy by a few
+    percent, a runner-up 2% ahead in its short trial is not faster, nor 2% behind slower, and a user
+    who would rather launch one for its headroom or its settings should know that."""
     lines: list[str] = []
     ok = sorted(
         (
@@ -149,21 +175,41 @@ def _runners_up_section(best: TrialRow, rows: list[TrialRow], params: dict[str, 
         key=lambda r: -(r.throughput or 0),
     )[:RUNNERS_UP]
     lines += ["", "## Runners-up", ""]
-    if ok:
-        lines += [
-            "| trial | completions/s | vs best | peak GiB | differs from the choice |",
-            "|---|---|---|---|---|",
-        ]
-        for r in ok:
-            ratio = (
-                f"{r.throughput / best.throughput - 1:+.0%}" if best.throughput and r.throughput else "n/a"
-            )
-            peak = "n/a" if r.peak_memory_gib is None else f"{r.peak_memory_gib:.1f}"
-            lines.append(
-                f"| {r.number} | {fmt(r.throughput)} | {ratio} | {peak} | {_differs(r.params, params)} |"
-            )
-    else:
-        lines.append("No other trial finished ok.")
+    if not ok:
+        return lines + ["No other trial finished ok."]
+    lines += [
+        "| trial | completions/s | vs best | longer run | peak GiB | differs from the choice |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in ok:
+        ratio = f"{r.throughput / best.throughput - 1:+.0%}" if best.throughput and r.throughput else "n/a"
+        peak = "n/a" if r.peak_memory_gib is None else f"{r.peak_memory_gib:.1f}"
+        lines.append(
+            f"| {r.number} | {fmt(r.throughput)} | {ratio} | {_longer_run(r, confirmed.get(r.number))} "
+            f"| {peak} | {_differs(r.params, params)} |"
+        )
+    spread = noise(rows, confirmed)
+    within = [
+        r.number
+        for r in ok
+        if r.number in exportable
+        and best.throughput
+        and r.throughput
+        and abs(r.throughput / best.throughput - 1) <= spread
+    ]
+    measured = "measured" if spread > MIN_NOISE else "assumed"
+    lines += [
+        "",
+        f"Run-to-run noise: {spread:.0%} ({measured}: the largest gap between a confirmed trial's short "
+        "and longer runs, at least 3%)."
+        + (
+            f" Trial{'s' if len(within) > 1 else ''} {', '.join(map(str, within))} ran within it of the "
+            f"choice: by these measurements as fast, so {'any of them' if len(within) > 1 else 'it'} "
+            "may serve as well where headroom or other settings suit the production run better."
+            if within
+            else ""
+        ),
+    ]
     return lines
 
 

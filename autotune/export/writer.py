@@ -39,6 +39,7 @@ from autotune.files import write_text
 from autotune.recipe import Recipe
 from autotune.study import choose_best, confirmations, rows
 from autotune.study.incidents import long_run_failures
+from autotune.study.ranking import Confirmation
 from autotune.study.record import TrialRow
 
 OWN_FILES = frozenset(BEST_FILES)
@@ -52,12 +53,16 @@ def export_study(study: optuna.Study, recipe: Recipe, out_dir: Path, *, withdraw
     trial. With ``withdraw`` (the search's last export), files exported earlier for a configuration
     the study no longer exports are moved aside (:func:`withdraw_best`)."""
     all_rows = rows(study)
-    best, notes = choose_best(all_rows, recipe, confirmations(study), long_run_failures(study))
+    done, failed = confirmations(study), long_run_failures(study)
+    best, notes = choose_best(all_rows, recipe, done, failed)
     if best is None:
         if withdraw:
             withdraw_best(out_dir, notes)
         return []
-    return write_best(out_dir, best, recipe, all_rows, notes=notes, stopped=study.user_attrs.get("stopped"))
+    stopped = study.user_attrs.get("stopped")
+    return write_best(
+        out_dir, best, recipe, all_rows, notes=notes, stopped=stopped, confirmed=done, failed_long=failed
+    )
 
 
 def write_best(
@@ -68,6 +73,8 @@ def write_best(
     *,
     notes: Iterable[str] = (),
     stopped: str | None = None,
+    confirmed: dict[int, Confirmation] | None = None,
+    failed_long: dict[str, str] | None = None,
 ) -> list[Path]:
     """Write params, TRL / accelerate / DeepSpeed configs, launch scripts (command.sh, the filled
     template, when a template ran the trials) and a summary.
@@ -98,7 +105,9 @@ def write_best(
         files[SWIFT_SH] = (swift_sh(params, recipe, best), True)
     files.update(command_files(params, recipe, best, files))  # command.sh for --runner command
     files[SUMMARY_MD] = (
-        summary_md(final, best, recipe, rows, notes, sorted(files) + [SUMMARY_MD], stopped),
+        summary_md(
+            final, best, recipe, rows, notes, sorted(files) + [SUMMARY_MD], stopped, confirmed, failed_long
+        ),
         False,
     )
 
