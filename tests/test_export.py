@@ -687,7 +687,7 @@ def test_summary_names_the_runners_up_within_the_measured_noise_and_their_longer
     table = summary.split("## Runners-up")[1].split("## GPU utilization")[0]
     assert "| 1 | 9.9 | -1% | died (oom/cuda) | 62.0 |" in table
     assert "| 3 | 9.7 | -3% | - | 50.0 |" in table and "| 4 | 9 | -10% | - | 40.0 |" in table
-    assert "Run-to-run noise: 4% (measured" in table
+    assert "Run-to-run noise: 4% (the largest gap between a confirmed trial's short" in table
     assert "Trial 3 ran within it of the choice" in table  # not 1 (died), 2 (inside the headroom) or 4
     assert "so it may serve as well" in table
     # with no longer run made, the noise is the 3% assumed: trial 1 is within it, trial 3 is not

@@ -13,7 +13,7 @@ from autotune.candidate.constraints import space_of
 from autotune.export.layout import BEST_FILES, COMMAND_SH, LAUNCH_SH, PARAMS_JSON, SWIFT_SH
 from autotune.export.trl import fmt
 from autotune.recipe import Recipe
-from autotune.study.ranking import MIN_NOISE, Confirmation, eligible, judged, noise
+from autotune.study.ranking import Confirmation, eligible, judged, noise
 from autotune.study.record import TrialRow
 from autotune.trial.layout import GPU_CSV
 from autotune.trial.outcome import Status
@@ -197,11 +197,15 @@ def _runners_up_section(
         and r.throughput
         and abs(r.throughput / best.throughput - 1) <= spread
     ]
-    measured = "measured" if spread > MIN_NOISE else "assumed"
+    held = any(c.status == Status.OK and c.throughput for c in confirmed.values())
+    how = (
+        "the largest gap between a confirmed trial's short and longer runs, at least 3%"
+        if held
+        else "assumed: no longer run held to measure it"
+    )
     lines += [
         "",
-        f"Run-to-run noise: {spread:.0%} ({measured}: the largest gap between a confirmed trial's short "
-        "and longer runs, at least 3%)."
+        f"Run-to-run noise: {spread:.0%} ({how})."
         + (
             f" Trial{'s' if len(within) > 1 else ''} {', '.join(map(str, within))} ran within it of the "
             f"choice: by these measurements as fast, so {'any of them' if len(within) > 1 else 'it'} "
