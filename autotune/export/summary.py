@@ -13,7 +13,7 @@ from autotune.candidate.constraints import space_of
 from autotune.export.layout import BEST_FILES, COMMAND_SH, LAUNCH_SH, PARAMS_JSON, SWIFT_SH
 from autotune.export.trl import fmt
 from autotune.recipe import Recipe
-from autotune.study.ranking import Confirmation, eligible, judged, noise
+from autotune.study.ranking import MIN_NOISE, Confirmation, eligible, judged, noise
 from autotune.study.record import TrialRow
 from autotune.trial.layout import GPU_CSV
 from autotune.trial.outcome import Status
@@ -154,6 +154,15 @@ def _longer_run(row: TrialRow, c: Confirmation | None) -> str:
     return f"{fmt(c.throughput)} (both {judged(row, c):.3g})"
 
 
+def _measured(row: TrialRow, confirmed: dict[int, Confirmation]) -> float:
+    """The best figure of a trial's speed there is: both runs (:func:`judged`, what the choice
+    compares) where its longer run held, else its short trial."""
+    c = confirmed.get(row.number)
+    if c is not None and c.status == Status.OK and c.throughput:
+        return judged(row, c)
+    return row.throughput or 0.0
+
+
 def _runners_up_section(
     best: TrialRow,
     rows: list[TrialRow],
@@ -162,9 +171,10 @@ def _runners_up_section(
     exportable: set[int],
 ) -> list[str]:
     """The fastest other ok trials, their longer runs, how each differs from the choice, and which
-    exportable ones ran within the noise the search measured of itself: with runs noisy by a few
-    percent, a runner-up 2% ahead in its short trial is not faster, nor 2% behind slower, and a user
-    who would rather launch one for its headroom or its settings should know that."""
+    exportable ones are not measurably slower than it: with runs noisy by a few percent, a
+    runner-up 2% behind is not slower, and a user who would rather launch one for its headroom or
+    its settings should know that. Each is compared by the best figure there is of both (both runs
+    where a longer run held, else the short trial), against the noise the search measured."""
     lines: list[str] = []
     ok = sorted(
         (
@@ -189,28 +199,22 @@ def _runners_up_section(
             f"| {peak} | {_differs(r.params, params)} |"
         )
     spread = noise(rows, confirmed)
-    within = [
-        r.number
-        for r in ok
-        if r.number in exportable
-        and best.throughput
-        and r.throughput
-        and abs(r.throughput / best.throughput - 1) <= spread
-    ]
-    held = any(c.status == Status.OK and c.throughput for c in confirmed.values())
-    how = (
-        "the largest gap between a confirmed trial's short and longer runs, at least 3%"
-        if held
-        else "assumed: no longer run held to measure it"
-    )
+    bar = _measured(best, confirmed) * (1 - spread) - 1e-9  # what the noise cannot tell from the choice
+    close = [r for r in ok if r.number in exportable and _measured(r, confirmed) >= bar > 0]
+    if any(c.status == Status.OK and c.throughput for c in confirmed.values()):
+        how = f"the largest gap between a confirmed trial's short and longer runs, at least {MIN_NOISE:.0%}"
+    else:
+        how = "assumed: " + ("no longer run held to measure it" if confirmed else "no longer run was made")
+    named = [f"{r.number}" + ("" if r.number in confirmed else " (unconfirmed)") for r in close]
     lines += [
         "",
         f"Run-to-run noise: {spread:.0%} ({how})."
         + (
-            f" Trial{'s' if len(within) > 1 else ''} {', '.join(map(str, within))} ran within it of the "
-            f"choice: by these measurements as fast, so {'any of them' if len(within) > 1 else 'it'} "
-            "may serve as well where headroom or other settings suit the production run better."
-            if within
+            f" Not measurably slower than the choice: trial{'s' if len(close) > 1 else ''} "
+            f"{', '.join(named)}, by both runs where a longer run held, else the short trial. Consider "
+            f"{'them' if len(close) > 1 else 'it'} where headroom or other settings suit the production "
+            "run better."
+            if close
             else ""
         ),
     ]
