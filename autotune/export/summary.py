@@ -149,8 +149,7 @@ def _longer_run(row: TrialRow, c: Confirmation | None) -> str:
     if c is None:
         return "-"
     if c.status != Status.OK:
-        kind = f"{c.status}/{c.oom_kind}" if c.oom_kind else str(c.status)
-        return f"died ({kind})"
+        return f"died ({c.ended})"
     return f"{fmt(c.throughput)} (both {judged(row, c):.3g})"
 
 

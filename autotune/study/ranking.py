@@ -34,6 +34,11 @@ class Confirmation:
     oom_kind: str | None = None
     leftover: bool = False  # started beside a predecessor's memory: an OOM of it says nothing of itself
 
+    @property
+    def ended(self) -> str:
+        """How the run ended, as reports name it: ``oom/cuda``, ``crash``, ``ok``."""
+        return f"{self.status}/{self.oom_kind}" if self.oom_kind else str(self.status)
+
     @classmethod
     def from_attr(cls, value: dict[str, Any]) -> Confirmation:
         return cls(
@@ -111,8 +116,7 @@ def eligible(
                 f"{capacity:.1f} GiB {what_cap}"
             )
         if c is not None and c.status != Status.OK:
-            kind = f"{c.status}/{c.oom_kind}" if c.oom_kind else c.status
-            return f"it died in its longer confirmation run ({kind} after {c.steps} steps)"
+            return f"it died in its longer confirmation run ({c.ended} after {c.steps} steps)"
         if c is not None and check_peak and c.peak_memory_gib is not None and c.peak_memory_gib > limit:
             return (
                 f"its confirmation run peaked at {c.peak_memory_gib:.1f} GiB, within "
