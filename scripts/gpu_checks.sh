@@ -18,7 +18,11 @@
 #   vl        a vision-language trial (Qwen2.5-VL-3B shape, 256 image tokens per prompt);
 #   microbatch  step time against the micro-batch: scripts/gpu_microbatch.py (forward + backward
 #             per micro-batch with and without checkpointing, generate per batch), then three TRL
-#             trials at one global batch of 32 as 2 x 16, 8 x 4 and 32 x 1 (about 4 minutes).
+#             trials at one global batch of 32 as 2 x 16, 8 x 4 and 32 x 1 (about 4 minutes);
+#   phase     how much of a run's luck its generation and training phases share: 8 x 4 and 32 x 1
+#             (the same generation each step) run PHASE_REPS times each (default 4), alternately,
+#             2 warm-up and 4 measured steps, read by scripts/phase_noise.py into RUNS_DIR/phase.md
+#             (about 45 s a run on an H200; PH_MODEL, PH_LEN replace the model and completion length).
 #
 # PARTS (default "run zero3 qlora vl") picks and orders them; FLAGS are added to every search and
 # RUN_MODEL, Z3_MODEL, QLORA_MODEL, VL_MODEL replace the models and RUN_SHORT, RUN_LONG the run
@@ -185,6 +189,18 @@ PY
       space "mb$bs" "$bs" $((32 / bs)) 4 0 none false
       one_trial "mb$bs" "${MB_MODEL:-Qwen2.5-1.5B}" 128 128 120
     done
+    ;;
+  phase)
+    for rep in $(seq "${PHASE_REPS:-4}"); do
+      for bs in 8 32; do
+        [ "$(left)" -lt 60 ] && { log "skip ph$bs-$rep: $(left)s left"; continue; }
+        log "phase: ${PH_MODEL:-Qwen2.5-1.5B} $bs x $((32 / bs)), run $rep"
+        space "ph$bs-$rep" "$bs" $((32 / bs)) 4 0 none false
+        one_trial "ph$bs-$rep" "${PH_MODEL:-Qwen2.5-1.5B}" 128 "${PH_LEN:-128}" 120 --warmup-steps 2 --measure-steps 4
+      done
+    done
+    python scripts/phase_noise.py "$RUNS" >"$RUNS/phase.md" 2>&1
+    cat "$RUNS/phase.md"
     ;;
   esac
   collect
