@@ -20,8 +20,9 @@
 #             per micro-batch with and without checkpointing, generate per batch), then three TRL
 #             trials at one global batch of 32 as 2 x 16, 8 x 4 and 32 x 1 (about 4 minutes);
 #   phase     how much of a run's luck its generation and training phases share: 8 x 4 and 32 x 1
-#             (the same generation each step) run PHASE_REPS times each (default 4), alternately,
-#             2 warm-up and 4 measured steps, read by scripts/phase_noise.py into RUNS_DIR/phase.md
+#             (the same generation each step) run PHASE_REPS times each (default 4), alternately
+#             (8 x 4 first in odd repeats, 32 x 1 in even ones; the sixth lease ran 8 x 4 first always),
+#             2 warm-up and up to 4 measured steps, read by scripts/phase_noise.py into RUNS_DIR/phase.md
 #             (about 45 s a run on an H200; PH_MODEL, PH_LEN replace the model and completion length).
 #
 # PARTS (default "run zero3 qlora vl") picks and orders them; FLAGS are added to every search and
@@ -192,7 +193,9 @@ PY
     ;;
   phase)
     for rep in $(seq "${PHASE_REPS:-4}"); do
-      for bs in 8 32; do
+      order="8 32"
+      [ $((rep % 2)) = 0 ] && order="32 8"  # alternated, so neither always runs first
+      for bs in $order; do
         [ "$(left)" -lt 60 ] && { log "skip ph$bs-$rep: $(left)s left"; continue; }
         log "phase: ${PH_MODEL:-Qwen2.5-1.5B} $bs x $((32 / bs)), run $rep"
         space "ph$bs-$rep" "$bs" $((32 / bs)) 4 0 none false
