@@ -4,16 +4,16 @@
     python scripts/bench_bound.py [--landscapes 105] [--seed 0,1,2] [--top 5,10,20,40] [--reps 200]
 
 For each landscape of ``scripts/bench_search.py`` (the same draws by seed and index), an ideal walk
-measures exactly the ``top`` best configurations in truth, each once, and nothing else; the three
-best by that short measurement are confirmed once each (``--confirm``), and the best confirmed is
-exported, as autotune's choice does in its simplest case (it may confirm up to two runners-up
-more). A measurement is the truth times the landscape's own run-to-run
-noise (lognormal, sigma = its drawn noise, 2-10%: the simulator's run factor; its smaller per-step
-jitter is left out). The share of repetitions whose export reaches 0.95 of the best possible is the
-most any search that measures those configurations once and confirms that way can expect: the
-ceiling the noise puts on issue 19's ">= 0.95 in 95% of runs", apart from everything a real walk
-gets wrong. Landscapes are not searched, so this takes about 5 s a landscape (building its truth).
-"""
+measures exactly the ``top`` best configurations in truth, each once, and nothing else; the three best
+by that short measurement are confirmed once each (``--confirm``), and the best confirmed is exported,
+as autotune's choice does in its simplest case (it may confirm up to two runners-up more). A measurement
+is the truth times a lognormal of the landscape's own drawn noise: its run factor (2-10%) and its steps'
+own noise averaged over the steps measured (the search's 3 measured steps for a short trial, three times
+that for a confirmation; ``Physics.measured_sigma``). The share of repetitions whose export reaches 0.95
+of the best possible is the most any search that measures those configurations once and confirms that
+way can expect: the ceiling the noise puts on issue 19's ">= 0.95 in 95% of runs", apart from everything
+a real walk gets wrong. Landscapes are not searched, so this takes about 5 s a landscape (building its
+truth)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import math
 import random
 import statistics
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,23 +30,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_landscapes import build_landscape  # noqa: E402
 from bench_search import quiet  # noqa: E402
 
+from autotune.recipe import Recipe  # noqa: E402
 from autotune.sim.families import landscape  # noqa: E402
+from autotune.trial.control import CONFIRM_FACTOR  # noqa: E402
 
 TARGET = 0.95
+#: a short trial's measured steps (the search's default)
+MEASURED = next(f.default for f in fields(Recipe) if f.name == "measure_steps")
 
 
 def share_at_target(
-    values: list[float], sigma: float, top: int, confirm: int, reps: int, rng: random.Random
+    values: list[float],
+    sigma: float,
+    top: int,
+    confirm: int,
+    reps: int,
+    rng: random.Random,
+    long_sigma: float | None = None,
 ) -> float:
     """Share of ``reps`` draws in which the ideal walk's export is within ``TARGET`` of the best.
 
-    ``values`` are the landscape's true throughputs, best first."""
+    ``values`` are the landscape's true throughputs, best first; ``sigma`` a short measurement's
+    noise, ``long_sigma`` a confirmation's (``sigma`` when not given)."""
     best = values[0]
     measured = values[:top]
+    long_sigma = sigma if long_sigma is None else long_sigma
     hits = 0
     for _ in range(reps):
         short = sorted(((v * math.exp(rng.gauss(0.0, sigma)), v) for v in measured), reverse=True)
-        confirmed = [(v * math.exp(rng.gauss(0.0, sigma)), v) for _, v in short[:confirm]]
+        confirmed = [(v * math.exp(rng.gauss(0.0, long_sigma)), v) for _, v in short[:confirm]]
         hits += max(confirmed)[1] >= TARGET * best
     return hits / reps
 
@@ -88,9 +101,10 @@ def main() -> int:
             if not values or values[0] <= 0:
                 continue  # nothing fits: no choice to make
             rng = random.Random(f"bound:{seed}:{index}")
-            sigma = float(d.drawn.get("noise", 0.0))
+            short = d.physics.measured_sigma(MEASURED)
+            long = d.physics.measured_sigma(MEASURED * CONFIRM_FACTOR)
             for top in tops:
-                shares[top].append(share_at_target(values, sigma, top, confirm, reps, rng))
+                shares[top].append(share_at_target(values, short, top, confirm, reps, rng, long))
     print(
         f"| best configurations measured once | landscapes | mean share >= {TARGET} "
         f"| landscapes under {TARGET:.0%} |"

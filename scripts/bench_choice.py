@@ -21,18 +21,17 @@ percentile, as docs/benchmarks.md counts them; then how many picks each rule cha
 runs*, up and down. A rule worth trying is added to ``RULES``. The twenty-seventh pass of
 docs/benchmarks-notes.md scored six seeds this way (about 25 minutes on 2 cores).
 
-Two more tables say where the choice's limit lies (the twenty-eighth pass). *What more runs would
-buy*: the K fastest short trials among the same candidates each run M more times, each run's
-throughput drawn as the simulator draws a run's factor (the configuration's value in truth times a
-lognormal of the landscape's own drawn noise; the steps' smaller part and transient crashes left
-out), the one with the best mean log throughput over all its runs exported. A leader that dies in a
-long run (value 0) spends one run and is replaced by the next, at most two times, as the
-confirmations' own cap does. Averaged over :data:`DRAWS` draws, with the runs spent and their cost
-at the confirmations' measured price (the median, over the searches, of a confirmation that held:
-its simulated hours, ``Run.held_hours``, in trial-equivalents as ``bench_search.cost`` counts
-them). Values are throughput in truth, as the first table's. *By how many were good*: the exported
-rule's share at 0.95 by how many of the candidates were at 0.95 in truth.
-"""
+Two more tables say where the choice's limit lies (the twenty-eighth pass). *What more runs would buy*:
+the K fastest short trials among the same candidates each run M more times, each run's throughput drawn
+as the simulator draws a confirmation's (the configuration's value in truth times a lognormal of the
+landscape's run factor and its steps' noise averaged over a confirmation's measured steps,
+``Physics.measured_sigma``; transient crashes left out), the one with the best mean log throughput over
+all its runs exported. A leader that dies in a long run (value 0) spends one run and is replaced by the
+next, at most two times, as the confirmations' own cap does. Averaged over :data:`DRAWS` draws, with the
+runs spent and their cost at the confirmations' measured price (the median, over the searches, of a
+confirmation that held: its simulated hours, ``Run.held_hours``, in trial-equivalents as
+``bench_search.cost`` counts them). Values are throughput in truth, as the first table's. *By how many
+were good*: the exported rule's share at 0.95 by how many of the candidates were at 0.95 in truth."""
 
 from __future__ import annotations
 
@@ -44,6 +43,7 @@ import statistics
 import sys
 from collections.abc import Callable
 from contextlib import nullcontext
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -53,9 +53,11 @@ from bench_landscapes import build_landscape  # noqa: E402
 from bench_search import policy_autotune, quiet, search_seed  # noqa: E402
 
 import autotune.search.loop as loop  # noqa: E402
+from autotune.recipe import Recipe  # noqa: E402
 from autotune.sim.families import FAMILIES, landscape  # noqa: E402
 from autotune.study.ranking import Confirmation, eligible, judged  # noqa: E402
 from autotune.study.record import TrialRow  # noqa: E402
+from autotune.trial.control import CONFIRM_FACTOR  # noqa: E402
 
 TARGET = 0.95
 FLOOR = 0.85
@@ -86,6 +88,8 @@ EXPORTED = "both runs"  # the rule autotune exports by, checked against each sea
 #: (leaders K, more runs M each) of *what more runs would buy*; (3, 1) is about what a search confirms
 MORE_RUNS = [(3, 1), (3, 2), (3, 4), (5, 2), (5, 4), (8, 4), (15, 10)]
 DRAWS = 20  # Monte Carlo draws of the more runs, per search
+#: a confirmation's measured steps: the search's default times CONFIRM_FACTOR
+LONG_STEPS = next(f.default for f in fields(Recipe) if f.name == "measure_steps") * CONFIRM_FACTOR
 SPARE = 2  # leaders that die may be replaced this many times (confirm.py: --confirm + 2 runs at most)
 
 
@@ -125,7 +129,7 @@ def one(job: tuple[int, int, int]) -> dict[str, Any]:
         "fits": land.best > 0,
         "exported": run.final / best if run.exported else 0.0,
         "picks": picks,
-        "more": more_runs(shorts, best, d.physics.noise, f"{seed}/{index}"),
+        "more": more_runs(shorts, best, d.physics.measured_sigma(LONG_STEPS), f"{seed}/{index}"),
         "good": sum(value >= TARGET for _, value in shorts),
         "perfect": max([value for _, value in shorts] or [0.0]),
         # the confirmations that held, in trial-equivalents as bench_search.cost() counts a search

@@ -223,7 +223,8 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
         "image tokens), `ppo` a four-model PPO trainer and `plain` a micro-batch trainer with knobs that do "
         "nothing and, on about half its landscapes, no memory in its logs, both in their own knob names "
         "through template spaces. Each landscape draws its physics: every memory and speed term x 0.7-1.4, "
-        "vLLM's thresholds moved, 2-10% step-time noise, 0-5% of trials dying of an NCCL watchdog timeout.",
+        "vLLM's thresholds moved, 2-10% step-time noise from run to run and a third to three times that "
+        "from step to step, 0-5% of trials dying of an NCCL watchdog timeout.",
         "",
         "*best possible*: the fastest configuration in the whole valid grid that survives long runs (warm-up "
         "+ 3 x measured steps, three truth seeds, throughput averaged, without run-to-run noise or transient "

@@ -4,19 +4,18 @@
     python scripts/bench_search.py [--landscapes 105] [--families trl,ppo,plain] [--trials 30] [--seed 0,1,2]
 
 Each landscape (autotune/sim/families.py) is a trainer family (the GRPO simulator in TRL's names, a
-four-model PPO trainer and a plain micro-batch trainer in their own names, through template spaces)
-on drawn hardware under drawn physics (every memory and speed term x 0.7-1.4, vLLM's thresholds
-moved, 2-10% step-time noise, 0-5% transient NCCL crashes). Its ground truth is enumerated over the
-whole valid grid: *best possible* is the fastest configuration that survives long runs (warm-up +
-3 x measured steps, three truth seeds averaged, no transient crash, no run-to-run noise: its expected
-throughput) with the headroom left free. Each ``--seed`` draws its own landscapes (the same cases by
-index, every physics term drawn anew) and searches: several seeds report their runs together, so the
-worst runs include landscapes no tuning looked at.
-Every policy spends up to ``--trials`` launched trials and is charged its whole cost (every trial and
-confirmation, in trial-equivalents: loading plus 7 steps of the best configuration). autotune runs
-through the real search loop (planner, Optuna, pruning, confirmation) with an in-process executor
-whose failures are judged by autotune's real classifier from the text the trainer would print.
-"""
+four-model PPO trainer and a plain micro-batch trainer in their own names, through template spaces) on
+drawn hardware under drawn physics (every memory and speed term x 0.7-1.4, vLLM's thresholds moved,
+2-10% step-time noise from run to run and a third to three times that from step to step, 0-5% transient
+NCCL crashes). Its ground truth is enumerated over the whole valid grid: *best possible* is the fastest
+configuration that survives long runs (warm-up + 3 x measured steps, three truth seeds averaged, no
+transient crash, no run-to-run noise: its expected throughput) with the headroom left free. Each
+``--seed`` draws its own landscapes (the same cases by index, every physics term drawn anew) and
+searches: several seeds report their runs together, so the worst runs include landscapes no tuning
+looked at. Every policy spends up to ``--trials`` launched trials and is charged its whole cost (every
+trial and confirmation, in trial-equivalents: loading plus 7 steps of the best configuration). autotune
+runs through the real search loop (planner, Optuna, pruning, confirmation) with an in-process executor
+whose failures are judged by autotune's real classifier from the text the trainer would print."""
 
 from __future__ import annotations
 

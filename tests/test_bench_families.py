@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import random
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +23,7 @@ from autotune.sim.error_text import failure_text
 from autotune.sim.families import FAMILIES, landscape
 from autotune.sim.family_base import failure_text as family_text
 from autotune.sim.landscape import parse_spec
-from autotune.sim.physics import FACTOR_RANGE, NOISE_RANGE, Physics
+from autotune.sim.physics import FACTOR_RANGE, NOISE_RANGE, STEP_RATIO_RANGE, Physics
 from autotune.sim.replay import FamilyExecutor
 from autotune.study import candidate_key
 from autotune.trial.classify import diagnose
@@ -67,6 +69,43 @@ def test_a_family_truth_is_deterministic_per_seed(family):
     assert a.step_times != c.step_times
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_step_ratio_sets_how_far_steps_move_within_a_run(family):
+    """Step-to-step noise is the landscape's run-to-run noise times its drawn ratio (a third to
+    three): an H200's generate moved 7-8% from step to step with runs 2-8% apart (sixth lease)."""
+
+    def step_times(ratio: float, seed: int) -> list[float]:
+        physics = Physics(noise=0.04, step_ratio=ratio)
+        if family == "trl":  # the GRPO simulator reads a trial spec
+            spec = {
+                "params": {"use_vllm": False, "per_device_train_batch_size": 4, "num_generations": 4},
+                "recipe": {"gpus": 1, "max_prompt_length": 256, "max_completion_length": 256},
+                "model_config": resolve_model("Qwen2.5-1.5B").config,
+                "gpu": find_gpu_type("H100-80GB").to_json(),
+                "seed": seed,
+                "max_steps": 12,
+                "physics": physics.to_json(),
+            }
+            return evaluate(spec).step_times
+        d = landscape(first_of(family))
+        env = d.env.__class__(**{**d.env.__dict__, "physics": physics})
+        return d.truth(some_params(d.index), env, seed, 12).step_times
+
+    spread = {}
+    for ratio in (1 / 3, 3.0):
+        # within each run (its own run factor cancels): the steps' own noise alone, 1.3% or 12%
+        spread[ratio] = statistics.fmean(
+            statistics.stdev(math.log(t) for t in step_times(ratio, seed)[2:]) for seed in range(4)
+        )
+    assert spread[1 / 3] < 0.025 and 0.08 < spread[3.0] < 0.17, spread
+    # from run to run, a run's mean over its steps spreads as Physics.measured_sigma says (what
+    # scripts/bench_bound.py and bench_choice.py draw a measurement by)
+    means = [statistics.fmean(math.log(t) for t in step_times(3.0, seed)[2:]) for seed in range(60)]
+    steps = len(step_times(3.0, 0)) - 2
+    ratio = statistics.stdev(means) / Physics(noise=0.04, step_ratio=3.0).measured_sigma(steps)
+    assert 0.75 < ratio < 1.3, (ratio, steps)
+
+
 def test_the_truth_of_twins_that_differ_in_a_knob_that_does_nothing_is_one_value():
     """Seen: the plain trainer's dataloader_workers and log_interval change nothing, yet twins that
     differ in them had true values 10% apart (the run-to-run noise was in the truth), and *best
@@ -101,6 +140,9 @@ def test_landscapes_are_deterministic_and_their_physics_vary():
         assert FACTOR_RANGE[0] <= min(values) and max(values) <= FACTOR_RANGE[1]
         assert max(values) - min(values) > 0.3, name
     assert 0.02 <= min(p.noise for p in drawn) and max(p.noise for p in drawn) <= 0.10
+    # the step-to-step noise over the run-to-run: a third to three (measured 0.55 on CPU, 0.8-3 on an H200)
+    ratios = [p.step_ratio for p in drawn]
+    assert STEP_RATIO_RANGE[0] <= min(ratios) < 0.8 and 2.0 < max(ratios) <= STEP_RATIO_RANGE[1]
     assert max(p.crash_rate for p in drawn) > 0.03
 
 

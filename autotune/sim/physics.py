@@ -2,13 +2,15 @@
 
 Why: a search tuned against one simulator learns that simulator's constants. The benchmark draws,
 per landscape, a factor for every memory and speed term (about 0.7-1.4), moves vLLM's thresholds,
-and picks the step-time noise (2-10%) and the rate of transient crashes (0-5%, an NCCL watchdog
-timeout) from a seed. Neutral physics (all factors 1, the default) is the simulator as calibrated
-on the measured numbers (docs/gpu-validation.md), which the rehearsal runner and the tests use.
+and picks the step-time noise (2-10% from run to run, and from step to step a third to three times
+that) and the rate of transient crashes (0-5%, an NCCL watchdog timeout) from a seed. Neutral
+physics (all factors 1, the default) is the simulator as calibrated on the measured numbers
+(docs/gpu-validation.md), which the rehearsal runner and the tests use.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import asdict, dataclass, fields, replace
 from typing import Any
@@ -16,6 +18,10 @@ from typing import Any
 #: the range every memory and speed factor is drawn from
 FACTOR_RANGE = (0.7, 1.4)
 NOISE_RANGE = (0.02, 0.10)
+#: step-to-step noise as a multiple of the run-to-run noise: about 0.57 in TRL trials on CPU, about 1.2
+#: and more (the run factor lost in the steps' noise) with transformers' generate on an H200, from four
+#: runs each (docs/gpu-validation.md, sixth lease); the range spans both. It was a third.
+STEP_RATIO_RANGE = (1 / 3, 3.0)
 CRASH_RANGE = (0.0, 0.05)
 
 
@@ -38,6 +44,7 @@ class Physics:
     free_margin: float = 1.0  # vLLM's start-up check: fraction of the free memory it accepts
     noise: float = 0.03  # run-to-run step-time noise (lognormal sigma of a trial's speed)
     crash_rate: float = 0.0  # chance a trial dies of an unrelated NCCL watchdog timeout
+    step_ratio: float = 1 / 3  # step-to-step noise (lognormal sigma of one step) over ``noise``
 
     @classmethod
     def draw(cls, seed: int) -> Physics:
@@ -49,6 +56,9 @@ class Physics:
                 values[f.name] = rng.uniform(*NOISE_RANGE)
             elif f.name == "crash_rate":
                 values[f.name] = rng.uniform(*CRASH_RANGE)
+            elif f.name == "step_ratio":
+                # from a stream of its own, so that adding it moved no other term of any landscape
+                values[f.name] = random.Random(f"physics-step:{seed}").uniform(*STEP_RATIO_RANGE)
             elif f.name == "free_margin":
                 values[f.name] = rng.uniform(0.9, 1.05)
             else:
@@ -65,6 +75,11 @@ class Physics:
 
     def to_json(self) -> dict[str, float]:
         return asdict(self)
+
+    def measured_sigma(self, steps: int) -> float:
+        """The lognormal sigma of a run's throughput measured as the mean of ``steps`` steps: its run
+        factor, which no number of steps averages away, and the steps' own noise, which they do."""
+        return self.noise * math.sqrt(1.0 + self.step_ratio**2 / max(steps, 1))
 
     def steady(self) -> Physics:
         """The same machine without transient crashes and without run-to-run noise: what a long run's
