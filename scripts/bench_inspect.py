@@ -76,7 +76,11 @@ def main() -> int:
     limit = headroom_limit(land.recipe) or 0.0
     noise = d.drawn.get("noise", 0.0)
     print(f"{seed}/#{index} {d.family} {d.name}: best possible {land.best:.3g}/s, limit {limit:.1f} GiB,")
-    print(f"  drawn noise {noise:.1%}; the best: {' '.join(f'{k}={v}' for k, v in sorted(best.items()))}")
+    ratio = d.drawn.get("step_ratio", 1 / 3)
+    print(
+        f"  drawn noise {noise:.1%} from run to run, {noise * ratio:.1%} from step to step; "
+        f"the best: {' '.join(f'{k}={v}' for k, v in sorted(best.items()))}"
+    )
     print("launched trials (knobs apart from the best):")
     for ran in run.trials:
         print(f"  {ran.number:>3} {ran.proposer:<5} {ran.result}  {apart(ran.params, best)}")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "data" / "gpu" / "phase_h200"
+CPU = ROOT / "tests" / "data" / "phase_cpu"
 SCRIPT = ROOT / "scripts" / "phase_noise.py"
 
 
@@ -28,7 +29,7 @@ def _rows(text: str) -> dict[str, list[float]]:
     and run factor, each for generation, training, step."""
     rows = {}
     for line in text.splitlines():
-        if line.startswith("| ") and "per_device_train_batch_size=" in line:
+        if line.startswith("| ") and not line.startswith("| configuration"):
             cells = line.strip("| ").split(" | ")
             rows[cells[0]] = [float(x) for x in cells[3:]]
     return rows
@@ -70,3 +71,15 @@ def test_calls_apart_in_time_are_not_pooled_and_the_command_runs_as_documented(t
     # a folder with no trials is an empty table, not a traceback
     empty = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True)
     assert empty.returncode == 0 and "Too few repeated runs" in empty.stdout
+
+
+def test_on_cpu_the_training_carries_the_luck_and_the_steps_are_a_fraction_of_it():
+    """The thirty-fourth pass's CPU runs (tests/data/phase_cpu/): the figures docs/gpu-validation.md
+    sets beside the H200's, the step-to-step noise about 0.6 of the run factor (the lower part of the
+    simulator's STEP_RATIO_RANGE)."""
+    rows = _rows(_module().report(CPU, skip=2))
+    assert sorted(rows) == ["gradient_checkpointing=False", "gradient_checkpointing=True"]
+    for row in rows.values():
+        between, within, run = row[3:6], row[6:9], row[9:12]
+        assert between[1] > 0.2 and between[0] < 0.02  # training moves from run to run, generation not
+        assert 0.13 < run[2] < 0.15 and 0.55 < within[2] / run[2] < 0.7

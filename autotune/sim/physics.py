@@ -18,9 +18,10 @@ from typing import Any
 #: the range every memory and speed factor is drawn from
 FACTOR_RANGE = (0.7, 1.4)
 NOISE_RANGE = (0.02, 0.10)
-#: step-to-step noise as a multiple of the run-to-run noise: about 0.57 in TRL trials on CPU, about 1.2
-#: and more (the run factor lost in the steps' noise) with transformers' generate on an H200, from four
-#: runs each (docs/gpu-validation.md, sixth lease); the range spans both. It was a third.
+#: step-to-step noise as a multiple of the run-to-run noise: about 0.6 in TRL trials on CPU, about 1.2
+#: and unbounded (the run factor lost in the steps' noise) with transformers' generate on an H200, from
+#: four or five runs each (docs/gpu-validation.md, sixth lease). The range spans them; its part above 2
+#: is assumed, not measured. It was a third.
 STEP_RATIO_RANGE = (1 / 3, 3.0)
 CRASH_RANGE = (0.0, 0.05)
 
@@ -44,7 +45,7 @@ class Physics:
     free_margin: float = 1.0  # vLLM's start-up check: fraction of the free memory it accepts
     noise: float = 0.03  # run-to-run step-time noise (lognormal sigma of a trial's speed)
     crash_rate: float = 0.0  # chance a trial dies of an unrelated NCCL watchdog timeout
-    step_ratio: float = 1 / 3  # step-to-step noise (lognormal sigma of one step) over ``noise``
+    step_ratio: float = 1 / 3  # a step's own noise (lognormal sigma) over ``noise``; 1/3 is not measured
 
     @classmethod
     def draw(cls, seed: int) -> Physics:
