@@ -22,7 +22,6 @@ import math
 import random
 import statistics
 import sys
-from dataclasses import fields
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -30,13 +29,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_landscapes import build_landscape  # noqa: E402
 from bench_search import quiet  # noqa: E402
 
-from autotune.recipe import Recipe  # noqa: E402
 from autotune.sim.families import landscape  # noqa: E402
 from autotune.trial.control import CONFIRM_FACTOR  # noqa: E402
 
 TARGET = 0.95
-#: a short trial's measured steps (the search's default)
-MEASURED = next(f.default for f in fields(Recipe) if f.name == "measure_steps")
 
 
 def share_at_target(
@@ -97,12 +93,13 @@ def main() -> int:
     for seed in seeds:
         for index in range(count):
             d = landscape(index, seed)
-            values = sorted(build_landscape(d, 30).safe.values(), reverse=True)
+            land = build_landscape(d, 30)
+            values = sorted(land.safe.values(), reverse=True)
             if not values or values[0] <= 0:
                 continue  # nothing fits: no choice to make
             rng = random.Random(f"bound:{seed}:{index}")
-            short = d.physics.measured_sigma(MEASURED)
-            long = d.physics.measured_sigma(MEASURED * CONFIRM_FACTOR)
+            steps = land.recipe.measure_steps  # a short trial's; a confirmation's are CONFIRM_FACTOR x
+            short, long = d.physics.measured_sigma(steps), d.physics.measured_sigma(steps * CONFIRM_FACTOR)
             for top in tops:
                 shares[top].append(share_at_target(values, short, top, confirm, reps, rng, long))
     print(

@@ -43,7 +43,6 @@ import statistics
 import sys
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +52,6 @@ from bench_landscapes import build_landscape  # noqa: E402
 from bench_search import policy_autotune, quiet, search_seed  # noqa: E402
 
 import autotune.search.loop as loop  # noqa: E402
-from autotune.recipe import Recipe  # noqa: E402
 from autotune.sim.families import FAMILIES, landscape  # noqa: E402
 from autotune.study.ranking import Confirmation, eligible, judged  # noqa: E402
 from autotune.study.record import TrialRow  # noqa: E402
@@ -88,8 +86,6 @@ EXPORTED = "both runs"  # the rule autotune exports by, checked against each sea
 #: (leaders K, more runs M each) of *what more runs would buy*; (3, 1) is about what a search confirms
 MORE_RUNS = [(3, 1), (3, 2), (3, 4), (5, 2), (5, 4), (8, 4), (15, 10)]
 DRAWS = 20  # Monte Carlo draws of the more runs, per search
-#: a confirmation's measured steps: the search's default times CONFIRM_FACTOR
-LONG_STEPS = next(f.default for f in fields(Recipe) if f.name == "measure_steps") * CONFIRM_FACTOR
 SPARE = 2  # leaders that die may be replaced this many times (confirm.py: --confirm + 2 runs at most)
 
 
@@ -129,7 +125,12 @@ def one(job: tuple[int, int, int]) -> dict[str, Any]:
         "fits": land.best > 0,
         "exported": run.final / best if run.exported else 0.0,
         "picks": picks,
-        "more": more_runs(shorts, best, d.physics.measured_sigma(LONG_STEPS), f"{seed}/{index}"),
+        "more": more_runs(
+            shorts,
+            best,
+            d.physics.measured_sigma(land.recipe.measure_steps * CONFIRM_FACTOR),
+            f"{seed}/{index}",
+        ),
         "good": sum(value >= TARGET for _, value in shorts),
         "perfect": max([value for _, value in shorts] or [0.0]),
         # the confirmations that held, in trial-equivalents as bench_search.cost() counts a search
