@@ -57,7 +57,7 @@ from autotune.study import (
 )
 from autotune.study.incidents import long_run_failures
 from autotune.study.lock import StudyLock
-from autotune.study.ranking import Confirmation, noise
+from autotune.study.ranking import Confirmation, noise, step_noise
 from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.outcome import Outcome, Status
 
@@ -372,9 +372,11 @@ class Search:
             trial,
             constraints.samples_per_step(params, self.recipe, self.space),
             on_step=lambda rec, n=trial.number: self.reporter.step(n, rec),
+            step_noise=step_noise(rows(self.state.study)),
         )
         outcome = self.execute(params, self.paths.trial_dir(trial.number), trial.number, control)
         outcome.launched = True
+        outcome.extra["step_pair"] = control.first_pair  # what the study pools (ranking.step_noise)
         if predicted_gib is not None:
             outcome.predicted_gib = round(predicted_gib, 3)
         return outcome

@@ -20,6 +20,7 @@ from autotune.study.record import TrialRow, candidate_key
 from autotune.trial.outcome import Outcome, Status
 
 MIN_NOISE = 0.03  # relative run-to-run noise assumed before any run was repeated
+MIN_PAIRS = 6  # trials whose first measured steps pooled give a step noise worth acting on
 
 
 @dataclass(frozen=True)
@@ -251,3 +252,14 @@ def noise(rows_: list[TrialRow], done: dict[int, Confirmation]) -> float:
         if c.status == Status.OK and c.throughput and short.get(n)
     ]
     return max([MIN_NOISE, *gaps])
+
+
+def step_noise(rows_: list[TrialRow]) -> float | None:
+    """One step's relative spread (sd of log step time), pooled over the study's trials: each trial's
+    first two measured steps differ by sqrt(2) of it. None before :data:`MIN_PAIRS` trials measured
+    two steps. Unlike :func:`noise`, it holds no run-to-run part (a placement's or a clock's luck,
+    which every step of a run shares): it says what more steps of a run could still change."""
+    pairs = [r.step_pair for r in rows_ if r.step_pair is not None]
+    if len(pairs) < MIN_PAIRS:
+        return None
+    return math.sqrt(sum(p * p for p in pairs) / (2 * len(pairs)))

@@ -57,6 +57,7 @@ class TrialRow:
     diagnosis: str | None = None  # the low-utilization diagnosis of a trial that ran ok, or None
     at_risk: str | None = None  # its peak was not measured and the search judges it near capacity: why
     long_run_clears: bool = False  # ... and a longer run that holds clears it (headroom.unmeasured_risks)
+    step_pair: float | None = None  # log(t2 / t1) of its first two measured steps (ranking.step_noise)
 
 
 def candidate_key(params: dict[str, Any]) -> str:
@@ -113,6 +114,7 @@ def record(
         "predicted_gib": outcome.predicted_gib,
         "pruned": outcome.pruned,
         "diagnosis": low_util_diagnosis(outcome),
+        "step_pair": outcome.extra.get("step_pair"),
     }
     for name, value in attrs.items():
         trial.set_user_attr(name, value)
@@ -151,6 +153,7 @@ def row_of(trial: FrozenTrial) -> TrialRow:
         pruned=trial.state == TrialState.PRUNED,
         mean_gpu_util=a.get("mean_gpu_util"),
         diagnosis=a.get("diagnosis"),
+        step_pair=a.get("step_pair") if isinstance(a.get("step_pair"), (int, float)) else None,
     )
 
 

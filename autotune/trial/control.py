@@ -3,14 +3,18 @@
 A trial exists to measure steady-state throughput. Once the step times after warm-up agree with
 each other, more steps only burn GPU time; and a trial whose first measured steps are far slower
 than the best configuration so far cannot win, so it is pruned (reported through Optuna's pruner
-interface, so the sampler sees it as a pruned trial). An OOM ends a trial by itself.
+interface, so the sampler sees it as a pruned trial). Where the study knows how far one step's time
+moves from the next (its step noise, pooled over its trials), a trial below the best by more than
+twice what its steps so far could be off is measured: more steps average only that noise, and
+would not lift it to the best. An OOM ends a trial by itself.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.recipe import Recipe
@@ -78,13 +82,23 @@ class TrialControl:
     """
 
     rule: StopRule
-    trial: Any | None = None  # optuna.Trial: report() / should_prune()
+    trial: Any | None = None  # optuna.Trial: report() / should_prune(), its study's best
     samples_per_step: int | None = None
     on_step: Callable[[StepRecord], None] = lambda record: None
     purpose: str = "search"  # search | confirm | verify
+    # one step's relative spread (sd of log step time), pooled over the study's trials
+    # (study.ranking.step_noise); None until enough trials measured it: nothing is cut for it
+    step_noise: float | None = None
+    # log(second / first) of the first two measured steps, once seen: what the study pools
+    first_pair: float | None = field(default=None, init=False)
 
     def decide(self, records: list[StepRecord], steps_done: int) -> str | None:
+        times = self.rule.measured(records)
+        if self.first_pair is None:
+            self.first_pair = first_pair(records, self.rule.warmup)
         verdict = self.rule.decide(records, steps_done)
+        if verdict is None and self.out_of_reach(records, len(times)):
+            return "measured"
         if verdict is None and self.rule.prune and self.trial is not None and steps_done > self.rule.warmup:
             value = steady_throughput(records, self.rule.warmup, self.samples_per_step)
             if value:
@@ -92,3 +106,30 @@ class TrialControl:
                 if self.trial.should_prune():
                     return "pruned"
         return verdict
+
+    def out_of_reach(self, records: list[StepRecord], measured: int) -> bool:
+        """Whether a search trial's throughput so far is below the study's best by more than twice
+        its standard error from step noise (``step_noise`` over the ``measured`` steps): more steps
+        would not lift it there. Only a prunable search trial, and only once the study knows its
+        step noise: a confirmation measures its steps in full, whatever they show."""
+        if not (self.rule.prune and self.trial is not None and self.step_noise and measured >= 1):
+            return False
+        try:
+            bar = self.trial.study.best_trial.value  # the best exportable trial, as the pruner's
+        except ValueError:  # nothing measured that fits yet
+            return False
+        value = steady_throughput(records, self.rule.warmup, self.samples_per_step)
+        return bool(bar and value) and value * math.exp(2 * self.step_noise / math.sqrt(measured)) < bar
+
+
+def first_pair(records: list[StepRecord], warmup: int) -> float | None:
+    """log(t2 / t1) of the first two measured steps, each a single step, else None. Every trial that
+    measures two steps has this pair, whatever it then does (the steady stop looks at it, so later
+    pairs are of trials selected for their spread): pooled over trials it estimates one step's noise
+    without the stop rule's bias."""
+    post = [r for r in records if r.step > warmup][:2]
+    if len(post) < 2 or any(r.span != 1 or not r.step_time or r.step_time <= 0 for r in post):
+        return None
+    if post[1].step != post[0].step + 1:
+        return None
+    return math.log(post[1].step_time / post[0].step_time)  # type: ignore[operator]

@@ -1,0 +1,111 @@
+"""A study measures its steps' own noise and stops measuring a trial more steps cannot lift (issue 19).
+
+A GPU's step times move from step to step about as much as from run to run, or more
+(docs/gpu-validation.md, sixth lease). More steps of a trial average only that part, so a trial below
+the best by more than twice what its steps could be off is measured: the steps it would still run
+cost time and change nothing the search decides.
+"""
+
+import math
+
+import optuna
+import pytest
+from conftest import make_search
+
+from autotune.recipe import Recipe
+from autotune.study import rows
+from autotune.study.ranking import MIN_PAIRS, step_noise
+from autotune.study.record import TrialRow
+from autotune.trial.control import StopRule, TrialControl, first_pair
+from autotune.trial.layout import TrialFiles
+from autotune.trial.metrics import StepRecord
+from autotune.trial.outcome import Outcome
+
+RECIPE = Recipe(model="Qwen2.5-0.5B", gpus=1)  # warm-up 2, 3 measured steps
+
+
+def steps(*times: float, span: int = 1) -> list[StepRecord]:
+    """Records of steps 1, 2, ... (each ``span`` long), two steps of warm-up at 20 s first."""
+    out = [StepRecord(step=1, step_time=20.0, samples=8), StepRecord(step=2, step_time=20.0, samples=8)]
+    for k, t in enumerate(times, start=1):
+        out.append(StepRecord(step=2 + k * span, step_time=t, samples=8, span=span))
+    return out
+
+
+def test_the_first_measured_pair_is_a_log_ratio_of_single_steps():
+    assert first_pair(steps(2.0, 2.5, 9.0), 2) == pytest.approx(math.log(1.25))
+    assert first_pair(steps(2.0), 2) is None  # one measured step: no pair yet
+    assert first_pair(steps(2.0, 2.5, span=10), 2) is None  # a record of ten steps has a tenth the spread
+    gap = steps(2.0) + [StepRecord(step=5, step_time=2.5, samples=8)]
+    assert first_pair(gap, 2) is None  # step 4 not logged: not neighbours
+
+
+def test_the_step_noise_pools_each_trials_first_pair():
+    def row(n: int, pair: float | None) -> TrialRow:
+        return TrialRow(number=n, params={}, status="ok", throughput=1.0, step_pair=pair)
+
+    few = [row(n, 0.1) for n in range(MIN_PAIRS - 1)] + [row(99, None)]
+    assert step_noise(few) is None  # not enough pairs to act on
+    pairs = [0.1, -0.1, 0.2, -0.2, 0.0, 0.1]
+    many = [row(n, p) for n, p in enumerate(pairs)] + [row(99, None)]
+    # two steps of sd s differ by sd s * sqrt(2)
+    assert step_noise(many) == pytest.approx(math.sqrt(sum(p * p for p in pairs) / len(pairs) / 2))
+
+
+def a_trial_behind(best: float) -> optuna.Trial:
+    """A running trial of a study whose best finished trial measured ``best``/s."""
+    study = optuna.create_study(direction="maximize", storage=optuna.storages.InMemoryStorage())
+    study.add_trial(optuna.trial.create_trial(value=best))
+    return study.ask()
+
+
+def test_a_trial_out_of_reach_of_the_best_is_measured_at_once():
+    """Best 10/s, 5% step noise: after one measured step a trial at 6/s would need its one step off by
+    50%, ten standard errors: it is measured there, not after its three (or six) usual steps."""
+    behind = a_trial_behind(10.0)
+    slow = steps(8 / 6)  # 6/s after one measured step
+    control = TrialControl(StopRule.searching(RECIPE), behind, 8, step_noise=0.05)
+    assert control.decide(slow, 3) == "measured"
+    # within twice its standard error (5% over one step) of the best: its steps go on
+    close = steps(8 / 9.2)
+    assert (
+        TrialControl(StopRule.searching(RECIPE), a_trial_behind(10.0), 8, step_noise=0.05).decide(close, 3)
+        is None
+    )
+    # and a noisier study needs more steps to rule the same trial out: at 30%, 6/s after one step is
+    # within reach (6 * e^0.6 = 10.9), after three steps at 6/s it is not (6 * e^(0.6 / sqrt 3) = 8.5)
+    noisy = TrialControl(StopRule.searching(RECIPE), a_trial_behind(10.0), 8, step_noise=0.30)
+    assert noisy.decide(slow, 3) is None
+    assert noisy.decide(steps(8 / 6, 8 / 6.6, 8 / 5.4), 5) == "measured"
+
+
+def test_nothing_is_cut_before_the_study_knows_its_noise_nor_in_a_confirmation():
+    behind = a_trial_behind(10.0)
+    slow = steps(8 / 6)
+    # as before: 6/s is above the pruner's half of the best, and one step is not measured
+    assert TrialControl(StopRule.searching(RECIPE), behind, 8).decide(slow, 3) is None
+    confirming = TrialControl(StopRule.confirming(RECIPE), None, 8, step_noise=0.05, purpose="confirm")
+    assert confirming.decide(slow, 3) is None
+    # nothing finished that fits: no best to be out of reach of
+    study = optuna.create_study(direction="maximize", storage=optuna.storages.InMemoryStorage())
+    assert TrialControl(StopRule.searching(RECIPE), study.ask(), 8, step_noise=0.05).decide(slow, 3) is None
+
+
+def test_a_search_pools_its_steps_and_stops_measuring_what_cannot_win(tmp_path):
+    """Through the search loop on the simulator (3% run noise, steps at a third of it): every trial
+    that measured two steps keeps its first pair; once six did, a trial far behind the best stops
+    after its first measured step, counted as measured (exportable, taught to the planner), where
+    before every trial that ran measured at least two."""
+    search = make_search(tmp_path, trials=16, patience=0, confirm=0)
+    search.run()
+    study = search.state.study
+    ran = [r for r in rows(study) if r.status == "ok" and r.launched]
+    assert sum(r.step_pair is not None for r in ran) >= MIN_PAIRS
+    noise = step_noise(ran)
+    assert noise is not None and 0.001 < noise < 0.05  # the simulator's 1% from step to step
+    measured = {r.number: Outcome.read(TrialFiles(search.paths.trial_dir(r.number)).outcome) for r in ran}
+    cut = [r for r in ran if measured[r.number].steps == search.recipe.warmup_steps + 1]
+    assert cut, "no trial was measured after one step"
+    assert not any(r.pruned for r in cut)
+    best = max(r.throughput or 0 for r in ran)
+    assert all((r.throughput or 0) * math.exp(2 * noise) < best for r in cut)
