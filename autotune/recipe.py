@@ -179,7 +179,10 @@ class Recipe:
     )
     warmup_steps: int = field(default=2, metadata=_opt("Steps before a trial's throughput is measured."))
     measure_steps: int = field(
-        default=3, metadata=_opt("Measured steps per trial (a stable one stops sooner).")
+        default=3,
+        metadata=_opt(
+            "Measured steps per trial (a stable one, or one out of reach of the best, stops sooner)."
+        ),
     )
     trial_timeout_s: float = field(
         default=1800.0,

@@ -35,7 +35,8 @@ def steps(*times: float, span: int = 1) -> list[StepRecord]:
 def test_the_first_measured_pair_is_a_log_ratio_of_single_steps():
     assert first_pair(steps(2.0, 2.5, 9.0), 2) == pytest.approx(math.log(1.25))
     assert first_pair(steps(2.0), 2) is None  # one measured step: no pair yet
-    assert first_pair(steps(2.0, 2.5, span=10), 2) is None  # a record of ten steps has a tenth the spread
+    two = steps()[:2] + [StepRecord(4, 2.0, 8, span=2), StepRecord(5, 2.5, 8)]
+    assert first_pair(two, 2) is None  # steps 3-4 in one record: an average has less spread
     gap = steps(2.0) + [StepRecord(step=5, step_time=2.5, samples=8)]
     assert first_pair(gap, 2) is None  # step 4 not logged: not neighbours
 
@@ -84,7 +85,8 @@ def test_nothing_is_cut_before_the_study_knows_its_noise_nor_in_a_confirmation()
     slow = steps(8 / 6)
     # as before: 6/s is above the pruner's half of the best, and one step is not measured
     assert TrialControl(StopRule.searching(RECIPE), behind, 8).decide(slow, 3) is None
-    confirming = TrialControl(StopRule.confirming(RECIPE), None, 8, step_noise=0.05, purpose="confirm")
+    # a run that is not prunable (a confirmation's rule) measures its steps whatever they show
+    confirming = TrialControl(StopRule.confirming(RECIPE), a_trial_behind(10.0), 8, step_noise=0.05)
     assert confirming.decide(slow, 3) is None
     # nothing finished that fits: no best to be out of reach of
     study = optuna.create_study(direction="maximize", storage=optuna.storages.InMemoryStorage())

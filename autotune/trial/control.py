@@ -75,7 +75,8 @@ class StopRule:
 
 @dataclass
 class TrialControl:
-    """What a running trial consults at every step: its stop rule and Optuna's pruner.
+    """What a running trial consults at every step: its stop rule, how far it is from the best by its
+    steps' noise (:meth:`out_of_reach`) and Optuna's pruner.
 
     ``trial`` is the Optuna trial to report intermediate throughput to (None for confirmation and
     verify runs, which are never pruned); ``purpose`` says which kind of run this is.
@@ -115,7 +116,7 @@ class TrialControl:
         if not (self.rule.prune and self.trial is not None and self.step_noise and measured >= 1):
             return False
         try:
-            bar = self.trial.study.best_trial.value  # the best exportable trial, as the pruner's
+            bar = self.trial.study.best_trial.value  # Optuna's best that fits, as the pruner's bar
         except ValueError:  # nothing measured that fits yet
             return False
         value = steady_throughput(records, self.rule.warmup, self.samples_per_step)
@@ -123,10 +124,10 @@ class TrialControl:
 
 
 def first_pair(records: list[StepRecord], warmup: int) -> float | None:
-    """log(t2 / t1) of the first two measured steps, each a single step, else None. Every trial that
-    measures two steps has this pair, whatever it then does (the steady stop looks at it, so later
-    pairs are of trials selected for their spread): pooled over trials it estimates one step's noise
-    without the stop rule's bias."""
+    """log(t2 / t1) of the first two measured steps, each a single step, else None. A trial that
+    measures two steps has this pair whatever it then does, where later pairs are of trials the steady
+    stop kept going for their spread: pooled over trials it estimates one step's noise without that
+    bias (only trials whose first measured step was not already out of reach, or pruned, give one)."""
     post = [r for r in records if r.step > warmup][:2]
     if len(post) < 2 or any(r.span != 1 or not r.step_time or r.step_time <= 0 for r in post):
         return None
