@@ -74,11 +74,10 @@ def main() -> int:
     ranked = sorted(land.safe.items(), key=lambda kv: -kv[1])
     best = by_key[ranked[0][0]]
     limit = headroom_limit(land.recipe) or 0.0
-    noise = d.drawn.get("noise", 0.0)
+    noise = d.physics.noise
     print(f"{seed}/#{index} {d.family} {d.name}: best possible {land.best:.3g}/s, limit {limit:.1f} GiB,")
-    ratio = d.drawn.get("step_ratio", 1 / 3)
     print(
-        f"  drawn noise {noise:.1%} from run to run, {noise * ratio:.1%} from step to step; "
+        f"  drawn noise {noise:.1%} from run to run, {d.physics.step_sigma:.1%} from step to step; "
         f"the best: {' '.join(f'{k}={v}' for k, v in sorted(best.items()))}"
     )
     print("launched trials (knobs apart from the best):")

@@ -127,7 +127,7 @@ def test_a_vl_search_reaches_the_trade_its_prior_ranks_low():
     The walk must run the trade. Which of the near-ties it then exports is the choice under noise:
     since the landscape draws its steps' noise at twice its 8.2% run noise (the thirty-fifth pass
     of docs/benchmarks-notes.md), a lucky micro-batch-1 trial can win it (0/#63 is below 0.85 under
-    all three draws in docs/benchmarks.md), a miss the report counts, not this test."""
+    two of the three draws in docs/benchmarks.md), a miss the report counts, not this test."""
     sys.path.insert(0, str(ROOT / "scripts"))
     import bench_search
     from bench_landscapes import build_landscape

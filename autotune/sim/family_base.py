@@ -72,7 +72,7 @@ def play(plan: Plan, env: Env, rng: random.Random, crash_rng: random.Random, max
     failure, fail_after, info = None, 0.0, {}
     for step in range(1, max_steps + 1):
         warm = rng.uniform(1.3, 1.6) if step == 1 else (rng.uniform(1.05, 1.12) if step == 2 else 1.0)
-        t = plan.step_s * warm * run_factor * math.exp(rng.gauss(0.0, ph.noise * ph.step_ratio))
+        t = plan.step_s * warm * run_factor * math.exp(rng.gauss(0.0, ph.step_sigma))
         grown = plan.peak * (1.0 + plan.creep * (1.0 - math.exp(-step / 4.0)))
         peak = grown + abs(rng.gauss(0.0, 0.04)) * GIB
         if peak > cap:

@@ -268,7 +268,7 @@ def _run_steps(
         n_gens = sum(1 for i in range((step - 1) * k.ga, step * k.ga) if i % k.spg == 0)
         g_t = n_gens * (cost.gen_s + cost.sync_s)
         t_t = cost.train_s + cost.misc_s
-        noise = run_factor * math.exp(rng.gauss(0.0, ph.noise * ph.step_ratio))
+        noise = run_factor * math.exp(rng.gauss(0.0, ph.step_sigma))
         if step == 1:
             warm = rng.uniform(1.3, 1.55)
             g_t, t_t = g_t * warm + rng.uniform(2.0, 5.0), t_t * warm + rng.uniform(2.0, 4.0)

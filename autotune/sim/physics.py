@@ -77,6 +77,11 @@ class Physics:
     def to_json(self) -> dict[str, float]:
         return asdict(self)
 
+    @property
+    def step_sigma(self) -> float:
+        """The lognormal sigma of one step's own noise, around its run's factor."""
+        return self.noise * self.step_ratio
+
     def measured_sigma(self, steps: int) -> float:
         """The lognormal sigma of a run's throughput measured as the mean of ``steps`` steps: its run
         factor, which no number of steps averages away, and the steps' own noise, which they do."""
