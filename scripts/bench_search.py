@@ -58,6 +58,7 @@ from autotune.search.policy import PROPOSAL_ATTR  # noqa: E402
 from autotune.sim.families import FAMILIES, landscape  # noqa: E402
 from autotune.study import StudyPaths, candidate_key, choose_best, confirmations, rows  # noqa: E402
 from autotune.study.incidents import long_run_failures  # noqa: E402
+from autotune.study.ranking import CUT_BELOW  # noqa: E402
 from autotune.trial.control import StopRule, TrialControl  # noqa: E402
 from autotune.trial.outcome import Outcome  # noqa: E402
 
@@ -98,7 +99,7 @@ class Run:
     crashes: int = 0
     trials: list[Ran] = field(default_factory=list)  # each launched trial
     confirms: list[Ran] = field(default_factory=list)  # each confirmation run
-    held_hours: list[float] = field(default_factory=list)  # GPU-hours of each confirmation that held
+    held_hours: list[float] = field(default_factory=list)  # GPU-hours of each confirmation that held in full
     measured: float = 0.0  # best possible value of any configuration a launched trial ran (kept headroom)
     # launched search trials by proposer (seed, local, pool, valid, tpe, rerun): {status: count}
     by_proposer: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -129,10 +130,12 @@ class Tracker:
         outcome = self.executor(params, trial_dir, number, control)
         self.hours += (self.executor.simulated_s - before) * self.land.recipe.gpus / 3600
         if control.purpose == "confirm":
+            cut = outcome.extra.get(CUT_BELOW)
+            stopped = f", stopped after {outcome.steps} steps below its bar {cut:.3g}/s" if cut else ""
             self.run.confirms.append(
-                Ran(number % CONFIRM_NUMBER_OFFSET, params, self.result(params, outcome))
+                Ran(number % CONFIRM_NUMBER_OFFSET, params, self.result(params, outcome) + stopped)
             )
-            if outcome.status == "ok":
+            if outcome.status == "ok" and not cut:  # a run cut below its bar did not hold its steps
                 self.run.held_hours.append(
                     (self.executor.simulated_s - before) * self.land.recipe.gpus / 3600
                 )

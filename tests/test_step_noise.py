@@ -1,9 +1,10 @@
-"""A study measures its steps' own noise and stops measuring a trial more steps cannot lift (issue 19).
+"""A study measures its steps' own noise and stops measuring a run more steps cannot lift (issue 19).
 
 A GPU's step times move from step to step about as much as from run to run, or more
 (docs/gpu-validation.md, sixth lease). More steps of a trial average only that part, so a trial below
 the best by more than twice what its steps could be off is measured: the steps it would still run
-cost time and change nothing the search decides.
+cost time and change nothing the search decides. A runner-up's confirmation is cut by the same rule
+against what it needs to win the choice.
 """
 
 import math
@@ -13,13 +14,24 @@ import pytest
 from conftest import make_search
 
 from autotune.recipe import Recipe
+from autotune.search.confirm import runner_up_bar
 from autotune.study import rows
-from autotune.study.ranking import MIN_PAIRS, step_noise
+from autotune.study.ranking import (
+    MIN_PAIRS,
+    Confirmation,
+    choose_best,
+    confirmations,
+    confirmed_verdict,
+    eligible,
+    judged,
+    noise,
+    step_noise,
+)
 from autotune.study.record import TrialRow
 from autotune.trial.control import StopRule, TrialControl, first_pair
 from autotune.trial.layout import TrialFiles
 from autotune.trial.metrics import StepRecord
-from autotune.trial.outcome import Outcome
+from autotune.trial.outcome import Outcome, Status
 
 RECIPE = Recipe(model="Qwen2.5-0.5B", gpus=1)  # warm-up 2, 3 measured steps
 
@@ -106,8 +118,95 @@ def test_a_search_pools_its_steps_and_stops_measuring_what_cannot_win(tmp_path):
     noise = step_noise(ran)
     assert noise is not None and 0.001 < noise < 0.05  # the simulator's 1% from step to step
     measured = {r.number: Outcome.read(TrialFiles(search.paths.trial_dir(r.number)).outcome) for r in ran}
+    # each pair is on disk with its trial's outcome, where a resumed controller reads an untold trial
+    assert all(measured[r.number].extra.get("step_pair") == r.step_pair for r in ran)
     cut = [r for r in ran if measured[r.number].steps == search.recipe.warmup_steps + 1]
     assert cut, "no trial was measured after one step"
     assert not any(r.pruned for r in cut)
     best = max(r.throughput or 0 for r in ran)
     assert all((r.throughput or 0) * math.exp(2 * noise) < best for r in cut)
+
+
+def test_a_runner_ups_confirmation_out_of_reach_of_winning_is_cut():
+    """A confirmation runs its nine steps, except a runner-up's whose throughput so far stays below
+    the bar it must reach to win the choice by more than twice its steps' standard error."""
+    slow = steps(8 / 6)  # 6/s after one measured step
+    cut = TrialControl(StopRule.confirming(RECIPE), None, 8, purpose="confirm", step_noise=0.05, bar=10.0)
+    assert cut.decide(slow, 3) == "measured" and cut.cut
+    close = TrialControl(StopRule.confirming(RECIPE), None, 8, purpose="confirm", step_noise=0.05, bar=6.5)
+    assert close.decide(slow, 3) is None and not close.cut  # 6 * e^0.1 = 6.63: within reach
+    # no bar (the first leader's run) or no step noise yet: all nine measured steps, whatever they show
+    for control in (
+        TrialControl(StopRule.confirming(RECIPE), None, 8, purpose="confirm", step_noise=0.05),
+        TrialControl(StopRule.confirming(RECIPE), None, 8, purpose="confirm", bar=10.0),
+    ):
+        nine = steps(*[8 / 6] * 9)
+        assert [control.decide(nine[: 2 + k], 2 + k) for k in range(1, 9)] == [None] * 8
+        assert control.decide(nine, 11) == "measured" and not control.cut
+
+
+def test_the_bar_is_what_a_runner_up_needs_for_both_its_runs_to_win():
+    """Both runs are judged by their geometric mean: a runner-up whose short trial ran 12/s against a
+    best judged at 10/s must confirm at 100/12 to tie it."""
+    row = TrialRow(number=4, params={}, status="ok", throughput=12.0)
+    bar = runner_up_bar(row, 10.0)
+    assert bar == pytest.approx(100 / 12)
+    assert judged(row, Confirmation(Status.OK, throughput=bar, steps=11)) == pytest.approx(10.0)
+    assert runner_up_bar(row, 0.0) is None  # nothing held yet: the first leader runs in full
+    assert runner_up_bar(TrialRow(number=5, params={}, status="ok"), 10.0) is None
+
+
+def test_a_cut_run_is_settled_as_slower_not_held():
+    """The choice judges only runs that held all their steps; a cut run's gap to its short trial was
+    what cut it, so it is not noise measured; nor does it clear a risk a longer run would clear."""
+    short = {1: 10.0, 2: 12.0}
+    trials = [
+        TrialRow(number=n, params={"b": n}, status="ok", throughput=t, launched=True)
+        for n, t in short.items()
+    ]
+    done = {
+        1: Confirmation(Status.OK, throughput=9.5, steps=11),
+        2: Confirmation(Status.OK, throughput=9.0, steps=3, cut_below=9.5 * 10 / 12 * 1.3),
+    }
+    # trial 2's two runs judged would be sqrt(12 * 9) = 10.4 > sqrt(10 * 9.5) = 9.7; it was cut, so no
+    best, _ = choose_best(trials, RECIPE, done)
+    assert best is not None and best.number == 1
+    assert noise(trials, done) == pytest.approx(0.05)  # trial 1's gap alone, not trial 2's 25%
+    assert "stopped at 9/s" in confirmed_verdict(trials[1], done[2])
+    risky = TrialRow(
+        number=2,
+        params={},
+        status="ok",
+        throughput=12.0,
+        launched=True,
+        at_risk="trial 9 ran out of memory",
+        long_run_clears=True,
+    )
+    passed: dict[int, str] = {}
+    eligible([risky], RECIPE, {2: done[2]}, passed_over=passed)
+    assert "no longer run has cleared it" in passed[2]
+
+
+def test_a_search_cuts_a_runner_ups_confirmation_and_counts_it_settled(tmp_path):
+    """Through the search loop on the simulator (3% run noise, 1% step noise): the leader's longer run
+    measures its nine steps; runners-up whose longer runs fall out of reach of winning are stopped
+    after their first measured step, keep the bar they missed, count among the three --confirm
+    settles (no fourth is run) and are never exported."""
+    search = make_search(tmp_path, trials=16, seed=4)
+    result = search.run()
+    study = search.state.study
+    done = confirmations(study)
+    full = search.recipe.warmup_steps + 3 * search.recipe.measure_steps
+    held = {n: c for n, c in done.items() if c.held}
+    cut = {n: c for n, c in done.items() if c.cut_below is not None}
+    assert held and cut, done
+    assert all(c.steps == full for c in held.values())
+    assert all(c.steps < full for c in cut.values())
+    assert len(done) == search.recipe.confirm  # the cut ones are settled: no further leader is run
+    assert result.best is not None and result.best.number in held
+    noise_ = step_noise(rows(study))
+    for number, c in cut.items():
+        measured = c.steps - search.recipe.warmup_steps
+        assert (c.throughput or 0) * math.exp(2 * noise_ / math.sqrt(measured)) < c.cut_below
+        kept = Outcome.read(TrialFiles(search.paths.confirm_dir(number)).outcome)
+        assert kept.extra["cut_below"] == pytest.approx(c.cut_below)

@@ -145,11 +145,14 @@ def _choice_section(best: TrialRow, recipe: Recipe, params: dict[str, Any], capa
 
 def _longer_run(row: TrialRow, c: Confirmation | None) -> str:
     """A trial's confirmation as the runners-up table shows it: both runs' figure when it held
-    (what the choice compared, :func:`judged`), how it died when it did, "-" when none was made."""
+    (what the choice compared, :func:`judged`), how it died when it did, where it was stopped below
+    what it needed to win (``Confirmation.cut_below``), "-" when none was made."""
     if c is None:
         return "-"
     if c.status != Status.OK:
         return f"died ({c.ended})"
+    if c.cut_below is not None:
+        return f"stopped at {fmt(c.throughput)}, below the {c.cut_below:.3g} it needed"
     return f"{fmt(c.throughput)} (both {judged(row, c):.3g})"
 
 
@@ -157,7 +160,7 @@ def _measured(row: TrialRow, confirmed: dict[int, Confirmation]) -> float:
     """The best figure of a trial's speed there is: both runs (:func:`judged`, what the choice
     compares) where its longer run held, else its short trial."""
     c = confirmed.get(row.number)
-    if c is not None and c.status == Status.OK and c.throughput:
+    if c is not None and c.held and c.throughput:
         return judged(row, c)
     return row.throughput or 0.0
 

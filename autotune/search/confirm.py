@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 from autotune.candidate import constraints
 from autotune.recipe import Recipe
@@ -27,7 +28,7 @@ from autotune.study import (
     save_confirmation,
 )
 from autotune.study.incidents import long_run_failures
-from autotune.study.ranking import MIN_NOISE, noise
+from autotune.study.ranking import CUT_BELOW, MIN_NOISE, judged, noise, step_noise
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.execute import abort_on_error
 from autotune.trial.layout import TrialFiles
@@ -50,17 +51,18 @@ def confirm(
     """Confirm leaders by longer runs, only as many as it takes to separate them from the noise.
 
     The fastest eligible trial is confirmed first. A runner-up is confirmed too only while its short-
-    trial throughput, plus twice the noise, could still beat the best confirmed throughput (a near-tie
-    is decided by the confirmations, each beside its short trial), until ``recipe.confirm`` have held,
-    in at most ``recipe.confirm`` + 2 runs (the two more stand in for leaders that die in their longer
-    run). Held confirmations count only while their leader can still be exported (another leader's
-    dead run can put it at the edge, a production run can have lost it): a bar the export cannot meet
-    would leave the export a short trial alone. A candidate ahead of every confirmed one by more than
-    the noise is always confirmed, so a resumed search that found a better configuration exports it.
-    Each run is admitted only if its own expected length fits the time budget, and the study's clock is
-    saved after each. With several GPU ``slots`` the leaders still needed are confirmed at once, one
-    per slot. A run that ran out of memory is learned from (:meth:`SearchState.observe`); one that held
-    teaches nothing the short trial did not. Returns the runs made now.
+    trial throughput, plus twice the noise, could still beat the best confirmed throughput (a near-tie is
+    decided by the confirmations, each beside its short trial), until ``recipe.confirm`` have held or were
+    settled as slower (a runner-up's run is stopped once it is out of reach of winning:
+    :func:`runner_up_bar`), in at most ``recipe.confirm`` + 2 runs (the two more stand in for leaders that
+    die in their longer run). Held confirmations count only while their leader can still be exported
+    (another leader's dead run can put it at the edge, a production run can have lost it): a bar the
+    export cannot meet would leave the export a short trial alone. A candidate ahead of every confirmed
+    one by more than the noise is always confirmed, so a resumed search that found a better configuration
+    exports it. Each run is admitted only if its own expected length fits the time budget, and the study's
+    clock is saved after each. With several GPU ``slots`` the leaders still needed are confirmed at once,
+    one per slot. A run that ran out of memory is learned from (:meth:`SearchState.observe`); one that
+    held teaches nothing the short trial did not. Returns the runs made now.
     """
     study, recipe, paths, reporter, budget = (
         state.study,
@@ -80,7 +82,10 @@ def confirm(
         candidates, _ = eligible(all_rows, recipe, done, failed_long=failed, confirming=True)
         # the candidates' held confirmations only (eligible passes over one that died or peaked inside
         # the headroom): one whose leader a later OOM put at the edge sets no bar the export could meet
-        held = [done[r.number] for r in candidates if r.number in done]
+        held_rows = [r for r in candidates if r.number in done and done[r.number].held]
+        held = [done[r.number] for r in held_rows]
+        # a runner-up cut below its bar is settled as slower: it counts as one of the --confirm N
+        settled = len(held) + sum(1 for r in candidates if r.number in done and done[r.number].cut_below)
         # the best confirmation alone: which leaders are confirmed does not depend on how the
         # choice then weighs each one's two runs (study.ranking.judged)
         best = max((c.throughput or 0.0 for c in held), default=0.0)
@@ -90,14 +95,15 @@ def confirm(
         todo = [
             r for r in candidates if r.number not in done and (r.throughput or 0) * (1 + 2 * spread) > best
         ]
-        if len(held) >= recipe.confirm:
-            # --confirm N is N candidates that held (each run costs about 1.5 trials); beyond them,
-            # only one whose short trial beats the best confirmed by more than the noise
+        if settled >= recipe.confirm:
+            # --confirm N is N candidates that held or were settled as slower (each full run costs
+            # about 1.5 trials); beyond them, only one whose short trial beats the best confirmed by
+            # more than the noise
             todo = [r for r in todo if (r.throughput or 0) > best * (1 + spread)]
         if not todo:
             break
         # with several GPU slots, the leaders still needed are confirmed at once, one per slot
-        wanted = max(1, min(len(slots), recipe.confirm - len(held), recipe.confirm + 2 - runs))
+        wanted = max(1, min(len(slots), recipe.confirm - settled, recipe.confirm + 2 - runs))
         batch = []
         for row in todo[:wanted]:
             if budget.exceeded(confirm_duration(row, recipe)):
@@ -112,14 +118,15 @@ def confirm(
             reporter.message(
                 f"confirming trial {row.number} with {recipe.measure_steps * CONFIRM_FACTOR} measured steps"
             )
+        win = max((judged(r, done[r.number]) for r in held_rows), default=0.0)
+        bars = [runner_up_bar(r, win) for r in batch]
+        one = partial(run_one, recipe=recipe, paths=paths, execute=execute, steps=step_noise(all_rows))
         if len(batch) == 1:
-            outcomes = [run_one(batch[0], slots[0], recipe, paths, execute)]
+            outcomes = [one(batch[0], slots[0], bars[0])]
         else:
             pool = ThreadPoolExecutor(len(batch), thread_name_prefix="confirm")
             with abort_on_error(pool):
-                outcomes = list(
-                    pool.map(lambda rs: run_one(rs[0], rs[1], recipe, paths, execute), zip(batch, slots))
-                )
+                outcomes = list(pool.map(one, batch, slots, bars))
         for row, outcome in zip(batch, outcomes):
             save_confirmation(study, row.number, outcome)
             budget.spent(outcome.wall_time_s)
@@ -127,14 +134,33 @@ def confirm(
                 state.observe(Finished.of_outcome(row.number, row.params, outcome, launched=True))
                 # the next leader is chosen by the at-risk list this OOM may have grown
                 save_risks(study, state.planner)
+            cut = outcome.extra.get(CUT_BELOW)
             reporter.message(
                 f"confirmation of trial {row.number}: {outcome.status}"
                 + (f" {outcome.throughput:.3g}/s" if outcome.throughput else "")
                 + (f", peak {outcome.peak_memory_gib:.1f} GiB" if outcome.peak_memory_gib else "")
+                + (
+                    f", stopped after {outcome.steps} steps: below the {cut:.3g}/s it needed to win"
+                    if cut
+                    else ""
+                )
             )
             runs += 1
         study.set_user_attr("elapsed_s", round(budget.elapsed(), 1))  # a resume goes on from here
     return runs
+
+
+def runner_up_bar(row: TrialRow, win: float) -> float | None:
+    """The confirmed throughput ``row`` needs to win the choice: with both its runs judged
+    (:func:`autotune.study.ranking.judged`, the geometric mean), its confirmation must reach
+    ``win**2 / short``, where ``win`` is the best judged figure of the confirmations that held. None
+    for the first leader (nothing held yet) or a row without a short throughput: measured in full.
+
+    A runner-up whose confirmation stays below this bar by more than its steps' noise can allow is
+    stopped there (``TrialControl.out_of_reach``): the choice would not pick it, and its remaining
+    steps (a confirmation costs about 1.5 trials) would buy nothing."""
+    short = row.throughput or 0.0
+    return win * win / short if win and short else None
 
 
 def searching_on(state: SearchState, stopped: str | None) -> float | None:
@@ -176,11 +202,20 @@ def search_on(state: SearchState, bar: float) -> str:
 
 
 def run_one(
-    row: TrialRow, gpus: list[int] | None, recipe: Recipe, paths: StudyPaths, execute: Callable[..., Outcome]
+    row: TrialRow,
+    gpus: list[int] | None,
+    bar: float | None,
+    *,
+    recipe: Recipe,
+    paths: StudyPaths,
+    execute: Callable[..., Outcome],
+    steps: float | None = None,
 ) -> Outcome:
-    """One confirmation run, on ``gpus`` (a parallel slot) or the default GPUs. A run that dies of
-    a known transient error (an NCCL watchdog timeout) is run once more, its first folder kept
-    beside it as ``<n>-crashed``: such a crash says nothing about the candidate."""
+    """One confirmation run, on ``gpus`` (a parallel slot) or the default GPUs, stopped early only
+    below ``bar`` (:func:`runner_up_bar`) by more than the study's step noise ``steps`` allows (the
+    outcome then says so under ``extra["cut_below"]``). A run that dies of a known transient error
+    (an NCCL watchdog timeout) is run once more, its first folder kept beside it as
+    ``<n>-crashed``: such a crash says nothing about the candidate."""
     trial_dir = paths.confirm_dir(row.number)
     for attempt in range(2):
         control = TrialControl(
@@ -188,9 +223,13 @@ def run_one(
             None,
             constraints.samples_per_step(row.params, recipe),
             purpose="confirm",
+            step_noise=steps,
+            bar=bar,
         )
         with on_gpus(gpus):
             outcome = execute(row.params, trial_dir, CONFIRM_NUMBER_OFFSET + row.number, control)
+        if control.cut and bar is not None:
+            outcome.extra[CUT_BELOW] = round(bar, 6)
         outcome.write(TrialFiles(trial_dir).outcome)
         if (
             attempt

@@ -376,7 +376,7 @@ class Search:
         )
         outcome = self.execute(params, self.paths.trial_dir(trial.number), trial.number, control)
         outcome.launched = True
-        outcome.extra["step_pair"] = control.first_pair  # what the study pools (ranking.step_noise)
+        outcome.extra["step_pair"] = control.first_pair  # as trial.execute keeps it, for any executor
         if predicted_gib is not None:
             outcome.predicted_gib = round(predicted_gib, 3)
         return outcome

@@ -21,6 +21,7 @@ from autotune.trial.outcome import Outcome, Status
 
 MIN_NOISE = 0.03  # relative run-to-run noise assumed before any run was repeated
 MIN_PAIRS = 6  # trials whose first measured steps pooled give a step noise worth acting on
+CUT_BELOW = "cut_below"  # Outcome.extra of a confirmation stopped below its bar (Confirmation.cut_below)
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class Confirmation:
     steps: int = 0
     oom_kind: str | None = None
     leftover: bool = False  # started beside a predecessor's memory: an OOM of it says nothing of itself
+    # a runner-up's run stopped below the throughput it needed to win the choice (its bar), before its
+    # steps were done: settled as slower, but its long run's memory was not checked in full
+    cut_below: float | None = None
 
     @property
     def ended(self) -> str:
@@ -49,7 +53,13 @@ class Confirmation:
             value.get("steps") or 0,
             value.get("oom_kind"),
             bool(value.get("leftover_gib")),
+            (value.get("extra") or {}).get(CUT_BELOW),
         )
+
+    @property
+    def held(self) -> bool:
+        """It ran all its steps and survived them: what the choice judges (:func:`choose_best`)."""
+        return self.status == Status.OK and self.cut_below is None
 
 
 def headroom_limit(recipe: Recipe) -> float | None:
@@ -109,7 +119,7 @@ def eligible(
         if check_peak and row.peak_memory_gib is None and row.at_risk:
             if not row.long_run_clears:
                 return f"its peak was not measured and {row.at_risk}"
-            if c is None and not confirming:
+            if (c is None or c.cut_below is not None) and not confirming:
                 return f"its peak was not measured and {row.at_risk}; no longer run has cleared it"
         if check_peak and row.peak_memory_gib is not None and row.peak_memory_gib > limit:
             return (
@@ -173,7 +183,11 @@ def judged(row: TrialRow, c: Confirmation) -> float:
 def confirmed_verdict(row: TrialRow | None, c: Confirmation) -> str:
     """How ``show`` and the dashboard name a confirmed trial that was not exported: its
     confirmation, and the figure it was judged by (:func:`judged`), which another beat; the
-    confirmation alone where the trial's row is not at hand (the dashboard reads finished trials)."""
+    confirmation alone where the trial's row is not at hand (the dashboard reads finished trials). A
+    runner-up's run cut below its bar says so: it was settled as slower, not confirmed."""
+    if c.cut_below is not None:
+        needed = f"below the {c.cut_below:.4g}/s it needed to win"
+        return f"longer run stopped at {c.throughput or 0:.4g}/s, {needed}"
     both = f", both runs {judged(row, c):.4g}/s" if row is not None else ""
     return f"confirmed {c.throughput or 0:.4g}/s{both}"
 
@@ -194,7 +208,7 @@ def choose_best(
     candidates, notes = eligible(rows_, recipe, confirmed, failed_long=failed_long)
     if not candidates:
         return None, notes
-    held = [r for r in candidates if r.number in confirmed]
+    held = [r for r in candidates if r.number in confirmed and confirmed[r.number].held]
     if not held:
         if confirmed:
             notes.append(f"trial {candidates[0].number} was not confirmed by a longer run")
@@ -246,10 +260,10 @@ def noise(rows_: list[TrialRow], done: dict[int, Confirmation]) -> float:
     The search trials already measured every candidate once; a confirmation measures it again,
     longer, so the gap between the two is the noise that can reorder close candidates."""
     short = {r.number: r.throughput for r in rows_ if r.throughput}
-    gaps = [
+    gaps = [  # not a run cut below its bar: it was stopped for being far from its short trial
         abs((c.throughput or 0) / short[n] - 1)
         for n, c in done.items()
-        if c.status == Status.OK and c.throughput and short.get(n)
+        if c.held and c.throughput and short.get(n)
     ]
     return max([MIN_NOISE, *gaps])
 

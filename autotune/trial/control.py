@@ -6,7 +6,8 @@ than the best configuration so far cannot win, so it is pruned (reported through
 interface, so the sampler sees it as a pruned trial). Where the study knows how far one step's time
 moves from the next (its step noise, pooled over its trials), a trial below the best by more than
 twice what its steps so far could be off is measured: more steps average only that noise, and
-would not lift it to the best. An OOM ends a trial by itself.
+would not lift it to the best. A confirmation run is measured in full, except a runner-up's that is
+out of reach of what it must reach to win the choice (its ``bar``). An OOM ends a trial by itself.
 """
 
 from __future__ import annotations
@@ -90,8 +91,12 @@ class TrialControl:
     # one step's relative spread (sd of log step time), pooled over the study's trials
     # (study.ranking.step_noise); None until enough trials measured it: nothing is cut for it
     step_noise: float | None = None
+    # a runner-up's confirmation: the throughput it must reach to win the choice
+    # (search.confirm.runner_up_bar); None: measured in full
+    bar: float | None = None
     # log(second / first) of the first two measured steps, once seen: what the study pools
     first_pair: float | None = field(default=None, init=False)
+    cut: bool = field(default=False, init=False)  # stopped by out_of_reach, before its steps were done
 
     def decide(self, records: list[StepRecord], steps_done: int) -> str | None:
         times = self.rule.measured(records)
@@ -99,6 +104,7 @@ class TrialControl:
             self.first_pair = first_pair(records, self.rule.warmup)
         verdict = self.rule.decide(records, steps_done)
         if verdict is None and self.out_of_reach(records, len(times)):
+            self.cut = True
             return "measured"
         if verdict is None and self.rule.prune and self.trial is not None and steps_done > self.rule.warmup:
             value = steady_throughput(records, self.rule.warmup, self.samples_per_step)
@@ -109,16 +115,19 @@ class TrialControl:
         return verdict
 
     def out_of_reach(self, records: list[StepRecord], measured: int) -> bool:
-        """Whether a search trial's throughput so far is below the study's best by more than twice
-        its standard error from step noise (``step_noise`` over the ``measured`` steps): more steps
-        would not lift it there. Only a prunable search trial, and only once the study knows its
-        step noise: a confirmation measures its steps in full, whatever they show."""
-        if not (self.rule.prune and self.trial is not None and self.step_noise and measured >= 1):
+        """Whether the run's throughput so far is below its bar by more than twice its standard
+        error from step noise (``step_noise`` over the ``measured`` steps): more steps would not
+        lift it there. The bar of a prunable search trial is Optuna's best that fits (the pruner's);
+        a runner-up's confirmation has the one it was given (``bar``). Nothing is cut before the
+        study knows its step noise, nor a run with no bar (the first confirmation, a verify run)."""
+        if not (self.step_noise and measured >= 1):
             return False
-        try:
-            bar = self.trial.study.best_trial.value  # Optuna's best that fits, as the pruner's bar
-        except ValueError:  # nothing measured that fits yet
-            return False
+        bar = self.bar
+        if bar is None and self.rule.prune and self.trial is not None:
+            try:
+                bar = self.trial.study.best_trial.value  # Optuna's best that fits, as the pruner's bar
+            except ValueError:  # nothing measured that fits yet
+                return False
         value = steady_throughput(records, self.rule.warmup, self.samples_per_step)
         return bool(bar and value) and value * math.exp(2 * self.step_noise / math.sqrt(measured)) < bar
 

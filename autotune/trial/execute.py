@@ -181,8 +181,10 @@ def execute(
         add_monitor_summary(outcome, summary, recipe.device)
         if outcome.extra.get("low_util"):
             log.info("%s: low GPU utilization: %s", trial_dir.name, summary.diagnosis)
-    # on disk before anything slow: a controller killed from here on resumes with this result
+    # on disk before anything slow: a controller killed from here on resumes with this result, and with
+    # the first pair of its steps that the study pools (study.ranking.step_noise)
     outcome.launched = True
+    outcome.extra["step_pair"] = control.first_pair
     outcome.write(files.outcome)
     if gpus and sampler is not None:
         drain(gpus, baseline, trial_dir)
