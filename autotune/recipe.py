@@ -167,7 +167,11 @@ class Recipe:
         default=0.05, metadata=_opt("Memory fraction the exported config must leave free.")
     )
     confirm: int = field(
-        default=3, metadata=_opt("Leading candidates re-run longer before export (0: none).")
+        default=3,
+        metadata=_opt(
+            "Leading candidates re-run longer before export (0: none); a runner-up's run out of "
+            "reach of winning is stopped early and counts among them."
+        ),
     )
     patience: int = field(
         default=10,

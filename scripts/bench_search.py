@@ -58,7 +58,7 @@ from autotune.search.policy import PROPOSAL_ATTR  # noqa: E402
 from autotune.sim.families import FAMILIES, landscape  # noqa: E402
 from autotune.study import StudyPaths, candidate_key, choose_best, confirmations, rows  # noqa: E402
 from autotune.study.incidents import long_run_failures  # noqa: E402
-from autotune.study.ranking import CUT_BELOW  # noqa: E402
+from autotune.study.ranking import Confirmation  # noqa: E402
 from autotune.trial.control import StopRule, TrialControl  # noqa: E402
 from autotune.trial.outcome import Outcome  # noqa: E402
 
@@ -130,12 +130,12 @@ class Tracker:
         outcome = self.executor(params, trial_dir, number, control)
         self.hours += (self.executor.simulated_s - before) * self.land.recipe.gpus / 3600
         if control.purpose == "confirm":
-            cut = outcome.extra.get(CUT_BELOW)
-            stopped = f", stopped after {outcome.steps} steps below its bar {cut:.3g}/s" if cut else ""
+            c = Confirmation.from_attr(outcome.to_json())
+            stopped = f", {c.cut_note}" if c.cut_below is not None else ""
             self.run.confirms.append(
                 Ran(number % CONFIRM_NUMBER_OFFSET, params, self.result(params, outcome) + stopped)
             )
-            if outcome.status == "ok" and not cut:  # a run cut below its bar did not hold its steps
+            if c.held:  # a run cut below its bar did not hold its steps
                 self.run.held_hours.append(
                     (self.executor.simulated_s - before) * self.land.recipe.gpus / 3600
                 )

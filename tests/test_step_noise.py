@@ -8,14 +8,16 @@ against what it needs to win the choice.
 """
 
 import math
+import re
 
 import optuna
 import pytest
 from conftest import make_search
 
 from autotune.recipe import Recipe
-from autotune.search.confirm import runner_up_bar
+from autotune.search.confirm import confirm, runner_up_bar
 from autotune.study import rows
+from autotune.study.incidents import Incident, long_run_failures, save_incident
 from autotune.study.ranking import (
     MIN_PAIRS,
     Confirmation,
@@ -110,16 +112,24 @@ def test_a_search_pools_its_steps_and_stops_measuring_what_cannot_win(tmp_path):
     that measured two steps keeps its first pair; once six did, a trial far behind the best stops
     after its first measured step, counted as measured (exportable, taught to the planner), where
     before every trial that ran measured at least two."""
-    search = make_search(tmp_path, trials=16, patience=0, confirm=0)
+    written: dict[int, float | None] = {}  # each trial's pair in the outcome.json its execute wrote
+
+    def execute(params, trial_dir, number, control):
+        outcome = search.runner.run(params, trial_dir, number, control)
+        written[number] = Outcome.read(TrialFiles(trial_dir).outcome).extra.get("step_pair")
+        return outcome
+
+    search = make_search(tmp_path, trials=16, patience=0, confirm=0, execute=execute)
     search.run()
     study = search.state.study
     ran = [r for r in rows(study) if r.status == "ok" and r.launched]
     assert sum(r.step_pair is not None for r in ran) >= MIN_PAIRS
     noise = step_noise(ran)
     assert noise is not None and 0.001 < noise < 0.05  # the simulator's 1% from step to step
+    # each pair is on disk with its trial's outcome before the study is told, where a controller
+    # killed in between resumes the trial from
+    assert all(written[r.number] == r.step_pair for r in ran)
     measured = {r.number: Outcome.read(TrialFiles(search.paths.trial_dir(r.number)).outcome) for r in ran}
-    # each pair is on disk with its trial's outcome, where a resumed controller reads an untold trial
-    assert all(measured[r.number].extra.get("step_pair") == r.step_pair for r in ran)
     cut = [r for r in ran if measured[r.number].steps == search.recipe.warmup_steps + 1]
     assert cut, "no trial was measured after one step"
     assert not any(r.pruned for r in cut)
@@ -205,8 +215,47 @@ def test_a_search_cuts_a_runner_ups_confirmation_and_counts_it_settled(tmp_path)
     assert len(done) == search.recipe.confirm  # the cut ones are settled: no further leader is run
     assert result.best is not None and result.best.number in held
     noise_ = step_noise(rows(study))
+    by_number = {r.number: r for r in rows(study)}
+    (leader,) = held  # here the leader alone held: every bar was set by both its runs
+    win = judged(by_number[leader], held[leader])
     for number, c in cut.items():
+        assert c.cut_below == pytest.approx(runner_up_bar(by_number[number], win))
         measured = c.steps - search.recipe.warmup_steps
         assert (c.throughput or 0) * math.exp(2 * noise_ / math.sqrt(measured)) < c.cut_below
         kept = Outcome.read(TrialFiles(search.paths.confirm_dir(number)).outcome)
         assert kept.extra["cut_below"] == pytest.approx(c.cut_below)
+    # summary.md's runners-up say each was stopped, and never name one as not measurably slower
+    summary = (search.paths.best / "summary.md").read_text()
+    close = re.search(r"Not measurably slower than the choice: trials? (.*?), by both runs", summary)
+    named = {n.split()[0] for n in close.group(1).split(", ")} if close else set()
+    for number, c in cut.items():
+        (line,) = [line for line in summary.splitlines() if line.startswith(f"| {number} |")]
+        assert c.cut_note in line
+        assert str(number) not in named
+
+
+def test_a_cut_run_whose_bar_fell_is_confirmed_again(tmp_path):
+    """The leader that set the bars is lost afterwards (its production run ran out of memory): the
+    runners-up cut against it were settled against a bar that no longer stands, so the next
+    confirmation confirms them again (the first in full) and exports one that held; each cut run's
+    folder is kept beside the new one."""
+    search = make_search(tmp_path, trials=16, seed=4)
+    search.run()
+    study = search.state.study
+    done = confirmations(study)
+    (leader,) = [n for n, c in done.items() if c.held]
+    cut = sorted((n for n, c in done.items() if c.cut_below is not None), key=lambda n: -short_of(study, n))
+    params = {r.number: r.params for r in rows(study)}
+    save_incident(study, Incident(1, 1, "oom", "cuda", 120, "CUDA out of memory.", params[leader]))
+    assert confirm(search.state, search.execute) >= 1
+    again = confirmations(study)
+    first = again[cut[0]]
+    assert first.held and first.steps == search.recipe.warmup_steps + 3 * search.recipe.measure_steps
+    old = search.paths.confirm_dir(cut[0]).with_name(f"{cut[0]}-cut")
+    assert Outcome.read(TrialFiles(old).outcome).extra["cut_below"] == pytest.approx(done[cut[0]].cut_below)
+    best, _ = choose_best(rows(study), search.recipe, again, long_run_failures(study))
+    assert best is not None and best.number != leader and again[best.number].held
+
+
+def short_of(study, number: int) -> float:
+    return next(r.throughput or 0.0 for r in rows(study) if r.number == number)

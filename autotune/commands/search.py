@@ -94,7 +94,7 @@ def finish_lines(recipe: Recipe, paths: StudyPaths, result: SearchResult) -> Non
     )
     print(f"best: trial {best.number}: {best.throughput:.4g} completions/s{peak}")
     c = result.confirmation
-    if c is not None and c.throughput:
+    if c is not None and c.held and c.throughput:
         cpeak = f", peak {c.peak_memory_gib:.1f} GiB" if c.peak_memory_gib else ""
         print(f"      confirmed over {c.steps} steps: {c.throughput:.4g} completions/s{cpeak}")
     print(f"      {short_params(best.params)}")

@@ -152,7 +152,7 @@ def _longer_run(row: TrialRow, c: Confirmation | None) -> str:
     if c.status != Status.OK:
         return f"died ({c.ended})"
     if c.cut_below is not None:
-        return f"stopped at {fmt(c.throughput)}, below the {c.cut_below:.3g} it needed"
+        return c.cut_note
     return f"{fmt(c.throughput)} (both {judged(row, c):.3g})"
 
 
@@ -202,8 +202,14 @@ def _runners_up_section(
         )
     spread = noise(rows, confirmed)
     bar = _measured(best, confirmed) * (1 - spread) - 1e-9  # what the noise cannot tell from the choice
-    close = [r for r in ok if r.number in exportable and _measured(r, confirmed) >= bar > 0]
-    if any(c.status == Status.OK and c.throughput for c in confirmed.values()):
+    # a runner-up whose longer run was cut below its bar was settled as slower than the choice
+    settled = {n for n, c in confirmed.items() if c.cut_below is not None}
+    close = [
+        r
+        for r in ok
+        if r.number in exportable and r.number not in settled and _measured(r, confirmed) >= bar > 0
+    ]
+    if any(c.held and c.throughput for c in confirmed.values()):
         how = f"the largest gap between a confirmed trial's short and longer runs, at least {MIN_NOISE:.0%}"
     else:
         how = "assumed: " + ("no longer run held to measure it" if confirmed else "no longer run was made")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
 from autotune.candidate import constraints
 from autotune.recipe import Recipe
@@ -28,7 +29,7 @@ from autotune.study import (
     save_confirmation,
 )
 from autotune.study.incidents import long_run_failures
-from autotune.study.ranking import CUT_BELOW, MIN_NOISE, judged, noise, step_noise
+from autotune.study.ranking import CUT_BELOW, MIN_NOISE, Confirmation, judged, noise, step_noise
 from autotune.trial.control import CONFIRM_FACTOR, StopRule, TrialControl
 from autotune.trial.execute import abort_on_error
 from autotune.trial.layout import TrialFiles
@@ -84,8 +85,13 @@ def confirm(
         # the headroom): one whose leader a later OOM put at the edge sets no bar the export could meet
         held_rows = [r for r in candidates if r.number in done and done[r.number].held]
         held = [done[r.number] for r in held_rows]
-        # a runner-up cut below its bar is settled as slower: it counts as one of the --confirm N
-        settled = len(held) + sum(1 for r in candidates if r.number in done and done[r.number].cut_below)
+        win = max((judged(r, done[r.number]) for r in held_rows), default=0.0)
+        # a runner-up cut below its bar is settled as slower (one of the --confirm N) while that bar
+        # stands; where the leader that set it was lost since (an OOM put it at the edge, a production
+        # run failed it), it is confirmed again, in full or against the bar that stands now
+        cut = [r for r in candidates if r.number in done and done[r.number].cut_below is not None]
+        again = {r.number for r in cut if not bar_stands(done[r.number], runner_up_bar(r, win))}
+        settled = len(held) + len(cut) - len(again)
         # the best confirmation alone: which leaders are confirmed does not depend on how the
         # choice then weighs each one's two runs (study.ranking.judged)
         best = max((c.throughput or 0.0 for c in held), default=0.0)
@@ -93,7 +99,9 @@ def confirm(
         # a near-tie is decided by the confirmations: a short trial can be lucky (or unlucky) by
         # the noise, and so can the one it is compared with, hence twice the noise
         todo = [
-            r for r in candidates if r.number not in done and (r.throughput or 0) * (1 + 2 * spread) > best
+            r
+            for r in candidates
+            if (r.number not in done or r.number in again) and (r.throughput or 0) * (1 + 2 * spread) > best
         ]
         if settled >= recipe.confirm:
             # --confirm N is N candidates that held or were settled as slower (each full run costs
@@ -118,7 +126,9 @@ def confirm(
             reporter.message(
                 f"confirming trial {row.number} with {recipe.measure_steps * CONFIRM_FACTOR} measured steps"
             )
-        win = max((judged(r, done[r.number]) for r in held_rows), default=0.0)
+        for row in batch:
+            if row.number in again:  # its cut run's folder is kept beside the new one
+                set_aside(paths.confirm_dir(row.number), "cut")
         bars = [runner_up_bar(r, win) for r in batch]
         one = partial(run_one, recipe=recipe, paths=paths, execute=execute, steps=step_noise(all_rows))
         if len(batch) == 1:
@@ -161,6 +171,23 @@ def runner_up_bar(row: TrialRow, win: float) -> float | None:
     steps (a confirmation costs about 1.5 trials) would buy nothing."""
     short = row.throughput or 0.0
     return win * win / short if win and short else None
+
+
+def bar_stands(c: Confirmation, bar: float | None) -> bool:
+    """Whether a run cut below ``c.cut_below`` is still below what it needs to win now (``bar``,
+    :func:`runner_up_bar` of the confirmations that hold now): the bar it was cut at is no higher."""
+    return bar is not None and c.cut_below is not None and c.cut_below <= bar * (1 + 1e-6)
+
+
+def set_aside(folder: Path, why: str) -> None:
+    """Rename a run's folder to ``<name>-<why>`` (``-<why>-2``, ... where taken) before the same run
+    is made again: a user's files are never overwritten."""
+    kept, n = folder.with_name(f"{folder.name}-{why}"), 1
+    while kept.exists():
+        n += 1
+        kept = folder.with_name(f"{folder.name}-{why}-{n}")
+    if folder.exists():
+        folder.rename(kept)
 
 
 def searching_on(state: SearchState, stopped: str | None) -> float | None:

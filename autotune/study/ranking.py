@@ -61,6 +61,16 @@ class Confirmation:
         """It ran all its steps and survived them: what the choice judges (:func:`choose_best`)."""
         return self.status == Status.OK and self.cut_below is None
 
+    @property
+    def cut_note(self) -> str:
+        """How every report names a run cut below its bar ("" for any other)."""
+        if self.cut_below is None:
+            return ""
+        return (
+            f"stopped at {self.throughput or 0:.4g}/s after {self.steps} steps, below the "
+            f"{self.cut_below:.4g}/s it needed to win"
+        )
+
 
 def headroom_limit(recipe: Recipe) -> float | None:
     """The peak memory an exportable configuration may reach, or None when none applies.
@@ -186,8 +196,7 @@ def confirmed_verdict(row: TrialRow | None, c: Confirmation) -> str:
     confirmation alone where the trial's row is not at hand (the dashboard reads finished trials). A
     runner-up's run cut below its bar says so: it was settled as slower, not confirmed."""
     if c.cut_below is not None:
-        needed = f"below the {c.cut_below:.4g}/s it needed to win"
-        return f"longer run stopped at {c.throughput or 0:.4g}/s, {needed}"
+        return f"longer run {c.cut_note}"
     both = f", both runs {judged(row, c):.4g}/s" if row is not None else ""
     return f"confirmed {c.throughput or 0:.4g}/s{both}"
 

@@ -43,7 +43,8 @@ class StopRule:
 
     @classmethod
     def confirming(cls, recipe: Recipe) -> StopRule:
-        """A confirmation run: :data:`CONFIRM_FACTOR` times the measured steps, all of them."""
+        """A confirmation run: :data:`CONFIRM_FACTOR` times the measured steps, all of them (but for
+        a runner-up's out of reach of winning, which :class:`TrialControl` stops by its ``bar``)."""
         return cls(
             warmup=recipe.warmup_steps,
             measure=recipe.measure_steps * CONFIRM_FACTOR,
