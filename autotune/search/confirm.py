@@ -144,16 +144,12 @@ def confirm(
                 state.observe(Finished.of_outcome(row.number, row.params, outcome, launched=True))
                 # the next leader is chosen by the at-risk list this OOM may have grown
                 save_risks(study, state.planner)
-            cut = outcome.extra.get(CUT_BELOW)
+            stopped = Confirmation.from_attr(outcome.to_json()).cut_note
             reporter.message(
                 f"confirmation of trial {row.number}: {outcome.status}"
                 + (f" {outcome.throughput:.3g}/s" if outcome.throughput else "")
                 + (f", peak {outcome.peak_memory_gib:.1f} GiB" if outcome.peak_memory_gib else "")
-                + (
-                    f", stopped after {outcome.steps} steps: below the {cut:.3g}/s it needed to win"
-                    if cut
-                    else ""
-                )
+                + (f", {stopped}" if stopped else "")
             )
             runs += 1
         study.set_user_attr("elapsed_s", round(budget.elapsed(), 1))  # a resume goes on from here
