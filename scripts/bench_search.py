@@ -130,7 +130,9 @@ class Tracker:
         outcome = self.executor(params, trial_dir, number, control)
         self.hours += (self.executor.simulated_s - before) * self.land.recipe.gpus / 3600
         if control.purpose == "confirm":
-            c = Confirmation.from_attr(outcome.to_json())
+            # the search marks a cut run in its outcome after the executor returns; its control knows now
+            cut = control.bar if control.cut else None
+            c = replace(Confirmation.from_attr(outcome.to_json()), cut_below=cut)
             stopped = f", {c.cut_note}" if c.cut_below is not None else ""
             self.run.confirms.append(
                 Ran(number % CONFIRM_NUMBER_OFFSET, params, self.result(params, outcome) + stopped)

@@ -773,6 +773,24 @@ def test_a_trials_log_line_says_when_its_value_in_truth_peaks_inside_the_headroo
     assert tracker.result(dead, died) == "oom/cuda (true 0.00)"
 
 
+def test_the_benchmark_sees_a_runner_ups_cut_confirmation_as_not_held():
+    """The search marks a runner-up's confirmation cut below its bar after the executor returns; the
+    benchmark's tracker is that executor, so it reads the cut from the run's control. A cut run says so
+    in its log line (bench_inspect.py) and is not priced as a confirmation that held (``held_hours``,
+    what bench_choice.py charges a further run): 0/#29 under luck 1 cuts two of its three."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_landscapes import build_landscape
+    from bench_search import policy_autotune, search_seed
+
+    land = build_landscape(landscape(29, 0), 30)
+    run = policy_autotune(land, search_seed(0, 29, 1), 30)
+    cut = [c for c in run.confirms if "it needed to win" in c.result]
+    full = [c for c in run.confirms if c.result.startswith("ok") and c not in cut]
+    assert cut and full
+    assert all(", stopped at " in c.result and " steps, below the " in c.result for c in cut)
+    assert len(run.held_hours) == len(full)
+
+
 def test_an_inspected_miss_says_what_the_planner_thought_of_the_configurations_nearest_the_export():
     """bench_inspect.py's last section, on a real search's planner (PPO 1.5B on 8 x 24 GB): for the
     configurations one knob from the export, one the search ran and one it never ran, whether it ran
