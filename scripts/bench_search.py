@@ -55,7 +55,7 @@ from autotune.runners import TrialContext  # noqa: E402
 from autotune.search.confirm import CONFIRM_NUMBER_OFFSET  # noqa: E402
 from autotune.search.loop import Search  # noqa: E402
 from autotune.search.policy import PROPOSAL_ATTR  # noqa: E402
-from autotune.sim.families import FAMILIES, landscape  # noqa: E402
+from autotune.sim.families import FAMILIES, HELD_OUT, HELD_OUT_BASE, landscape  # noqa: E402
 from autotune.study import StudyPaths, candidate_key, choose_best, confirmations, rows  # noqa: E402
 from autotune.study.incidents import long_run_failures  # noqa: E402
 from autotune.study.ranking import Confirmation  # noqa: E402
@@ -497,7 +497,11 @@ def numbers_of(text: str) -> list[int]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--landscapes", type=int, default=105)
-    parser.add_argument("--families", default=",".join(FAMILIES), help="comma-separated: trl,ppo,plain")
+    parser.add_argument(
+        "--families",
+        default=",".join(FAMILIES),
+        help="comma-separated: trl,ppo,plain; or the held-out verl, alone (docs/benchmarks-heldout.md)",
+    )
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument(
         "--seed",
@@ -522,13 +526,20 @@ def main() -> int:
     )
     args = parser.parse_args()
     families = [f for f in args.families.split(",") if f]
-    bad = [f for f in families if f not in FAMILIES] + [
+    bad = [f for f in families if f not in FAMILIES + HELD_OUT] + [
         p for p in args.policies.split(",") if p not in POLICIES
     ]
     if bad:
         print(
-            f"error: unknown {', '.join(bad)}: families are {', '.join(FAMILIES)}, "
+            f"error: unknown {', '.join(bad)}: families are {', '.join(FAMILIES + HELD_OUT)}, "
             f"policies {', '.join(POLICIES)}"
+        )
+        return 2
+    held_out = [f for f in families if f in HELD_OUT]
+    if held_out and len(families) > 1:
+        print(
+            f"error: --families {args.families}: the held-out {held_out[0]} is benchmarked alone: "
+            f"--families {held_out[0]}"
         )
         return 2
     try:
@@ -552,6 +563,8 @@ def main() -> int:
     jobs = []
     for seed in seeds:
         chosen, index = [], 0
+        if held_out:  # numbered apart from the rotation's (sim/families.py)
+            chosen = [landscape(HELD_OUT_BASE + k, seed) for k in range(args.landscapes)]
         while len(chosen) < args.landscapes:
             d = landscape(index, seed)
             index += 1

@@ -8,6 +8,10 @@ physics from the seed, so that no constant fits every landscape:
 - ``ppo``: a four-model PPO trainer (``ppo``) in its own names, through a template space.
 - ``plain``: a trainer whose speed grows with its micro-batch up to an OOM edge, with knobs that do
   nothing, and on some landscapes no memory in its logs (``plain``).
+
+Held out, apart from the report's rotation: ``verl``, a verl-style GRPO trainer (FSDP actor, colocated
+vLLM rollout) written after the search had been shaped on the three (``verl``). Its landscapes are
+numbered from :data:`HELD_OUT_BASE`, so that no run of it shares a name with a report's run.
 """
 
 from __future__ import annotations
@@ -17,12 +21,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from autotune.sim import plain, ppo
+from autotune.sim import plain, ppo, verl
 from autotune.sim.family_base import Env
 from autotune.sim.physics import Physics
 
 SPACES = Path(__file__).parent / "spaces"
 FAMILIES = ("trl", "ppo", "plain")
+HELD_OUT = ("verl",)  # families no search change was measured on before they were written
+HELD_OUT_BASE = 1000  # the first index of a held-out family's landscapes
 
 # (name, model, gpus, gpu type, global batch, prompt, completion, extra recipe fields)
 TRL_CASES: list[tuple[str, str, int, str, int, int, int, dict[str, Any]]] = [
@@ -58,6 +64,14 @@ PPO_CASES = [
     ("PPO 3B on 4 x 48 GB", 3.1, 2048, 36, 4, 44.4, 362.0, 128),
     ("PPO 1.5B on 8 x 24 GB", 1.5, 1536, 28, 8, 22.0, 125.0, 256),
 ]
+# (name, params in billions, hidden, layers, kv heads / heads, gpus, GiB per GPU, bf16 TFLOPS,
+#  HBM TB/s, GPU-GPU GB/s, gpu type, completions per step)
+VERL_CASES = [
+    ("verl 7B on 8 x 80 GB", 7.6, 3584, 28, 4 / 28, 8, 79.3, 989.0, 3.35, 450.0, "H100-80GB", 512),
+    ("verl 3B on 4 x 24 GB", 3.1, 2048, 36, 2 / 16, 4, 23.6, 165.0, 1.0, 32.0, "RTX-4090", 128),
+    ("verl 14B on 8 x 48 GB", 14.8, 5120, 48, 8 / 40, 8, 44.5, 362.0, 0.86, 32.0, "L40S", 256),
+    ("verl 1.5B on 4 x 40 GB", 1.5, 1536, 28, 2 / 12, 4, 39.4, 312.0, 1.56, 300.0, "A100-40GB", 256),
+]
 PLAIN_CASES = [
     ("plain 0.5B on 1 x 24 GB", 0.5, 896, 24, 1, 22.0, 165.0, 64),
     ("plain 3B on 2 x 80 GB", 3.1, 2048, 36, 2, 79.3, 989.0, 128),
@@ -80,16 +94,19 @@ class LandscapeDef:
 
     @property
     def truth(self) -> Any:
-        return {"ppo": ppo.truth, "plain": plain.truth}.get(self.family)
+        return {"ppo": ppo.truth, "plain": plain.truth, "verl": verl.truth}.get(self.family)
 
     @property
     def program(self) -> str:
-        return {"ppo": ppo.PROGRAM, "plain": plain.PROGRAM}.get(self.family, "")
+        return {"ppo": ppo.PROGRAM, "plain": plain.PROGRAM, "verl": verl.PROGRAM}.get(self.family, "")
 
 
 def landscape(index: int, seed: int = 0) -> LandscapeDef:
-    """The index-th landscape of the benchmark drawn with ``seed`` (deterministic)."""
+    """The index-th landscape of the benchmark drawn with ``seed`` (deterministic); from
+    :data:`HELD_OUT_BASE` on, the held-out family's."""
     rng = random.Random(f"landscape:{seed}:{index}")
+    if index >= HELD_OUT_BASE:
+        return _verl(index, rng, Physics.draw(rng.randrange(2**31)))
     family = FAMILIES[0] if index % 10 < 4 else (FAMILIES[1] if index % 10 < 7 else FAMILIES[2])
     physics = Physics.draw(rng.randrange(2**31))
     if family == "trl":
@@ -146,7 +163,7 @@ def _template(index: int, family: str, rng: random.Random, physics: Physics) -> 
     )
     module = ppo if family == "ppo" else plain
     recipe = dict(
-        model="Qwen2.5-7B-Instruct" if params_b > 5 else "Qwen2.5-3B" if params_b > 2 else "Qwen2.5-1.5B",
+        model=_model(params_b),
         gpus=gpus,
         gpu_type={22.0: "A10G", 44.4: "L40S", 79.3: "A100-80GB"}[gib] if family == "ppo" else _gpu_name(gib),
         global_batch=batch,
@@ -162,6 +179,56 @@ def _template(index: int, family: str, rng: random.Random, physics: Physics) -> 
         **_brief(physics),
     }
     return LandscapeDef(index, family, name, physics, SPACES / module.SPACE, recipe, env, drawn)
+
+
+def _verl(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
+    case = VERL_CASES[(index - HELD_OUT_BASE) % len(VERL_CASES)]
+    name, params_b, hidden, layers, kv_ratio, gpus, gib, tflops, hbm, link, gpu_type, batch = case
+    extra = {
+        "kv_ratio": kv_ratio,
+        "micro_half": rng.uniform(1.0, 8.0),
+        "logit_copies": rng.uniform(0.5, 2.5),  # fp32 logits and their log-softmax, or a fused kernel
+        "hbm_tbs": hbm,
+        "link_gbs": link,
+    }
+    env = Env(
+        gpus=gpus,
+        gpu_gib=gib,
+        tflops=tflops,
+        params_b=params_b,
+        hidden=hidden,
+        layers=layers,
+        vocab=151936,
+        prompt=rng.choice((512, 1024)),
+        completion=rng.choice((1024, 2048, 4096)),
+        global_batch=batch,
+        physics=physics,
+        logs_memory=rng.random() < 0.8,
+        extra=extra,
+    )
+    recipe = dict(
+        model="Qwen2.5-14B" if params_b > 10 else _model(params_b),
+        gpus=gpus,
+        gpu_type=gpu_type,
+        global_batch=batch,
+        max_prompt_length=env.prompt,
+        max_completion_length=env.completion,
+        runner="command",
+        command=verl.TEMPLATE,
+    )
+    drawn = {
+        "case": name,
+        "logs_memory": env.logs_memory,
+        "prompt": env.prompt,
+        "completion": env.completion,
+        **{k: round(v, 3) for k, v in extra.items()},
+        **_brief(physics),
+    }
+    return LandscapeDef(index, "verl", name, physics, SPACES / verl.SPACE, recipe, env, drawn)
+
+
+def _model(params_b: float) -> str:
+    return "Qwen2.5-7B-Instruct" if params_b > 5 else "Qwen2.5-3B" if params_b > 2 else "Qwen2.5-1.5B"
 
 
 def _turn(index: int, offset: int, width: int) -> int:
