@@ -446,6 +446,8 @@ def search_seed(seed: int, index: int, luck: int = 0) -> int:
     """The seed a policy's search of landscape ``index`` under ``--seed seed`` runs with: its trials'
     run-to-run noise and transient crashes, and the samplers' draws. ``luck`` (``--luck``) draws them
     anew on the same landscapes."""
+    if index >= HELD_OUT_BASE:  # a held-out family's, apart from every rotation landscape's seeds
+        return APART**3 + (luck * APART + seed) * APART + index - HELD_OUT_BASE
     return (luck * APART + seed) * APART + index
 
 
@@ -565,12 +567,12 @@ def main() -> int:
         chosen, index = [], 0
         if held_out:  # numbered apart from the rotation's (sim/families.py)
             chosen = [landscape(HELD_OUT_BASE + k, seed) for k in range(args.landscapes)]
-        while len(chosen) < args.landscapes:
+        while len(chosen) < args.landscapes and index < HELD_OUT_BASE:
             d = landscape(index, seed)
             index += 1
             if d.family in families:
                 chosen.append(d)
-        if index > APART:
+        if len(chosen) < args.landscapes:
             print(
                 f"error: --landscapes {args.landscapes}: too many of --families {args.families}; give fewer"
             )

@@ -158,3 +158,103 @@ def test_the_benchmark_runs_the_held_out_family_alone(tmp_path):
         "error: --families plain,verl: the held-out verl is benchmarked alone: --families verl"
     ]
     assert "Traceback" not in mixed.stderr and not (tmp_path / "bad.md").exists()
+
+
+def test_a_search_whose_walk_finds_no_fit_goes_to_the_leanest_candidate():
+    """Seen on the held-out 3B on 4 x 24 GB (0/#1049 under luck 0): thirty trials, every one a CUDA
+    OOM, nothing exported, although a configuration with the parameters offloaded and a small
+    log-prob micro-batch fits. The walk stepped one memory knob at a time from each OOM, and the
+    engine's tensor parallelism, undeclared, tripled every OOM's untried neighbours. After three CUDA
+    OOMs with nothing fit, the next step is the leanest open candidate by every knob of known
+    direction; the search then climbs from what fits."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_landscapes import build_landscape
+    from bench_search import policy_autotune, search_seed
+
+    index = HELD_OUT_BASE + 49
+    land = build_landscape(landscape(index, 0), 30)
+    run = policy_autotune(land, search_seed(0, index, 0), 30)
+    statuses = [r.status for r in run.trials]
+    first_fit = statuses.index("ok")
+    assert statuses[:first_fit].count("oom") >= 3
+    lean = run.trials[first_fit].params  # the fit the walk found is the lean corner
+    assert lean["param_offload"] and lean["optimizer_offload"] and lean["enable_gradient_checkpointing"]
+    assert lean["log_prob_micro_batch_size_per_gpu"] == 2 and lean["ppo_micro_batch_size_per_gpu"] == 1
+    assert run.exported is not None and run.final > 0.5 * land.best, (run.final, land.best)
+
+
+def verl_planner(index: int):
+    """The planner a search of a held-out landscape makes, with its space and pool."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_landscapes import build_landscape
+
+    from autotune.search.knobs import KnobMemory
+    from autotune.search.planner import Planner
+
+    land = build_landscape(landscape(index, 0), 30)
+    space = land.context.space
+    planner = Planner(land.context.model, land.recipe, land.context.gpu, knobs=KnobMemory.of(space))
+    return planner, space, planner.pool(space, {}, [])
+
+
+def test_the_leanest_open_candidate_is_the_lean_corner_and_tolerates_knobs_a_candidate_lacks():
+    from autotune.search.cures import leanest_open
+    from autotune.study import candidate_key
+
+    planner, space, pool = verl_planner(CASES["verl 3B on 4 x 24 GB"])
+    like = base(tensor_model_parallel_size=4)
+    lean = leanest_open(planner, pool, set(), candidate_key, like)
+    assert lean == base(
+        ppo_micro_batch_size_per_gpu=1,
+        log_prob_micro_batch_size_per_gpu=2,
+        param_offload=True,
+        optimizer_offload=True,
+        gpu_memory_utilization=0.3,
+        tensor_model_parallel_size=4,  # the knob of unknown effect as in the last OOM
+    )
+    # tried, it is the next leanest: the same corner at another setting of the unknown knob
+    following = leanest_open(planner, pool, {candidate_key(lean)}, candidate_key, like)
+    assert {k: v for k, v in following.items() if k != "tensor_model_parallel_size"} == {
+        k: v for k, v in lean.items() if k != "tensor_model_parallel_size"
+    }
+    assert leanest_open(planner, [], set(), candidate_key, like) is None
+    # a candidate without a declared knob (a space whose `requires` drops it) counts it as 0
+    short = {k: v for k, v in lean.items() if k != "param_offload"}
+    mixed = [(1.0, short), (0.5, lean)]
+    assert leanest_open(planner, mixed, set(), candidate_key, like) in (short, lean)
+
+
+def test_a_confirmation_cut_below_its_bar_keeps_it_exactly_and_stays_settled(tmp_path):
+    """A bar below 0.5/s rounded to six places no longer "stood" against the same bar computed
+    again, and the settled runner-up was confirmed again up to the run limit (held-out 3B: four cut
+    runs of one trial)."""
+    from autotune.search.confirm import bar_stands, run_one
+    from autotune.study.paths import StudyPaths
+    from autotune.study.ranking import Confirmation
+    from autotune.study.record import TrialRow
+    from autotune.trial.layout import TrialFiles
+    from autotune.trial.outcome import Outcome
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_landscapes import make_recipe
+
+    d = landscape(CASES["verl 1.5B on 4 x 40 GB"])
+    env = replace(d.env, physics=replace(d.physics, crash_rate=0.0))
+    fits = base(log_prob_micro_batch_size_per_gpu=2)
+    short = d.truth(fits, env, 1, 8).throughput()
+    bar = short * 3.1234567891  # far above what it runs at: cut after its first measured step
+    row = TrialRow(number=3, params=fits, status="ok", throughput=short)
+    outcome = run_one(
+        row,
+        None,
+        bar,
+        recipe=make_recipe(d, 0, 30),
+        paths=StudyPaths(tmp_path, "bench-0"),
+        execute=FamilyExecutor(d.truth, env, d.program, seed=2, steps=0),
+        steps=0.02,
+    )
+    kept = Outcome.read(TrialFiles(StudyPaths(tmp_path, "bench-0").confirm_dir(3)).outcome)
+    assert kept.extra["cut_below"] == bar == outcome.extra["cut_below"]
+    assert bar_stands(Confirmation.from_attr(kept.to_json()), bar)
+    # a study from before, which kept it to six places, is settled too
+    assert bar_stands(Confirmation.from_attr({**kept.to_json(), "extra": {"cut_below": round(bar, 6)}}), bar)

@@ -7,6 +7,13 @@ beside the trainer's states is cured by a smaller fraction or less trainer state
 offload), and a CUDA OOM in the trainer by a smaller batch, checkpointing or offload. The candidates
 are the untried neighbours of every OOM that move at least one knob its cure's way; the fastest one
 the model expects to fit is next, else the one it predicts smallest.
+
+After :data:`LEAN_AFTER` CUDA OOMs with nothing fit, the walk has not found the edge, and one knob at a
+time may never reach it: on the held-out verl-style 3B on 4 x 24 GB every step of thirty died, where
+what fits needed the log-prob micro-batch down and the parameters offloaded at once, and the engine's
+undeclared tensor parallelism tripled every OOM's neighbours (docs/benchmarks-notes.md, thirty-eighth
+pass). Then the next step is the leanest open candidate by every knob of known direction, what a
+person does on a card where nothing runs: find what fits, then climb from it.
 """
 
 from __future__ import annotations
@@ -14,9 +21,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from autotune.candidate import constraints
 from autotune.candidate.moves import neighbors
 from autotune.candidate.space import Space
-from autotune.candidate.vector import OFFLOAD_RANK
+from autotune.candidate.vector import OFFLOAD_RANK, memory_vector
 from autotune.search.planner import Planner, Seen
 
 # knob -> +1 when a larger value cures, -1 when a smaller one does, per failure kind (TRL's names)
@@ -38,6 +46,10 @@ CURES: dict[str, dict[str, int]] = {
     "host": {"offload": -1},
 }
 
+
+# CUDA OOMs with nothing fit yet after which the walk goes to the leanest open candidate instead of
+# one more step along a cure
+LEAN_AFTER = 3
 
 # knobs known to move memory (TRL's and ms-swift's): a step toward a cure changes no other of them
 MEMORY = frozenset({name for rule in CURES.values() for name in rule} | {"use_vllm", "vllm_mode"})
@@ -75,6 +87,73 @@ def cures(seen: Seen, cand: dict[str, Any], planner: Planner, batch_name: str | 
     return cured
 
 
+def lean_order(planner: Planner, pool: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, int]]:
+    """(score, index) of each candidate of ``pool``, leanest first, computed once per pool: the sum
+    over every knob of known direction (TRL's memory vector but vLLM's fraction, and the knobs the
+    space declares) of the candidate's rank among the pool's values of it, from 0 to 1 (a knob a
+    candidate does not have counts 0); fastest by prior among equals. vLLM's fraction is left out: a
+    smaller one saves memory but starves the KV cache, so the lean step keeps the last OOM's."""
+    if planner.lean is not None and planner.lean[0] is pool:
+        return planner.lean[1]
+    named = [_lean_components(planner, cand) for _, cand in pool]
+    values: dict[str, set[float]] = {}
+    for comps in named:
+        for name, x in comps.items():
+            values.setdefault(name, set()).add(x)
+    ranks = {n: {x: i / max(len(v) - 1, 1) for i, x in enumerate(sorted(v))} for n, v in values.items()}
+    scores = [round(sum(ranks[n][x] for n, x in comps.items()), 9) for comps in named]
+    order = sorted(range(len(pool)), key=lambda i: (scores[i], -pool[i][0]))
+    planner.lean = (pool, [(scores[i], i) for i in order])
+    return planner.lean[1]
+
+
+def _lean_components(planner: Planner, cand: dict[str, Any]) -> dict[str, float]:
+    trl = constraints.as_trl(cand, planner.recipe)
+    comps = memory_vector(trl, planner.recipe.dp_gpus(trl))._asdict()
+    comps.pop("vllm_fraction")
+    for name, way in planner.knobs.declared.items():
+        if way in ("up", "down") and name in cand and planner.knobs.ordered(name, cand[name]):
+            x = (
+                float(cand[name])
+                if isinstance(cand[name], int | float)
+                else float(planner.knobs.choices[name].index(cand[name]))
+            )
+            comps[f"declared:{name}"] = x if way == "up" else -x
+    return comps
+
+
+def leanest_open(
+    planner: Planner,
+    pool: list[tuple[float, dict[str, Any]]],
+    tried: set[str],
+    key: Callable[[dict[str, Any]], str],
+    like: dict[str, Any],
+) -> dict[str, Any] | None:
+    """The untried candidate nothing rules out that needs least memory by every knob of known
+    direction (:func:`lean_order`); among the equally lean, the one nearest ``like`` (the last OOM)
+    in the knobs of unknown effect and vLLM's fraction, then the fastest by prior."""
+    _, unknown = planner.knobs.split(like)
+    fraction = float(like.get("vllm_gpu_memory_utilization") or 0)
+    group: list[dict[str, Any]] = []
+    level = None
+    for score, i in lean_order(planner, pool):
+        if group and score != level:
+            break  # the leanest score with an open candidate: choose among its open ones
+        cand = pool[i][1]
+        if key(cand) not in tried and not planner.verdict(cand).skip:
+            group.append(cand)
+            level = score
+    if not group:
+        return None
+    return min(
+        group,
+        key=lambda c: (
+            len(set(planner.knobs.split(c)[1]) - set(unknown)),
+            abs(float(c.get("vllm_gpu_memory_utilization") or 0) - fraction),
+        ),
+    )
+
+
 def toward_feasible(
     planner: Planner,
     space: Space,
@@ -95,10 +174,15 @@ def toward_feasible(
             k = key(c)
             if k not in tried and k not in options and cures(s, c, planner, batch_name):
                 options[k] = c
+    limit = planner.recipe.gpu_memory_gib * (1 - planner.recipe.headroom)
+    cuda = [s for s in ooms if (s.oom_kind or "cuda") == "cuda"]
+    if len(cuda) >= LEAN_AFTER:  # the walk has not found the edge: find what fits first
+        lean = leanest_open(planner, planner.pool(space, fixed, rules), tried, key, cuda[-1].params)
+        if lean is not None:
+            return lean
     fine = [c for c in options.values() if not planner.verdict(c).skip]
     if not fine:
         return None
-    limit = planner.recipe.gpu_memory_gib * (1 - planner.recipe.headroom)
     fitting = [c for c in fine if planner.predict(c) <= limit]
     if fitting:
         return max(fitting, key=planner.expected_throughput)

@@ -92,6 +92,8 @@ class Planner(SpeedExpectation, ModelTrust):
     _estimated: tuple[tuple, list[tuple[float, bool]], Any] | None = field(default=None, **KEPT)
     # the pool, and the open candidate of it the last exhaustion test found
     open_hint: tuple[list, dict[str, Any] | None] | None = field(default=None, **KEPT)
+    # the pool, and its candidates' indices leanest first with their scores (search.cures.lean_order)
+    lean: tuple[list, list[tuple[float, int]]] | None = field(default=None, **KEPT)
 
     # -- predictions ------------------------------------------------------------------------
     def raw(self, params: dict[str, Any]) -> Estimate:

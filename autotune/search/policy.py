@@ -17,7 +17,8 @@ sample it:
    asked whether it is one: :mod:`autotune.search.trade`); the one-knob steps leave in
    turn from the incumbent and from runners-up a second run could rank above it (within twice the
    noise, elsewhere in the space: :func:`co_leaders`); while nothing has fit, a step from every OOM
-   along its kind's cure (:mod:`autotune.search.cures`).
+   along its kind's cure, or after three CUDA OOMs the leanest open candidate
+   (:mod:`autotune.search.cures`).
 3. **The best open candidate of the grid** every third proposal, and after three proposals in a
    row that needed no launch (invalid, a repeat, skipped): the proposers can circle forever around
    what is ruled out while candidates no failure dominates are left. Best expected among the first

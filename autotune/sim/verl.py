@@ -10,7 +10,9 @@ search does on a trainer it was never tuned on:
   (``log_prob_micro_batch_size_per_gpu``), whose fp32 logits are what runs out of memory first.
 - The rollout's engine frees its KV cache while the actor trains; at start-up it asks for
   ``gpu_memory_utilization`` of the card beside whatever the actor keeps resident (``param_offload``
-  and ``optimizer_offload`` move it to the host, at a price per micro-batch and per step).
+  and ``optimizer_offload`` park it on the host between phases, at the price of moving it each
+  phase, and load it back for the phase that needs it: they make room for the engine, not for the
+  update).
 - ``tensor_model_parallel_size`` splits each engine's weights and cache over that many GPUs: fewer,
   faster engines with more cache each, paying an all-reduce per token.
 """
@@ -43,17 +45,20 @@ TEMPLATE = (
 HOST_BW = 12e9  # bytes/s host <-> GPU as a pinned copy reaches it (before the landscape's factor)
 
 
-def _resident(env: Env, p: dict[str, Any]) -> tuple[float, float]:
-    """Bytes per GPU the actor and reference keep on the card: (at start-up and during rollout, in
-    training). FSDP shards fp32 weights, gradients and Adam's two moments over every GPU."""
+def _resident(env: Env, p: dict[str, Any]) -> tuple[float, float, float]:
+    """Bytes per GPU of the actor and reference: (kept on the card beside the rollout's engine, the
+    weights and gradients while the actor trains, Adam's moments). FSDP shards fp32 weights,
+    gradients and Adam's two moments over every GPU; ``param_offload`` and ``optimizer_offload`` park
+    them on the host between phases and load them back for each (the weights for the log-probs and
+    the update, the moments for the optimizer's step), so they lower the rollout's residency, not the
+    update's peak. The reference's bf16 weights go with the parameters."""
     P = env.params_b * 1e9 * env.physics.mem_states
     g = env.gpus
-    weights = 0.0 if p["param_offload"] else 4.0 * P / g
-    grads = 0.0 if p["param_offload"] else 4.0 * P / g
-    adam = 0.0 if p["optimizer_offload"] else 8.0 * P / g
-    reference = 0.0 if p["param_offload"] else 2.0 * P / g
+    weights, grads, adam, reference = 4.0 * P / g, 4.0 * P / g, 8.0 * P / g, 2.0 * P / g
     gathered = 2.0 * P / env.layers * 2  # one layer unsharded in bf16, and the next one prefetched
-    return weights + adam + reference, weights + grads + adam + reference + gathered
+    beside = (0.0 if p["param_offload"] else weights + reference) + (0.0 if p["optimizer_offload"] else adam)
+    training = weights + grads + gathered + (0.0 if p["param_offload"] else reference)
+    return beside, training, adam
 
 
 def _activations(env: Env, p: dict[str, Any]) -> tuple[float, float]:
@@ -89,10 +94,10 @@ def _step_s(env: Env, p: dict[str, Any], concurrency: int) -> float:
     flops = 6.0 * P * tokens * (1.33 if p["enable_gradient_checkpointing"] else 1.0)
     update = flops / (g * env.tflops * 1e12 * eff) * ph.speed_compute + math.ceil(per_gpu / mb) * 3 * gather
     host = HOST_BW / ph.speed_offload
-    if p["param_offload"]:  # the shard comes from the host for every micro-batch's pass
-        update += math.ceil(per_gpu / mb) * 2 * 4.0 * P / g / host
-        logprob += 2 * math.ceil(per_gpu / lp) * 2.0 * P / g / host
-    if p["optimizer_offload"]:  # Adam's moments go to the card for the step and back
+    if p["param_offload"]:  # the shards go to the host after each phase and come back for the next
+        phases = 2 * (4.0 * P / g) + 2 * (2.0 * P / g)  # actor for log-probs and update, reference
+        update += 2 * phases / host
+    if p["optimizer_offload"]:  # Adam's moments come to the card for the step and go back
         update += 2 * 8.0 * P / g / host
     return rollout + logprob + update
 
@@ -108,7 +113,7 @@ def truth(params: dict[str, Any], env: Env, seed: int, max_steps: int) -> TrialT
     info: dict[str, Any] = {"util": util}
     ctx = (0.7 + 0.04 * env.gpus) * GIB * ph.mem_ctx
     startup_s = 50.0 + env.params_b * 8.0 * rng.uniform(0.9, 1.2) + (20.0 if p["param_offload"] else 0.0)
-    at_start, in_training = _resident(env, p)
+    at_start, in_training, adam = _resident(env, p)
     if ctx + at_start > cap:
         info["oom"] = oom_numbers(rng, env.gpu_gib, ctx + at_start, 4.0 * P / env.gpus, ctx, 0.05 * GIB)
         return dies_at_start(env, "cuda", "cuda_oom", startup_s * 0.4, info)
@@ -125,7 +130,12 @@ def truth(params: dict[str, Any], env: Env, seed: int, max_steps: int) -> TrialT
     train_acts, logprob_acts = _activations(env, p)
     engine_asleep = 0.4 * GIB * ph.mem_engine  # what the engine keeps while its cache is freed
     rollout_peak = ctx + at_start + util * cap
-    training_peak = ctx + in_training + engine_asleep + max(train_acts, logprob_acts)
+    # the moments stay beside the activations unless parked, then they come only for the step
+    optimizer_step = adam if p["optimizer_offload"] else 0.0
+    kept_adam = 0.0 if p["optimizer_offload"] else adam
+    training_peak = (
+        ctx + in_training + engine_asleep + kept_adam + max(train_acts, logprob_acts, optimizer_step)
+    )
     plan = Plan(
         startup_s=startup_s,
         step_s=_step_s(env, p, concurrency),
