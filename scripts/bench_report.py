@@ -202,7 +202,9 @@ HELD_OUT_TEXT = (
     "actor beside a colocated vLLM rollout, in verl's own knob names through a template space "
     "(autotune/sim/spaces/verl.yaml), on four machines from 4 x 24 GB to 8 x 80 GB with drawn prompt "
     "and completion lengths; on about a fifth of them no memory in its logs. It was written after the "
-    "search had been shaped on the other three families, and no change to the search is chosen on it."
+    "search had been shaped on the other three families and measured before any change; one change "
+    "since was read off its runs (the walk's leanest step after three OOMs with nothing fit: "
+    "docs/benchmarks-notes.md, thirty-eighth pass), so its figures are held out from every other."
 )
 
 
