@@ -66,7 +66,7 @@ def test_the_verl_space_loads_through_the_real_loader_with_what_its_user_declare
         "optimizer_offload": "down",
         "gpu_memory_utilization": "up",
     }
-    # every placeholder of the template is a knob of the space or a field autotune fills
+    # every knob of the space has its placeholder in the template
     for name in space.params:
         assert "{" + name + "}" in d.recipe["command"]
 
