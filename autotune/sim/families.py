@@ -146,32 +146,11 @@ def _template(index: int, family: str, rng: random.Random, physics: Physics) -> 
         base = (16.0 * params_b / gpus + 2.0 * params_b) * 1e9 / 2**30 + 0.8
         extra = {"sample_gib": max(gib * 0.93 - base, 1.0) / edge, "micro_half": rng.uniform(2.0, 12.0)}
         logs = rng.random() < 0.5
-    env = Env(
-        gpus=gpus,
-        gpu_gib=gib,
-        tflops=tflops,
-        params_b=params_b,
-        hidden=hidden,
-        layers=layers,
-        vocab=151936,
-        prompt=1024,
-        completion=1024,
-        global_batch=batch,
-        physics=physics,
-        logs_memory=logs,
-        extra=extra,
-    )
+    shape = (params_b, hidden, layers, gpus, gib, tflops, batch)
+    env = _env(shape, physics, extra, prompt=1024, completion=1024, logs=logs)
     module = ppo if family == "ppo" else plain
-    recipe = dict(
-        model=_model(params_b),
-        gpus=gpus,
-        gpu_type={22.0: "A10G", 44.4: "L40S", 79.3: "A100-80GB"}[gib] if family == "ppo" else _gpu_name(gib),
-        global_batch=batch,
-        max_prompt_length=env.prompt,
-        max_completion_length=env.completion,
-        runner="command",
-        command=module.TEMPLATE,
-    )
+    gpu_type = {22.0: "A10G", 44.4: "L40S", 79.3: "A100-80GB"}[gib] if family == "ppo" else _gpu_name(gib)
+    recipe = _command_recipe(env, _model(params_b), gpu_type, module.TEMPLATE)
     drawn = {
         "case": name,
         "logs_memory": logs,
@@ -191,31 +170,11 @@ def _verl(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
         "hbm_tbs": hbm,
         "link_gbs": link,
     }
-    env = Env(
-        gpus=gpus,
-        gpu_gib=gib,
-        tflops=tflops,
-        params_b=params_b,
-        hidden=hidden,
-        layers=layers,
-        vocab=151936,
-        prompt=rng.choice((512, 1024)),
-        completion=rng.choice((1024, 2048, 4096)),
-        global_batch=batch,
-        physics=physics,
-        logs_memory=rng.random() < 0.8,
-        extra=extra,
-    )
-    recipe = dict(
-        model="Qwen2.5-14B" if params_b > 10 else _model(params_b),
-        gpus=gpus,
-        gpu_type=gpu_type,
-        global_batch=batch,
-        max_prompt_length=env.prompt,
-        max_completion_length=env.completion,
-        runner="command",
-        command=verl.TEMPLATE,
-    )
+    prompt, completion = rng.choice((512, 1024)), rng.choice((1024, 2048, 4096))
+    shape = (params_b, hidden, layers, gpus, gib, tflops, batch)
+    env = _env(shape, physics, extra, prompt=prompt, completion=completion, logs=rng.random() < 0.8)
+    model = "Qwen2.5-14B" if params_b > 10 else _model(params_b)
+    recipe = _command_recipe(env, model, gpu_type, verl.TEMPLATE)
     drawn = {
         "case": name,
         "logs_memory": env.logs_memory,
@@ -225,6 +184,43 @@ def _verl(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
         **_brief(physics),
     }
     return LandscapeDef(index, "verl", name, physics, SPACES / verl.SPACE, recipe, env, drawn)
+
+
+def _env(
+    shape: tuple, physics: Physics, extra: dict[str, float], *, prompt: int, completion: int, logs: bool
+) -> Env:
+    """A template family's environment from its case's (params in billions, hidden, layers, gpus, GiB
+    per GPU, bf16 TFLOPS, completions per step)."""
+    params_b, hidden, layers, gpus, gib, tflops, batch = shape
+    return Env(
+        gpus=gpus,
+        gpu_gib=gib,
+        tflops=tflops,
+        params_b=params_b,
+        hidden=hidden,
+        layers=layers,
+        vocab=151936,
+        prompt=prompt,
+        completion=completion,
+        global_batch=batch,
+        physics=physics,
+        logs_memory=logs,
+        extra=extra,
+    )
+
+
+def _command_recipe(env: Env, model: str, gpu_type: str, template: str) -> dict[str, Any]:
+    """The recipe of a family run through ``--command`` and its template space."""
+    return dict(
+        model=model,
+        gpus=env.gpus,
+        gpu_type=gpu_type,
+        global_batch=env.global_batch,
+        max_prompt_length=env.prompt,
+        max_completion_length=env.completion,
+        runner="command",
+        command=template,
+    )
 
 
 def _model(params_b: float) -> str:
