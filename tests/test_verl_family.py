@@ -162,8 +162,7 @@ def test_the_benchmark_runs_the_held_out_family_alone(tmp_path):
 
 def test_a_search_whose_walk_finds_no_fit_goes_to_the_leanest_candidate():
     """Seen on the held-out 3B on 4 x 24 GB (0/#1049 under luck 0): thirty trials, every one a CUDA
-    OOM, nothing exported, although a configuration with the parameters offloaded and a small
-    log-prob micro-batch fits. The walk stepped one memory knob at a time from each OOM, and the
+    OOM, nothing exported, although configurations that move several memory knobs at once fit. The walk stepped one memory knob at a time from each OOM, and the
     engine's tensor parallelism, undeclared, tripled every OOM's untried neighbours. After three CUDA
     OOMs with nothing fit, the next step is the leanest open candidate by every knob of known
     direction; the search then climbs from what fits."""

@@ -10,8 +10,8 @@ the model expects to fit is next, else the one it predicts smallest.
 
 After :data:`LEAN_AFTER` CUDA OOMs with nothing fit, the walk has not found the edge, and one knob at a
 time may never reach it: on the held-out verl-style 3B on 4 x 24 GB every step of thirty died, where
-what fits needed the log-prob micro-batch down and the parameters offloaded at once, and the engine's
-undeclared tensor parallelism tripled every OOM's neighbours (docs/benchmarks-notes.md, thirty-eighth
+what fits needed several memory knobs moved at once, and the engine's undeclared tensor parallelism
+tripled every OOM's neighbours (docs/benchmarks-notes.md, thirty-eighth
 pass). Then the next step is the leanest open candidate by every knob of known direction, what a
 person does on a card where nothing runs: find what fits, then climb from it.
 """
