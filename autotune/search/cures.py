@@ -11,20 +11,22 @@ the model expects to fit is next, else the one it predicts smallest.
 After :data:`LEAN_AFTER` CUDA OOMs with nothing fit, the walk has not found the edge, and one knob at a
 time may never reach it: on the held-out verl-style 3B on 4 x 24 GB every step of thirty died, where
 what fits needed several memory knobs moved at once, and the engine's undeclared tensor parallelism
-tripled every OOM's neighbours (docs/benchmarks-notes.md, thirty-eighth
-pass). Then the next step is the leanest open candidate by every knob of known direction, what a
-person does on a card where nothing runs: find what fits, then climb from it.
+tripled every OOM's neighbours (docs/benchmarks-notes.md, thirty-eighth pass). Then the next step is
+the leanest open candidate by every knob of known direction, what a person does on a card where
+nothing runs: find what fits, then climb from it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from autotune.candidate import constraints
 from autotune.candidate.moves import neighbors
 from autotune.candidate.space import Space
 from autotune.candidate.vector import OFFLOAD_RANK, memory_vector
+from autotune.search.knobs import KnobMemory, order_of
 from autotune.search.planner import Planner, Seen
 
 # knob -> +1 when a larger value cures, -1 when a smaller one does, per failure kind (TRL's names)
@@ -50,6 +52,7 @@ CURES: dict[str, dict[str, int]] = {
 # CUDA OOMs with nothing fit yet after which the walk goes to the leanest open candidate instead of
 # one more step along a cure
 LEAN_AFTER = 3
+VLLM_FRACTION = "vllm_gpu_memory_utilization"  # held as the last OOM's in the lean step
 
 # knobs known to move memory (TRL's and ms-swift's): a step toward a cure changes no other of them
 MEMORY = frozenset({name for rule in CURES.values() for name in rule} | {"use_vllm", "vllm_mode"})
@@ -90,12 +93,16 @@ def cures(seen: Seen, cand: dict[str, Any], planner: Planner, batch_name: str | 
 def lean_order(planner: Planner, pool: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, int]]:
     """(score, index) of each candidate of ``pool``, leanest first, computed once per pool: the sum
     over every knob of known direction (TRL's memory vector but vLLM's fraction, and the knobs the
-    space declares) of the candidate's rank among the pool's values of it, from 0 to 1 (a knob a
-    candidate does not have counts 0); fastest by prior among equals. vLLM's fraction is left out: a
-    smaller one saves memory but starves the KV cache, so the lean step keeps the last OOM's."""
+    space declares or that are known by name) of the candidate's rank among the pool's values of
+    it, from 0 to 1 (a knob a candidate does not have counts 0); fastest by prior among equals.
+    vLLM's fraction is left out: a smaller one saves memory but starves the KV cache, so the lean
+    step keeps the last OOM's."""
     if planner.lean is not None and planner.lean[0] is pool:
         return planner.lean[1]
-    named = [_lean_components(planner, cand) for _, cand in pool]
+    # directions declared or known by name (ms-swift's offloads), not learned: the order is kept
+    # for the search, and while nothing fits no measured pair has taught one
+    known = replace(planner.knobs, learned={}, hinted={})
+    named = [_lean_components(planner, known, cand) for _, cand in pool]
     values: dict[str, set[float]] = {}
     for comps in named:
         for name, x in comps.items():
@@ -107,18 +114,15 @@ def lean_order(planner: Planner, pool: list[tuple[float, dict[str, Any]]]) -> li
     return planner.lean[1]
 
 
-def _lean_components(planner: Planner, cand: dict[str, Any]) -> dict[str, float]:
+def _lean_components(planner: Planner, knobs: KnobMemory, cand: dict[str, Any]) -> dict[str, float]:
     trl = constraints.as_trl(cand, planner.recipe)
     comps = memory_vector(trl, planner.recipe.dp_gpus(trl))._asdict()
     comps.pop("vllm_fraction")
-    for name, way in planner.knobs.declared.items():
-        if way in ("up", "down") and name in cand and planner.knobs.ordered(name, cand[name]):
-            x = (
-                float(cand[name])
-                if isinstance(cand[name], int | float)
-                else float(planner.knobs.choices[name].index(cand[name]))
-            )
-            comps[f"declared:{name}"] = x if way == "up" else -x
+    for name in cand:
+        way = knobs.direction(name, cand)
+        if way in ("up", "down") and name != VLLM_FRACTION and knobs.ordered(name, cand[name]):
+            x = order_of(knobs, name, cand[name])
+            comps[f"knob:{name}"] = x if way == "up" else -x
     return comps
 
 
@@ -133,7 +137,7 @@ def leanest_open(
     direction (:func:`lean_order`); among the equally lean, the one nearest ``like`` (the last OOM)
     in the knobs of unknown effect and vLLM's fraction, then the fastest by prior."""
     _, unknown = planner.knobs.split(like)
-    fraction = float(like.get("vllm_gpu_memory_utilization") or 0)
+    fraction = float(like.get(VLLM_FRACTION) or 0)
     group: list[dict[str, Any]] = []
     level = None
     for score, i in lean_order(planner, pool):
@@ -149,7 +153,7 @@ def leanest_open(
         group,
         key=lambda c: (
             len(set(planner.knobs.split(c)[1]) - set(unknown)),
-            abs(float(c.get("vllm_gpu_memory_utilization") or 0) - fraction),
+            abs(float(c.get(VLLM_FRACTION) or 0) - fraction),
         ),
     )
 

@@ -127,7 +127,7 @@ class KnobMemory:
             if not self.ordered(name, value):  # not among its choices (an older study's): no order
                 unknown.append((name, repr(value)))
                 continue
-            number = _order(self, name, value)
+            number = order_of(self, name, value)
             extra.append(number if way == "up" else -number)
         return tuple(extra), tuple(unknown)
 
@@ -178,7 +178,7 @@ class KnobMemory:
                 if repr(params[name]) != repr(calibrated[name]):
                     return False
                 continue
-            here, there = _order(self, name, params[name]), _order(self, name, calibrated[name])
+            here, there = order_of(self, name, params[name]), order_of(self, name, calibrated[name])
             if (there > here) if way == "up" else (there < here):
                 return False
         return True
@@ -193,7 +193,7 @@ class KnobMemory:
         return self.split(a)[1] == self.split(b)[1]
 
 
-def _order(knobs: KnobMemory, name: str, value: Any) -> float:
+def order_of(knobs: KnobMemory, name: str, value: Any) -> float:
     """A value's place in its knob's order: the number itself, or its index among the choices."""
     if name in knobs.choices and not isinstance(value, int | float):
         return float(knobs.choices[name].index(value)) if value in knobs.choices[name] else 0.0
@@ -252,7 +252,7 @@ def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
                 big, small = (a, b) if a.status == "oom" else (b, a)
             else:
                 continue
-            rise = _order(knobs, name, big.params.get(name)) - _order(knobs, name, small.params.get(name))
+            rise = order_of(knobs, name, big.params.get(name)) - order_of(knobs, name, small.params.get(name))
             votes.setdefault(name, {}).setdefault("up" if rise > 0 else "down", set()).add(context)
     agreed = {n: next(iter(v.items())) for n, v in votes.items() if len(v) == 1}
     learned = {n: way for n, (way, contexts) in agreed.items() if len(contexts) >= CONTEXTS}

@@ -173,8 +173,7 @@ def _verl(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
     prompt, completion = rng.choice((512, 1024)), rng.choice((1024, 2048, 4096))
     shape = (params_b, hidden, layers, gpus, gib, tflops, batch)
     env = _env(shape, physics, extra, prompt=prompt, completion=completion, logs=rng.random() < 0.8)
-    model = "Qwen2.5-14B" if params_b > 10 else _model(params_b)
-    recipe = _command_recipe(env, model, gpu_type, verl.TEMPLATE)
+    recipe = _command_recipe(env, _model(params_b), gpu_type, verl.TEMPLATE)
     drawn = {
         "case": name,
         "logs_memory": env.logs_memory,
@@ -224,6 +223,8 @@ def _command_recipe(env: Env, model: str, gpu_type: str, template: str) -> dict[
 
 
 def _model(params_b: float) -> str:
+    if params_b > 10:
+        return "Qwen2.5-14B"
     return "Qwen2.5-7B-Instruct" if params_b > 5 else "Qwen2.5-3B" if params_b > 2 else "Qwen2.5-1.5B"
 
 
