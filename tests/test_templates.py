@@ -539,3 +539,31 @@ def test_grpo_group_rule_is_grpo_only(recipe_factory, tmp_path):
     valid, _ = constraints.valid_combinations(space, recipe, {"grad_accum": 0})
     assert {c["n_samples_per_prompt"] for c in valid} == {1, 2, 4}
     assert "at least 2" in constraints.violations({"num_generations": 1}, recipe)[0]  # TRL's GRPO
+
+
+def test_a_placeholder_whose_parameter_requires_dropped_takes_the_spaces_default(recipe_factory, tmp_path):
+    """A parameter that only matters when another is set (``requires``) is dropped from candidates
+    where it does not; its placeholder had raised KeyError in the trial and in best/command.sh."""
+    space = tmp_path / "req.yaml"
+    space.write_text(
+        "version: 1\nparameters:\n"
+        "  checkpointing: {type: bool, choices: [true, false], default: true}\n"
+        "  granularity: {type: categorical, choices: [selective, full], default: full,"
+        " requires: {checkpointing: true}}\n"
+    )
+    template = (
+        f"{sys.executable} -c 'import sys; print(sys.argv[1:])' ckpt={{checkpointing}} gran={{granularity}}"
+    )
+    ctx = context(recipe_factory, tmp_path, template, space=space, workdir=str(tmp_path))
+    runner = CommandRunner(ctx)
+    runner.check()
+    off = ctx.space.normalize({"checkpointing": False, "granularity": "selective"})
+    assert off == {"checkpointing": False}  # dropped: it does not matter here
+    assert runner.prepare(off, tmp_path / "t", 0).argv[-2:] == ["ckpt=false", "gran=full"]
+    on = ctx.space.normalize({"checkpointing": True, "granularity": "selective"})
+    assert runner.prepare(on, tmp_path / "t", 1).argv[-2:] == ["ckpt=true", "gran=selective"]
+    script = tmp_path / "command.sh"
+    script.write_text(command_sh(off, ctx.recipe, TrialRow(number=0, status="ok", params=off)))
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(["ckpt=false", "gran=full"])

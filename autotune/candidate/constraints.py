@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import Any
 
 from autotune.candidate.batch import (
@@ -23,6 +24,7 @@ from autotune.candidate.batch import (
 from autotune.candidate.defaults import TRL_DEFAULTS, knob
 from autotune.candidate.space import Space
 from autotune.candidate.space_file import load_space
+from autotune.candidate.space_rules import GPUS
 from autotune.errors import UsageError
 from autotune.recipe import Recipe
 
@@ -162,6 +164,7 @@ def violations(
     declares. A space that names neither gets no batch rule (nothing is known to check).
     """
     out: list[str] = []
+    space = space if space is not None else space_of(recipe)
     batch = batch_of(params, recipe, space)
     gens_name = batch.generations if batch and batch.generations else "num_generations"
     gens = _int(params, gens_name, None)
@@ -226,6 +229,10 @@ def violations(
         message = rule(params)
         if message:
             out.append(message)
+    if space is not None and space.rules:
+        # as the candidate is launched: a knob `requires` drops takes its default, as in the command
+        values = {**space.defaults(), **space.normalize(params), GPUS: recipe.gpus}
+        out.extend(f"breaks the space's rule {r.text}" for r in space.rules if not r.holds(values))
     return out
 
 
@@ -252,6 +259,13 @@ def valid_combinations(
         if batch is not None
         else []
     )
+    # the knobs a space's rules read, where each is discrete: a float's grid is three points, not its
+    # range, so a rule reading one is checked on each candidate alone, not here (nor is it forced)
+    discrete = tuple(
+        r for r in space.rules if all(n == GPUS or space.params[n].choices is not None for n in r.names)
+    )
+    space = replace(space, rules=discrete)
+    looked_at += sorted({n for r in discrete for n in r.names} - {GPUS} - set(looked_at))
     names = [n for n in looked_at if n in space.params and n not in fixed]
     for cand in space.grid(fixed, names=looked_at):
         cand = derive(cand, recipe, space)

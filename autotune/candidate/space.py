@@ -19,6 +19,7 @@ import optuna
 import yaml
 
 from autotune.candidate.batch import GlobalBatch, mapping
+from autotune.candidate.space_rules import SpaceRule
 from autotune.errors import UsageError
 
 TYPES = ("int", "float", "bool", "categorical")
@@ -137,6 +138,7 @@ class Space:
     path: Path
     digest: str
     declared_batch: GlobalBatch | None = None  # the file's ``global_batch:`` block, if any
+    rules: tuple[SpaceRule, ...] = ()  # the file's ``rules:`` (candidate/space_rules.py)
 
     @property
     def batch(self) -> GlobalBatch | None:

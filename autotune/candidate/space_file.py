@@ -1,4 +1,5 @@
-"""Reading a search space file: the YAML, its parameters and its ``global_batch:`` block, checked.
+"""Reading a search space file: the YAML, its parameters, its ``global_batch:`` block and its
+``rules:``, checked.
 
 A space file is user-editable, so every schema error names the file, the line, the key and what
 is allowed (``file:line: key: what is allowed``), in one line.
@@ -14,9 +15,11 @@ import yaml
 
 from autotune.candidate.batch import GlobalBatch
 from autotune.candidate.space import TYPES, Param, Space, default_space_path, type_ok
+from autotune.candidate.space_rules import RuleError, SpaceRule
 from autotune.errors import UsageError
 
 PARAM_KEYS = {"type", "choices", "low", "high", "step", "log", "default", "requires", "help", "memory"}
+TOP_KEYS = ("version", "parameters", "global_batch", "rules")
 BATCH_KEYS = ("micro_batch", "accumulation", "per", "generations")
 BATCH_PER = ("gpu", "all")
 
@@ -38,6 +41,9 @@ def load_space(path: str | Path | None = None) -> Space:
         raise fail(*duplicate)
     if not isinstance(data, dict) or not isinstance(data.get("parameters"), dict) or not data["parameters"]:
         raise fail(root, "a space needs a non-empty 'parameters:' mapping")
+    unknown = [(k, k.value) for k in _mapping(root) if k.value not in TOP_KEYS]
+    if unknown:
+        raise fail(unknown[0][0], f"unknown key '{unknown[0][1]}'; allowed: {', '.join(TOP_KEYS)}")
     pnodes = {k.value: v for k, v in _mapping(root).items()}.get("parameters")
     nodes = {k.value: (k, v) for k, v in _mapping(pnodes).items()}
     params = {str(name): _load_param(name, spec, nodes, fail) for name, spec in data["parameters"].items()}
@@ -57,8 +63,26 @@ def load_space(path: str | Path | None = None) -> Space:
     if "global_batch" in data:
         bnode = {k.value: (k, v) for k, v in _mapping(root).items()}.get("global_batch", (None, None))
         batch = _load_batch(data["global_batch"], bnode, params, fail)
+    rules = _load_rules(data.get("rules"), _mapping(root), params, fail)
     digest = hashlib.sha256(text.encode()).hexdigest()[:16]
-    return Space(params=params, path=path, digest=digest, declared_batch=batch)
+    return Space(params=params, path=path, digest=digest, declared_batch=batch, rules=rules)
+
+
+def _load_rules(spec: Any, top: dict, params: dict[str, Param], fail: Any) -> tuple[SpaceRule, ...]:
+    """Read the ``rules:`` list (candidate/space_rules.py): each entry an expression, checked."""
+    if spec is None:
+        return ()
+    node = next((v for k, v in top.items() if k.value == "rules"), None)
+    if not isinstance(spec, list):
+        raise fail(node, "rules: is a list of expressions a valid candidate makes true (- gpus % tp == 0)")
+    items = node.value if isinstance(node, yaml.SequenceNode) else []
+    out = []
+    for i, text in enumerate(spec):
+        try:
+            out.append(SpaceRule.parse(text, {name: p.default for name, p in params.items()}))
+        except RuleError as exc:
+            raise fail(items[i] if i < len(items) else node, f"rules[{i}]: {exc}") from None
+    return tuple(out)
 
 
 def _read(path: Path) -> tuple[str, yaml.Node | None, Any]:

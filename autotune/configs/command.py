@@ -148,12 +148,16 @@ def placeholder_values(
     batch: GlobalBatch | None,
     max_steps: int,
     master_port: int = DEFAULT_MASTER_PORT,
+    defaults: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Every placeholder's value for one candidate: its parameters and the recipe's fields. The
     export fills the same table, so best/command.sh is what the trials ran; ``master_port`` is a
     trial's own free port (parallel trials must not share torch's rendezvous port), the export's
-    torch's default."""
+    torch's default. ``defaults`` (the space's) fill the placeholder of a parameter the candidate
+    lacks because its ``requires`` is not met (a recompute granularity with checkpointing off): the
+    trainer is handed a value that does not matter there, where the template had raised KeyError."""
     return {
+        **(defaults or {}),
         **params,
         "model": model,
         "gpus": recipe.gpus,

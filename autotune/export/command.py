@@ -65,6 +65,7 @@ def command_sh(params: dict[str, Any], recipe: Recipe, best: TrialRow) -> str:
         model=_model(recipe),
         batch=space.batch if space is not None else None,
         max_steps=confirm_steps,
+        defaults=space.defaults() if space is not None else None,
     )
     values.update({name: Verbatim(f"{_MARK}{var}{_MARK}") for name, var in SHELL_VARS.items()})
     argv = [_quote(token) for token in fill(tokens, values)]

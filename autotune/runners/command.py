@@ -110,6 +110,7 @@ class CommandRunner(Runner):
             model=str(self.context.model.path or recipe.model),
             batch=self.context.space.batch,
             max_steps=steps_needed or recipe.warmup_steps + recipe.measure_steps,
+            defaults=self.context.space.defaults(),
             master_port=master_port,
         )
 
