@@ -65,9 +65,13 @@ def main() -> int:
     if not 0 <= args.luck < APART:
         print(f"error: --luck {args.luck}: give the whole number the benchmark ran with, 0 to 999")
         return 2
+    try:
+        d = landscape(index, seed)
+    except ValueError as exc:  # past the held-out families' ranges (sim/families.py)
+        print(f"error: {args.run}: {exc}")
+        return 2
     logging.basicConfig(level=logging.WARNING)
     quiet()
-    d = landscape(index, seed)
     land = build_landscape(d, args.trials)
     run = policy_autotune(land, search_seed(seed, index, args.luck), args.trials)
     by_key = {candidate_key(c): c for c in land.candidates}

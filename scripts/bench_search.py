@@ -55,7 +55,15 @@ from autotune.runners import TrialContext  # noqa: E402
 from autotune.search.confirm import CONFIRM_NUMBER_OFFSET  # noqa: E402
 from autotune.search.loop import Search  # noqa: E402
 from autotune.search.policy import PROPOSAL_ATTR  # noqa: E402
-from autotune.sim.families import FAMILIES, HELD_OUT, HELD_OUT_BASE, landscape  # noqa: E402
+from autotune.sim.families import (  # noqa: E402
+    FAMILIES,
+    HELD_OUT,
+    HELD_OUT_BASE,
+    HELD_OUT_RANGE,
+    held_out_base,
+    held_out_family,
+    landscape,
+)
 from autotune.study import StudyPaths, candidate_key, choose_best, confirmations, rows  # noqa: E402
 from autotune.study.incidents import long_run_failures  # noqa: E402
 from autotune.study.ranking import Confirmation  # noqa: E402
@@ -440,14 +448,19 @@ def quiet() -> None:
 #: The bound on ``--seed``, ``--luck`` and a seed's landscape indices: below it every (seed, landscape,
 #: luck) gives its search a seed of its own (:func:`search_seed`).
 APART = 1000
+# numpy's seeds end at 2**32: a fourth held-out family's would pass it (give it another scheme)
+assert (len(HELD_OUT) + 1) * APART**3 < 2**32, "too many held-out families for search_seed's scheme"
 
 
 def search_seed(seed: int, index: int, luck: int = 0) -> int:
     """The seed a policy's search of landscape ``index`` under ``--seed seed`` runs with: its trials'
     run-to-run noise and transient crashes, and the samplers' draws. ``luck`` (``--luck``) draws them
-    anew on the same landscapes."""
-    if index >= HELD_OUT_BASE:  # a held-out family's, apart from every rotation landscape's seeds
-        return APART**3 + (luck * APART + seed) * APART + index - HELD_OUT_BASE
+    anew on the same landscapes. A held-out family's landscapes take seeds apart from every rotation
+    landscape's and from each other held-out family's: the k-th family's from (k + 1) x APART**3."""
+    held = held_out_family(index)
+    if held is not None:
+        slot = HELD_OUT.index(held) + 1
+        return slot * APART**3 + (luck * APART + seed) * APART + index - held_out_base(held)
     return (luck * APART + seed) * APART + index
 
 
@@ -502,7 +515,8 @@ def main() -> int:
     parser.add_argument(
         "--families",
         default=",".join(FAMILIES),
-        help="comma-separated: trl,ppo,plain; or the held-out verl, alone (docs/benchmarks-heldout.md)",
+        help="comma-separated: trl,ppo,plain; or one held-out family alone, verl or nemo "
+        "(docs/benchmarks-heldout.md)",
     )
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument(
@@ -559,14 +573,18 @@ def main() -> int:
             "comma-separated: --luck 0,1,2"
         )
         return 2
+    if held_out and args.landscapes > HELD_OUT_RANGE:  # past its range the next family's begin
+        print(f"error: --landscapes {args.landscapes}: too many of --families {args.families}; give fewer")
+        return 2
     logging.basicConfig(level=logging.WARNING)
     quiet()
     started = time.time()
     jobs = []
     for seed in seeds:
         chosen, index = [], 0
-        if held_out:  # numbered apart from the rotation's (sim/families.py)
-            chosen = [landscape(HELD_OUT_BASE + k, seed) for k in range(args.landscapes)]
+        if held_out:  # numbered apart from the rotation's and each other's (sim/families.py)
+            first = held_out_base(held_out[0])
+            chosen = [landscape(first + k, seed) for k in range(args.landscapes)]
         while len(chosen) < args.landscapes and index < HELD_OUT_BASE:
             d = landscape(index, seed)
             index += 1

@@ -208,14 +208,12 @@ def test_the_leanest_open_candidate_is_the_lean_corner_and_tolerates_knobs_a_can
         log_prob_micro_batch_size_per_gpu=2,
         param_offload=True,
         optimizer_offload=True,
-        gpu_memory_utilization=0.3,
         tensor_model_parallel_size=4,  # the knob of unknown effect as in the last OOM
-    )
-    # tried, it is the next leanest: the same corner at another setting of the unknown knob
+    )  # and vLLM's share as in the last OOM, under verl's name for it (0.5; the leanest 0.3 before)
+    # tried, it is the next leanest: the same corner, the unknown knob still the last OOM's, at the
+    # nearest other share of vLLM's
     following = leanest_open(planner, pool, {candidate_key(lean)}, candidate_key, like)
-    assert {k: v for k, v in following.items() if k != "tensor_model_parallel_size"} == {
-        k: v for k, v in lean.items() if k != "tensor_model_parallel_size"
-    }
+    assert following == {**lean, "gpu_memory_utilization": 0.4}
     assert leanest_open(planner, [], set(), candidate_key, like) is None
     # a candidate without a declared knob (a space whose `requires` drops it) counts it as 0
     short = {k: v for k, v in lean.items() if k != "param_offload"}
@@ -224,6 +222,35 @@ def test_the_leanest_open_candidate_is_the_lean_corner_and_tolerates_knobs_a_can
     # a knob known by name (ms-swift's offload_model: less memory on) counts as a declared one
     on, off = {**lean, "offload_model": True}, {**lean, "offload_model": False}
     assert leanest_open(planner, [(1.0, off), (0.5, on)], set(), candidate_key, like) == on
+
+
+def test_vllm_failures_under_verls_name_for_its_share_veto_and_are_cured_along_it():
+    """verl hands ``gpu_memory_utilization`` to vLLM as it is; read by TRL's name alone, a KV-cache
+    failure vetoed nothing and no cure moved it (each fails before knobs.fraction_knob)."""
+    from autotune.search.cures import cures
+    from autotune.search.knobs import fraction_knob
+    from autotune.search.planner import Seen
+
+    assert fraction_knob(base()) == "gpu_memory_utilization"
+    assert fraction_knob({"actor_rollout_ref.rollout.gpu_memory_utilization": 0.5}) is not None
+    assert fraction_knob({"vllm_gpu_memory_utilization": 0.5, "gpu_memory_utilization": 0.4}) == (
+        "vllm_gpu_memory_utilization"
+    )
+    assert fraction_knob({"cpu_memory_utilization": 0.5}) is None
+    planner, space, _ = verl_planner(CASES["verl 3B on 4 x 24 GB"])
+    batch = space.batch.micro_batch
+    kv = Seen(1, base(), "oom", "vllm_kv", None)
+    planner.observe(kv.number, kv.params, kv.status, kv.oom_kind, None)
+    assert planner.verdict(base(gpu_memory_utilization=0.4)).skip  # less cache: fails too
+    assert planner.verdict(base(ppo_micro_batch_size_per_gpu=4)).skip  # the batch does not matter
+    assert not planner.verdict(base(gpu_memory_utilization=0.6)).skip
+    assert not planner.verdict(base(gpu_memory_utilization=0.4, tensor_model_parallel_size=4)).skip
+    assert cures(kv, base(gpu_memory_utilization=0.6), planner, batch)
+    assert not cures(kv, base(gpu_memory_utilization=0.4), planner, batch)
+    start = Seen(2, base(gpu_memory_utilization=0.9), "oom", "vllm_startup", None)
+    assert cures(start, base(gpu_memory_utilization=0.8), planner, batch)
+    assert cures(start, base(gpu_memory_utilization=0.9, param_offload=True), planner, batch)
+    assert not cures(start, base(gpu_memory_utilization=0.9, ppo_micro_batch_size_per_gpu=1), planner, batch)
 
 
 def test_a_confirmation_cut_below_its_bar_keeps_it_exactly_and_stays_settled(tmp_path):

@@ -26,7 +26,7 @@ from autotune.candidate import constraints
 from autotune.candidate.moves import neighbors
 from autotune.candidate.space import Space
 from autotune.candidate.vector import OFFLOAD_RANK, memory_vector
-from autotune.search.knobs import KnobMemory, order_of
+from autotune.search.knobs import VLLM_FRACTION, KnobMemory, fraction_knob, order_of
 from autotune.search.planner import Planner, Seen
 
 # knob -> +1 when a larger value cures, -1 when a smaller one does, per failure kind (TRL's names)
@@ -52,7 +52,6 @@ CURES: dict[str, dict[str, int]] = {
 # CUDA OOMs with nothing fit yet after which the walk goes to the leanest open candidate instead of
 # one more step along a cure
 LEAN_AFTER = 3
-VLLM_FRACTION = "vllm_gpu_memory_utilization"  # held as the last OOM's in the lean step
 
 # knobs known to move memory (TRL's and ms-swift's): a step toward a cure changes no other of them
 MEMORY = frozenset({name for rule in CURES.values() for name in rule} | {"use_vllm", "vllm_mode"})
@@ -67,15 +66,24 @@ def _value(name: str, value: Any) -> float:
 def cures(seen: Seen, cand: dict[str, Any], planner: Planner, batch_name: str | None) -> bool:
     """Whether ``cand`` moves at least one knob the way that cures ``seen``'s kind of failure (for
     a CUDA OOM also a smaller micro-batch in the space's own name, or a knob the space declares to
-    need less memory that way) and no other knob known to move memory; knobs whose effect is
-    unknown may change along."""
-    rule = dict(CURES.get(seen.oom_kind or "cuda", {}))
-    if (seen.oom_kind or "cuda") == "cuda":
+    need less memory that way; for vLLM's start-up beside the trainer also a knob declared to save
+    memory; vLLM's share under whatever name the trainer gives it, :func:`knobs.fraction_knob`) and
+    no other knob known to move memory; knobs whose effect is unknown may change along."""
+    kind = seen.oom_kind or "cuda"
+    rule = dict(CURES.get(kind, {}))
+    fraction = fraction_knob(seen.params)
+    if fraction is not None and VLLM_FRACTION in rule:  # vLLM's share, in the trainer's own name
+        rule[fraction] = rule.pop(VLLM_FRACTION)
+    if kind == "cuda":
         if batch_name:
             rule[batch_name] = -1
         for name, way in planner.knobs.declared.items():
             if way in ("up", "down"):
                 rule[name] = -1 if way == "up" else +1
+    elif kind == "vllm_startup":  # less trainer state at start: every knob declared to save memory
+        for name, way in planner.knobs.declared.items():
+            if way == "down":
+                rule.setdefault(name, +1)
     cured = False
     for name in set(cand) | set(seen.params):
         if cand.get(name) == seen.params.get(name):
@@ -120,7 +128,7 @@ def _lean_components(planner: Planner, knobs: KnobMemory, cand: dict[str, Any]) 
     comps.pop("vllm_fraction")
     for name in cand:
         way = knobs.direction(name, cand)
-        if way in ("up", "down") and name != VLLM_FRACTION and knobs.ordered(name, cand[name]):
+        if way in ("up", "down") and name != fraction_knob(cand) and knobs.ordered(name, cand[name]):
             x = order_of(knobs, name, cand[name])
             comps[f"knob:{name}"] = x if way == "up" else -x
     return comps
@@ -137,7 +145,7 @@ def leanest_open(
     direction (:func:`lean_order`); among the equally lean, the one nearest ``like`` (the last OOM)
     in the knobs of unknown effect and vLLM's fraction, then the fastest by prior."""
     _, unknown = planner.knobs.split(like)
-    fraction = float(like.get(VLLM_FRACTION) or 0)
+    fraction = float(like.get(fraction_knob(like) or "") or 0)
     group: list[dict[str, Any]] = []
     level = None
     for score, i in lean_order(planner, pool):
@@ -153,7 +161,7 @@ def leanest_open(
         group,
         key=lambda c: (
             len(set(planner.knobs.split(c)[1]) - set(unknown)),
-            abs(float(c.get(VLLM_FRACTION) or 0) - fraction),
+            abs(float(c.get(fraction_knob(c) or "") or 0) - fraction),
         ),
     )
 

@@ -43,6 +43,11 @@ VLLM_ALWAYS = {
     "vllm_enable_sleep_mode": "down",
     "vllm_tensor_parallel_size": "down",
 }
+# vLLM's share of the card: TRL's, ms-swift's and OpenRLHF's name, and vLLM's own engine argument,
+# which trainers that hand it to vLLM as it is keep (verl's rollout.gpu_memory_utilization, NeMo-RL's
+# vllm_cfg.gpu_memory_utilization, Unsloth's), and which vLLM's own KV-cache error names
+VLLM_FRACTION = "vllm_gpu_memory_utilization"
+VLLM_OWN_FRACTION = "gpu_memory_utilization"
 # ms-swift's own knobs (autotune/spaces/swift.yaml). move_model_batches splits the weight sync into
 # that many groups of layers (ms-swift's rollout_mixin; 0 here is its default, one group), so a
 # larger value gathers fewer of a ZeRO-3 model's weights at once
@@ -104,9 +109,9 @@ class KnobMemory:
             return self.declared[name]
         if name in TRL_KNOWN or name in self.known_names:
             return "none"  # counted by memory_vector already
-        if name in VLLM_COLOCATED:
+        if name in VLLM_COLOCATED or name == fraction_knob(params):
             if "use_vllm" not in params:
-                return VLLM_ALWAYS[name]
+                return VLLM_ALWAYS.get(name, "up")
             colocated = bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"
             return "none" if colocated or params.get("use_vllm") is False else None
         return BUILTIN.get(name, self.learned.get(name))
@@ -262,9 +267,23 @@ def learn(knobs: KnobMemory, seen: Iterable[Measured]) -> KnobMemory:
     return replace(knobs, learned=learned, hinted=hinted)
 
 
+def fraction_knob(params: dict[str, Any]) -> str | None:
+    """The name of the knob that sets vLLM's share of the card in ``params`` (:data:`VLLM_FRACTION`,
+    or vLLM's own :data:`VLLM_OWN_FRACTION`, alone or as the last part of a dotted name), or None.
+    Each kind of vLLM failure is cured along it (a KV cache too small by a larger share, a start-up
+    beside the trainer's states by a smaller one), whatever the trainer calls it: under another name
+    a KV-cache failure had vetoed nothing and its cure had moved nothing."""
+    if VLLM_FRACTION in params:
+        return VLLM_FRACTION
+    for name in params:
+        if name == VLLM_OWN_FRACTION or name.endswith("." + VLLM_OWN_FRACTION):
+            return name
+    return None
+
+
 def vllm_beside_trainer(params: dict[str, Any]) -> bool:
     """Whether vLLM shares the trainer's GPUs: TRL's colocate mode, or a trainer whose space has no
     ``use_vllm`` switch but sizes vLLM by its fraction (vLLM always runs, on the training GPUs)."""
     if "use_vllm" not in params:
-        return "vllm_gpu_memory_utilization" in params
+        return fraction_knob(params) is not None
     return bool(params.get("use_vllm")) and params.get("vllm_mode", "colocate") == "colocate"

@@ -32,7 +32,7 @@ from autotune.hardware import GpuType
 from autotune.models import ModelSpec
 from autotune.recipe import Recipe
 from autotune.search.expectation import SpeedExpectation
-from autotune.search.knobs import KnobMemory, learn, vllm_beside_trainer
+from autotune.search.knobs import KnobMemory, fraction_knob, learn, vllm_beside_trainer
 from autotune.search.trust import ModelTrust
 from autotune.study.ranking import headroom_limit
 
@@ -260,8 +260,8 @@ class Planner(SpeedExpectation, ModelTrust):
             return False  # a knob whose effect on memory is unknown differs: the OOM says nothing
         other = self.vector(s.params)
         colocated = vllm_beside_trainer(params)
-        fraction = float(params.get("vllm_gpu_memory_utilization", 0) or 0)
-        seen_fraction = float(s.params.get("vllm_gpu_memory_utilization", 0) or 0)
+        fraction = float(params.get(fraction_knob(params) or "", 0) or 0)
+        seen_fraction = float(s.params.get(fraction_knob(s.params) or "", 0) or 0)
         if s.oom_kind == "cuda":
             return at_least(vec, other)
         if s.oom_kind == "vllm_kv":

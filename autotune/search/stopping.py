@@ -6,23 +6,17 @@ a resumed search goes on with what is left of it.
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from autotune.errors import SearchStopped
+from autotune.trial.failure_texts import crash_signature
 from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import Outcome, Status
 
 SAME_CRASH_LIMIT = 3  # the same crash this many times in a row ends the search
 UNLAUNCHED_LIMIT = 300  # proposals in a row that need no launch, where the grid cannot be checked
-
-
-def crash_signature(error_line: str | None) -> str:
-    """An error line with numbers and paths blurred, so 'the same crash' survives trial numbers."""
-    text = re.sub(r"(/[^\s:'\"]+)+", "<path>", error_line or "")
-    return re.sub(r"\d+(\.\d+)?", "#", text)
 
 
 class Budget:

@@ -11,23 +11,12 @@ search: three identical crashes in a row end it (``search/stopping.py``), re-run
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-TRANSIENT = re.compile(
-    r"DistBackendError|Watchdog caught collective operation timeout|NCCL communicator was aborted"
-    r"|Some NCCL operations have failed or timed out|Process group watchdog thread terminated"
-    r"|ncclRemoteError|ncclSystemError|NCCL timeout|Connection reset by peer|Connection closed by peer"
-    r"|DistNetworkError|DistStoreError|Socket Timeout|recvValue failed",
-    re.IGNORECASE,
-)
-
-
-def transient_error(*texts: str | None) -> bool:
-    """Whether an error line (or detail) is of a known transient class."""
-    return any(t and TRANSIENT.search(t) for t in texts)
+from autotune.study.record import crashed_alike
+from autotune.trial.failure_texts import transient_error
 
 
 def neighbours_fine(params: dict[str, Any], fine: Iterable[dict[str, Any]]) -> bool:
@@ -78,8 +67,10 @@ class Reruns:
             if self.consider(key, params, outcome.error_line, outcome.detail, fine):
                 return f"trial {number} crashed ({outcome.error_line}); it will run once more, later"
             return None
-        for _key, again in self.due():
-            study.enqueue_trial(again, user_attrs={"rerun_of": number}, skip_if_exists=False)
+        alike = crashed_alike(study) if self.waiting else {}
+        for held, again in self.due():
+            if held not in alike:  # crashed twice alike while it waited: the crash is its own
+                study.enqueue_trial(again, user_attrs={"rerun_of": number}, skip_if_exists=False)
         return None
 
     def due(self) -> list[tuple[str, dict[str, Any]]]:

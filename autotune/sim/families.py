@@ -10,8 +10,11 @@ physics from the seed, so that no constant fits every landscape:
   nothing, and on some landscapes no memory in its logs (``plain``).
 
 Held out, apart from the report's rotation: ``verl``, a verl-style GRPO trainer (FSDP actor, colocated
-vLLM rollout) written after the search had been shaped on the three (``verl``). Its landscapes are
-numbered from :data:`HELD_OUT_BASE`, so that no run of it shares a name with a report's run.
+vLLM rollout) written after the search had been shaped on the three (``verl``), and ``nemo``, a
+NeMo-RL-style one (a Megatron-Core policy split by tensor and pipeline parallelism beside a colocated
+vLLM, ``nemo``) written after that. Each held-out family numbers its landscapes in a range of its own
+from :data:`HELD_OUT_BASE` (:data:`HELD_OUT_RANGE` wide), so that no run of one shares a name with a
+report's run or with the other's.
 """
 
 from __future__ import annotations
@@ -21,14 +24,27 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from autotune.sim import plain, ppo, verl
+from autotune.sim import nemo, plain, ppo, verl
 from autotune.sim.family_base import Env
 from autotune.sim.physics import Physics
 
 SPACES = Path(__file__).parent / "spaces"
 FAMILIES = ("trl", "ppo", "plain")
-HELD_OUT = ("verl",)  # families no search change was measured on before they were written
-HELD_OUT_BASE = 1000  # the first index of a held-out family's landscapes
+HELD_OUT = ("verl", "nemo")  # families no search change was measured on before they were written
+HELD_OUT_BASE = 1000  # the first index of the first held-out family's landscapes
+HELD_OUT_RANGE = 1000  # indices per held-out family: verl 1000-1999, nemo 2000-2999
+
+
+def held_out_base(family: str) -> int:
+    """The first index of a held-out family's landscapes."""
+    return HELD_OUT_BASE + HELD_OUT.index(family) * HELD_OUT_RANGE
+
+
+def held_out_family(index: int) -> str | None:
+    """The held-out family whose range holds ``index``, or None (a rotation index, or past them all)."""
+    slot = (index - HELD_OUT_BASE) // HELD_OUT_RANGE
+    return HELD_OUT[slot] if index >= HELD_OUT_BASE and slot < len(HELD_OUT) else None
+
 
 # (name, model, gpus, gpu type, global batch, prompt, completion, extra recipe fields)
 TRL_CASES: list[tuple[str, str, int, str, int, int, int, dict[str, Any]]] = [
@@ -72,6 +88,18 @@ VERL_CASES = [
     ("verl 14B on 8 x 48 GB", 14.8, 5120, 48, 8 / 40, 8, 44.5, 362.0, 0.86, 32.0, "L40S", 256),
     ("verl 1.5B on 4 x 40 GB", 1.5, 1536, 28, 2 / 12, 4, 39.4, 312.0, 1.56, 300.0, "A100-40GB", 256),
 ]
+# (name, model, params in billions, hidden, layers, heads, kv heads, vocab, embeddings (1: tied), gpus,
+#  GiB per GPU, bf16 TFLOPS, HBM TB/s, GPU-GPU GB/s, gpu type, completions per step, vLLM's TP)
+NEMO_CASES = [
+    ("nemo 8B on 8 x 80 GB", "Llama-3.1-8B", 8.0, 4096, 32, 32, 8, 128256, 2, 8, 79.3, 989.0, 3.35, 450.0,
+     "H100-80GB", 512, 1),
+    ("nemo 3B on 4 x 24 GB", "Qwen2.5-3B", 3.1, 2048, 36, 16, 2, 151936, 1, 4, 23.6, 165.0, 1.0, 32.0,
+     "RTX-4090", 128, 1),
+    ("nemo 32B on 8 x 80 GB", "Qwen2.5-32B", 32.8, 5120, 64, 40, 8, 152064, 2, 8, 79.3, 312.0, 2.04, 300.0,
+     "A100-80GB", 256, 2),
+    ("nemo 7B on 8 x 48 GB", "Qwen2.5-7B-Instruct", 7.6, 3584, 28, 28, 4, 152064, 2, 8, 44.5, 362.0, 0.86,
+     32.0, "L40S", 256, 2),
+]  # fmt: skip
 PLAIN_CASES = [
     ("plain 0.5B on 1 x 24 GB", 0.5, 896, 24, 1, 22.0, 165.0, 64),
     ("plain 3B on 2 x 80 GB", 3.1, 2048, 36, 2, 79.3, 989.0, 128),
@@ -94,19 +122,25 @@ class LandscapeDef:
 
     @property
     def truth(self) -> Any:
-        return {"ppo": ppo.truth, "plain": plain.truth, "verl": verl.truth}.get(self.family)
+        truths = {"ppo": ppo.truth, "plain": plain.truth, "verl": verl.truth, "nemo": nemo.truth}
+        return truths.get(self.family)
 
     @property
     def program(self) -> str:
-        return {"ppo": ppo.PROGRAM, "plain": plain.PROGRAM, "verl": verl.PROGRAM}.get(self.family, "")
+        programs = {"ppo": ppo.PROGRAM, "plain": plain.PROGRAM, "verl": verl.PROGRAM, "nemo": nemo.PROGRAM}
+        return programs.get(self.family, "")
 
 
 def landscape(index: int, seed: int = 0) -> LandscapeDef:
     """The index-th landscape of the benchmark drawn with ``seed`` (deterministic); from
-    :data:`HELD_OUT_BASE` on, the held-out family's."""
+    :data:`HELD_OUT_BASE` on, a held-out family's (each in its own range; ValueError past them)."""
     rng = random.Random(f"landscape:{seed}:{index}")
     if index >= HELD_OUT_BASE:
-        return _verl(index, rng, Physics.draw(rng.randrange(2**31)))
+        held = held_out_family(index)
+        if held is None:
+            raise ValueError(f"landscape {index}: past the held-out families' ranges")
+        build = _verl if held == "verl" else _nemo
+        return build(index, rng, Physics.draw(rng.randrange(2**31)))
     family = FAMILIES[0] if index % 10 < 4 else (FAMILIES[1] if index % 10 < 7 else FAMILIES[2])
     physics = Physics.draw(rng.randrange(2**31))
     if family == "trl":
@@ -183,6 +217,40 @@ def _verl(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
         **_brief(physics),
     }
     return LandscapeDef(index, "verl", name, physics, SPACES / verl.SPACE, recipe, env, drawn)
+
+
+def _nemo(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
+    case = NEMO_CASES[(index - held_out_base("nemo")) % len(NEMO_CASES)]
+    name, model, params_b, hidden, layers, heads, kv_heads, vocab, embeddings = case[:9]
+    gpus, gib, tflops, hbm, link, gpu_type, batch, vllm_tp = case[9:]
+    extra = {
+        "heads": heads,
+        "kv_ratio": kv_heads / heads,
+        "embeddings": embeddings,
+        "vllm_tp": vllm_tp,
+        "hbm_tbs": hbm,
+        "link_gbs": link,
+        "micro_half": rng.uniform(1500.0, 8000.0),  # tokens a micro-batch's GEMMs reach half speed at
+        "attn_kept": rng.uniform(0.05, 0.4),  # of the attention scores' 5as/h, what a fused kernel keeps
+        "logit_copies": rng.uniform(1.0, 2.5),  # fp32 logits and the vocab-parallel softmax's copies
+        "fill": rng.uniform(0.4, 0.85),  # a completion's mean share of the longest allowed
+        "selective_cost": rng.uniform(0.02, 0.08),  # recomputing core attention, of the update's time
+        "cpu_adam": rng.uniform(0.2, 1.0) * 1e9,  # parameters a second one rank's CPU Adam steps
+    }
+    prompt, completion = rng.choice((512, 1024)), rng.choice((1024, 2048, 4096))
+    shape = (params_b, hidden, layers, gpus, gib, tflops, batch)
+    env = _env(shape, physics, extra, prompt=prompt, completion=completion, logs=rng.random() < 0.8)
+    env = replace(env, vocab=vocab)
+    recipe = _command_recipe(env, model, gpu_type, nemo.template(vllm_tp, prompt + completion))
+    drawn = {
+        "case": name,
+        "logs_memory": env.logs_memory,
+        "prompt": env.prompt,
+        "completion": env.completion,
+        **{k: round(v, 3) for k, v in extra.items()},
+        **_brief(physics),
+    }
+    return LandscapeDef(index, "nemo", name, physics, SPACES / nemo.SPACE, recipe, env, drawn)
 
 
 def _env(

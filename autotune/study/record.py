@@ -23,6 +23,7 @@ import optuna
 from optuna.trial import FrozenTrial, TrialState
 
 from autotune.files import write_json
+from autotune.trial.failure_texts import crash_signature, transient_error
 from autotune.trial.layout import TrialFiles
 from autotune.trial.outcome import UNINFORMATIVE, Outcome, Status
 
@@ -66,13 +67,44 @@ def candidate_key(params: dict[str, Any]) -> str:
 
 
 def measured_configs(study: optuna.Study) -> dict[str, tuple[int, dict[str, Any]]]:
-    """Configurations the study has an answer for (measured, skipped or refused), by key: the
-    first trial that answered and its attributes. A repeat proposal is answered from here."""
-    return {
+    """Configurations the study has an answer for (measured, skipped or refused, or crashed alike
+    twice: :func:`crashed_alike`), by key: a trial that answered and its attributes. A repeat
+    proposal is answered from here."""
+    out = {
         t.user_attrs["key"]: (t.number, t.user_attrs)
         for t in study.get_trials(deepcopy=False)
         if t.user_attrs.get("key") and t.user_attrs.get("status") not in (None, *UNINFORMATIVE)
     }
+    for key, last in crashed_alike(study).items():
+        out.setdefault(key, last)
+    return out
+
+
+def crashed_alike(study: optuna.Study) -> dict[str, tuple[int, dict[str, Any]]]:
+    """Configurations launched twice or more that crashed twice with the same error (numbers and
+    paths blurred: :func:`crash_signature`), not one of the known transient classes, each with its
+    last crash: the crash is the configuration's own (a layout the trainer refuses), not a hiccup's.
+    A crash says nothing of memory, so it answers nothing by itself, and once a crashed candidate had
+    had its one re-run the walk proposed it again and again: Megatron's "Cannot use sequence
+    parallelism without tensor parallelism", twelve times in one search of a NeMo-RL-style trainer
+    (docs/benchmarks-notes.md, thirty-ninth pass). Answered so, it is neither proposed nor launched
+    again, in this search or a resumed one. One crash is not enough, so that a study stopped by a
+    broken command (three crashes, each of another candidate) and resumed once the command is mended
+    runs them again; a candidate that crashed twice alike stays closed (run it by hand, or start a
+    new study)."""
+    seen: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for t in study.get_trials(deepcopy=False):
+        a = t.user_attrs
+        line = a.get("error_line")
+        if a.get("status") == "crash" and a.get("launched") and a.get("key") and line:
+            if not transient_error(line):
+                seen.setdefault(a["key"], []).append((t.number, a))
+    out = {}
+    for key, crashes in seen.items():
+        signatures = [crash_signature(a.get("error_line")) for _, a in crashes]
+        if len(signatures) > len(set(signatures)):
+            out[key] = crashes[-1]
+    return out
 
 
 def record(

@@ -21,6 +21,9 @@ __all__ = [
     "PIN_MEMORY",
     "ROOT_CAUSE_WORDS",
     "WORTH_READING",
+    "TRANSIENT",
+    "transient_error",
+    "crash_signature",
 ]
 
 
@@ -170,3 +173,26 @@ WORTH_READING = re.compile(
     r"|fault|Fatal|terminate called|Abort|Bus error|Illegal|dumped|SIGKILL|exitcode"
     r"|return code|NCCL WARN"
 )
+
+
+# Crashes that say nothing about the configuration (autotune/search/transient.py re-runs them once):
+# an NCCL watchdog timeout after a slow peer, a reset connection
+TRANSIENT = re.compile(
+    r"DistBackendError|Watchdog caught collective operation timeout|NCCL communicator was aborted"
+    r"|Some NCCL operations have failed or timed out|Process group watchdog thread terminated"
+    r"|ncclRemoteError|ncclSystemError|NCCL timeout|Connection reset by peer|Connection closed by peer"
+    r"|DistNetworkError|DistStoreError|Socket Timeout|recvValue failed",
+    re.IGNORECASE,
+)
+
+
+def transient_error(*texts: str | None) -> bool:
+    """Whether an error line (or detail) is of a known transient class."""
+    return any(t and TRANSIENT.search(t) for t in texts)
+
+
+def crash_signature(error_line: str | None) -> str:
+    """An error line with numbers and paths blurred, so 'the same crash' survives trial numbers,
+    process ids and a Ray worker's ``(pid=..., ip=...)`` prefix."""
+    text = re.sub(r"(/[^\s:'\"]+)+", "<path>", error_line or "")
+    return re.sub(r"\d+(\.\d+)?", "#", text)
