@@ -208,14 +208,7 @@ def _verl(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
     shape = (params_b, hidden, layers, gpus, gib, tflops, batch)
     env = _env(shape, physics, extra, prompt=prompt, completion=completion, logs=rng.random() < 0.8)
     recipe = _command_recipe(env, _model(params_b), gpu_type, verl.TEMPLATE)
-    drawn = {
-        "case": name,
-        "logs_memory": env.logs_memory,
-        "prompt": env.prompt,
-        "completion": env.completion,
-        **{k: round(v, 3) for k, v in extra.items()},
-        **_brief(physics),
-    }
+    drawn = _drawn(name, env, extra, physics)
     return LandscapeDef(index, "verl", name, physics, SPACES / verl.SPACE, recipe, env, drawn)
 
 
@@ -242,7 +235,13 @@ def _nemo(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
     env = _env(shape, physics, extra, prompt=prompt, completion=completion, logs=rng.random() < 0.8)
     env = replace(env, vocab=vocab)
     recipe = _command_recipe(env, model, gpu_type, nemo.template(vllm_tp, prompt + completion))
-    drawn = {
+    drawn = _drawn(name, env, extra, physics)
+    return LandscapeDef(index, "nemo", name, physics, SPACES / nemo.SPACE, recipe, env, drawn)
+
+
+def _drawn(name: str, env: Env, extra: dict[str, float], physics: Physics) -> dict[str, Any]:
+    """What a held-out landscape drew, as the benchmark's JSON keeps it."""
+    return {
         "case": name,
         "logs_memory": env.logs_memory,
         "prompt": env.prompt,
@@ -250,7 +249,6 @@ def _nemo(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
         **{k: round(v, 3) for k, v in extra.items()},
         **_brief(physics),
     }
-    return LandscapeDef(index, "nemo", name, physics, SPACES / nemo.SPACE, recipe, env, drawn)
 
 
 def _env(
