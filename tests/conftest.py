@@ -89,6 +89,20 @@ def saved_activation_bytes(module, call) -> int:
 # --- the bad-input contract: one line, exit 2 ------------------------------------------------
 
 
+def bench_script(name: str, *args: str, cwd: Path | None = None, timeout: int = 600):
+    """One of the benchmark's scripts (scripts/NAME) run as a user types it, from ``cwd``."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, str(root / "scripts" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
 def one_line_error(res, *fragments):
     assert res.returncode == 2, (res.returncode, res.stdout, res.stderr)
     err = res.stderr.strip()

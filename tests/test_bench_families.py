@@ -6,11 +6,11 @@ import json
 import math
 import random
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import bench_script
 
 from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
@@ -31,17 +31,6 @@ from autotune.trial.control import StopRule, TrialControl
 from autotune.trial.outcome import Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def script(name: str, *args: str, cwd: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    """One of the benchmark's scripts run as a user types it, from ``cwd``."""
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-    )
 
 
 def first_of(family: str) -> int:
@@ -351,7 +340,7 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     from bench_search import BASELINE_FIELDS
 
     out = tmp_path / "bench.md"
-    run = script(
+    run = bench_script(
         "bench_search.py",
         *["--landscapes", "2", "--families", "plain", "--trials", "6", "--policies", "autotune,random"],
         *["--out", str(out)],
@@ -398,7 +387,7 @@ def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path)
     one proposer. Bad input: one line naming the fix, exit 2."""
     out = tmp_path / "bench.md"
     tiny = ["--landscapes", "3", "--families", "plain,ppo", "--trials", "8", "--policies", "autotune"]
-    run = script("bench_search.py", *tiny, "--keep-trials", "--out", str(out), cwd=tmp_path)
+    run = bench_script("bench_search.py", *tiny, "--keep-trials", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.with_suffix(".json").read_text())
     for r in rows:
@@ -409,7 +398,7 @@ def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path)
             counted[proposer][status] += 1
             assert 0 <= safe <= value + 1e-9 and isinstance(params, dict)
         assert counted == r["by_proposer"]
-    table = script("bench_proposers.py", str(out.with_suffix(".json")), cwd=tmp_path)
+    table = bench_script("bench_proposers.py", str(out.with_suffix(".json")), cwd=tmp_path)
     assert table.returncode == 0, table.stdout + table.stderr[-2000:]
     trials, exports = (
         [line.split("|") for line in block.splitlines()[2:]] for block in table.stdout.split("\n\n")[1:3]
@@ -422,7 +411,7 @@ def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path)
     assert sum(int(c[3]) for c in exports) == sum(1 for r in rows if r["exported"])
     assert all(c[2].strip() in {"seed", "local", "pool", "valid", "tpe", "rerun"} for c in exports)
     plain = tmp_path / "plain.md"
-    again = script("bench_search.py", *tiny, "--out", str(plain), cwd=tmp_path)
+    again = bench_script("bench_search.py", *tiny, "--out", str(plain), cwd=tmp_path)
     assert again.returncode == 0 and all(
         "trials" not in r for r in json.loads(plain.with_suffix(".json").read_text())
     )
@@ -430,11 +419,12 @@ def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path)
     scalar.write_text("5")
     broken.write_text(json.dumps([{**rows[0], "trials": [[1, "seed", "ok"]]}]))
     for bad in (plain.with_suffix(".json"), plain, tmp_path / "none.json", scalar, broken):
-        refused = script("bench_proposers.py", str(bad), cwd=tmp_path, timeout=120)
+        refused = bench_script("bench_proposers.py", str(bad), cwd=tmp_path, timeout=120)
         assert refused.returncode == 2 and len(refused.stdout.strip().splitlines()) == 1, refused.stdout
         assert refused.stdout.startswith("error: ") and "Traceback" not in refused.stderr
     assert (
-        "--keep-trials" in script("bench_proposers.py", str(plain.with_suffix(".json")), cwd=tmp_path).stdout
+        "--keep-trials"
+        in bench_script("bench_proposers.py", str(plain.with_suffix(".json")), cwd=tmp_path).stdout
     )
 
 
@@ -485,7 +475,7 @@ def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
     tiny = ["--landscapes", "3", "--families", "plain,ppo", "--trials", "8", "--policies", "autotune"]
     base, luck = tmp_path / "base.md", tmp_path / "luck.md"
     for out, more in ((base, []), (luck, ["--luck", "1"])):
-        run = script("bench_search.py", *tiny, *more, "--out", str(out), cwd=tmp_path)
+        run = bench_script("bench_search.py", *tiny, *more, "--out", str(out), cwd=tmp_path)
         assert run.returncode == 0, run.stderr[-2000:]
     first, second = (json.loads(p.with_suffix(".json").read_text()) for p in (base, luck))
     assert all("luck" not in r for r in first) and all(r["luck"] == 1 for r in second)
@@ -496,7 +486,7 @@ def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
     drawn = ("cost", "launched", "ooms", "by_proposer")
     assert any([a[k] for k in drawn] != [b[k] for k in drawn] for a, b in pairs), "the luck drew nothing anew"
     first_json, luck_json = str(base.with_suffix(".json")), str(luck.with_suffix(".json"))
-    shown = script("bench_compare.py", first_json, luck_json, cwd=tmp_path)
+    shown = bench_script("bench_compare.py", first_json, luck_json, cwd=tmp_path)
     assert shown.returncode == 0, shown.stdout + shown.stderr[-2000:]
     cells = {
         line.split("|")[1].strip(): line.split("|") for line in shown.stdout.splitlines() if line[:2] == "| "
@@ -518,11 +508,11 @@ def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
     # a run in one file only is left out, and the script says how many
     part = tmp_path / "part.json"
     part.write_text(json.dumps(second[1:]))
-    partial = script("bench_compare.py", first_json, str(part), cwd=tmp_path)
+    partial = bench_script("bench_compare.py", first_json, str(part), cwd=tmp_path)
     assert partial.returncode == 0 and "(1 in only one, left out)" in partial.stdout
     assert f"| all | {len(pairs) - 1} |" in partial.stdout
     for luck_given in ("-1", "1000", "0,0", "1,x", ""):
-        refused = script(
+        refused = bench_script(
             "bench_search.py", *tiny, "--luck", luck_given, "--out", str(tmp_path / "x.md"), cwd=tmp_path
         )
         assert refused.returncode == 2 and refused.stdout.startswith(f"error: --luck {luck_given}")
@@ -530,7 +520,7 @@ def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
 
     # several draws in one run: the same searches as the two runs above, reported together and apart
     both = tmp_path / "both.md"
-    run = script("bench_search.py", *tiny, "--luck", "0,1", "--out", str(both), cwd=tmp_path)
+    run = bench_script("bench_search.py", *tiny, "--luck", "0,1", "--out", str(both), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     together = json.loads(both.with_suffix(".json").read_text())
     assert sorted(together, key=lambda r: r.get("luck", 0)) == first + second
@@ -561,7 +551,7 @@ def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
     hit = next(r for r in moved if r.get("luck") == 1)
     hit["final"] = 0.5 if hit["final"] >= 0.95 else 1.0
     (tmp_path / "moved.json").write_text(json.dumps(moved))
-    shown = script(
+    shown = bench_script(
         "bench_compare.py", str(both.with_suffix(".json")), str(tmp_path / "moved.json"), cwd=tmp_path
     )
     assert shown.returncode == 0, shown.stdout + shown.stderr[-2000:]
@@ -573,7 +563,7 @@ def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
     assert int(groups["luck 1"][4]) + int(groups["luck 1"][5]) == 1
     assert groups["luck 0"][4:6] == [" 0 ", " 0 "]
     # several draws against one: the one draw they share, by draw (luck 1 is not paired with luck 0)
-    mixed = script("bench_compare.py", str(both.with_suffix(".json")), first_json, cwd=tmp_path)
+    mixed = bench_script("bench_compare.py", str(both.with_suffix(".json")), first_json, cwd=tmp_path)
     assert mixed.returncode == 0, mixed.stdout + mixed.stderr[-2000:]
     assert mixed.stdout.startswith(f"{len(first)} runs of autotune in both files ({len(second)} in only one")
     assert (
@@ -597,7 +587,7 @@ def test_the_searches_luck_drawn_anew_is_compared_run_by_run(tmp_path):
     for name in [*bad, "none", "base"]:
         given = tmp_path / (f"{name}.json" if name != "base" else "base.md")
         for order in ((first_json, str(given)), (str(given), first_json)):
-            refused = script("bench_compare.py", *order, cwd=tmp_path, timeout=120)
+            refused = bench_script("bench_compare.py", *order, cwd=tmp_path, timeout=120)
             assert refused.returncode == 2 and len(refused.stdout.strip().splitlines()) == 1, (
                 name,
                 refused.stdout,
@@ -676,7 +666,7 @@ def test_several_seeds_are_reported_together_and_a_bad_seed_is_one_line(tmp_path
     named seed/#landscape (the worst runs include landscapes no tuning looked at)."""
     out = tmp_path / "bench.md"
     tiny = ["--landscapes", "1", "--families", "plain", "--trials", "6", "--policies", "autotune"]
-    run = script("bench_search.py", *tiny, "--seed", "0,1", "--out", str(out), cwd=tmp_path)
+    run = bench_script("bench_search.py", *tiny, "--seed", "0,1", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     rows = json.loads(out.with_suffix(".json").read_text())
     assert [r["seed"] for r in rows] == [0, 1]
@@ -687,7 +677,7 @@ def test_several_seeds_are_reported_together_and_a_bad_seed_is_one_line(tmp_path
     assert "--seed 0,1" in text and "| seed 0 | 1 |" in text and "| seed 1 | 1 |" in text
     assert f"| 1/#{rows[1]['landscape']} | plain |" in text
     for bad in ("1,x", "0,0", "-1", "1000"):
-        run = script(
+        run = bench_script(
             "bench_search.py",
             *tiny,
             "--seed",
@@ -708,7 +698,7 @@ def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_i
     decisions, so the same launches and score) and prints each trial's value in truth beside it."""
     out = tmp_path / "bench.md"
     tiny = ["--trials", "6"]
-    run = script(
+    run = bench_script(
         "bench_search.py",
         *["--landscapes", "1", "--families", "plain", *tiny, "--policies", "autotune"],
         *["--seed", "1", "--out", str(out)],
@@ -716,7 +706,7 @@ def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_i
     )
     assert run.returncode == 0, run.stderr[-2000:]
     (row,) = json.loads(out.with_suffix(".json").read_text())
-    shown = script("bench_inspect.py", f"1/#{row['landscape']}", *tiny, cwd=tmp_path)
+    shown = bench_script("bench_inspect.py", f"1/#{row['landscape']}", *tiny, cwd=tmp_path)
     assert shown.returncode == 0, shown.stderr[-2000:]
     lines = shown.stdout.splitlines()
     assert lines[0].startswith(f"1/#{row['landscape']} plain {row['case']}: best possible ")
@@ -729,10 +719,10 @@ def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_i
     # a run of the searches' luck drawn anew (--luck) is replayed with the same --luck
     lucky = tmp_path / "luck.md"
     more = ["--landscapes", "1", "--families", "plain", *tiny, "--policies", "autotune", "--luck", "2"]
-    run = script("bench_search.py", *more, "--seed", "1", "--out", str(lucky), cwd=tmp_path)
+    run = bench_script("bench_search.py", *more, "--seed", "1", "--out", str(lucky), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     (other,) = json.loads(lucky.with_suffix(".json").read_text())
-    again = script("bench_inspect.py", f"1/{row['landscape']}", *tiny, "--luck", "2", cwd=tmp_path)
+    again = bench_script("bench_inspect.py", f"1/{row['landscape']}", *tiny, "--luck", "2", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"score {other['final']:.3f}" in again.stdout
     assert (
@@ -740,10 +730,10 @@ def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_i
         == other["launched"]
     )
     assert again.stdout != shown.stdout  # another draw, another search (or the flag did nothing)
-    refused = script("bench_inspect.py", "1/1", "--luck", "-3", cwd=tmp_path, timeout=120)
+    refused = bench_script("bench_inspect.py", "1/1", "--luck", "-3", cwd=tmp_path, timeout=120)
     assert refused.returncode == 2 and refused.stdout.startswith("error: --luck -3") and not refused.stderr
     for bad in ("1/x", "x", "1/-2", "1000/5"):
-        refused = script("bench_inspect.py", bad, cwd=tmp_path, timeout=120)
+        refused = bench_script("bench_inspect.py", bad, cwd=tmp_path, timeout=120)
         assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [
             f"error: {bad}: name a run as SEED/INDEX, the seed 0-999, the index >= 0: 1/6"
         ], (refused.stdout, refused.stderr[-500:])
@@ -886,14 +876,14 @@ def test_the_noise_ceiling_of_a_perfect_walk_and_its_script(tmp_path):
     assert 0.24 < noisy < 0.32, noisy  # 38 configurations at 0.93, each a lucky draw away (0.28)
     assert share_at_target(values, 0.08, 40, 1, 4000, rng) < noisy - 0.03  # unconfirmed: about 0.22
     assert share_at_target(values, 0.08, 5, 3, 4000, rng) > noisy  # fewer near-ties, fewer upsets
-    run = script(
+    run = bench_script(
         "bench_bound.py", "--landscapes", "2", "--seed", "1", "--top", "3,6", "--reps", "20", cwd=tmp_path
     )
     assert run.returncode == 0, run.stderr[-2000:]
     rows = [line for line in run.stdout.splitlines() if line.startswith("| 3 ") or line.startswith("| 6 ")]
     assert len(rows) == 2 and all(row.split("|")[2].strip() == "2" for row in rows), run.stdout
     for bad in (["--top", "0"], ["--seed", "x"]):
-        refused = script("bench_bound.py", *bad, cwd=tmp_path, timeout=120)
+        refused = bench_script("bench_bound.py", *bad, cwd=tmp_path, timeout=120)
         assert refused.returncode == 2 and len(refused.stdout.strip().splitlines()) == 1, refused.stdout
         assert refused.stdout.startswith("error: ") and "Traceback" not in refused.stderr
 
@@ -906,7 +896,7 @@ def test_the_exports_rule_scored_on_the_same_searches(tmp_path):
     limits' tables: more runs priced at what the searches' confirmations cost (each one counted, not
     assumed), and the runs grouped by how many candidates were good add up to the export's count.
     Bad input: one line, exit 2."""
-    run = script(
+    run = bench_script(
         "bench_choice.py",
         *["--landscapes", "3", "--families", "plain,trl", "--seed", "1", "--trials", "8", "--jobs", "1"],
         cwd=tmp_path,
@@ -938,7 +928,7 @@ def test_the_exports_rule_scored_on_the_same_searches(tmp_path):
         assert 0 <= float(r[2]) <= 3 and abs(float(r[4]) - float(r[3]) * price) < 0.06 * float(r[3]), r
     assert sum(int(r[2]) for r in good) == 3 and sum(int(r[3]) for r in good) == int(rows["both runs"][2])
     for bad in (["--seed", "x"], ["--families", "grpo"], ["--jobs", "0"]):
-        refused = script("bench_choice.py", *bad, cwd=tmp_path, timeout=120)
+        refused = bench_script("bench_choice.py", *bad, cwd=tmp_path, timeout=120)
         assert refused.returncode == 2 and len(refused.stdout.strip().splitlines()) == 1, refused.stdout
         assert refused.stdout.startswith("error: ") and "Traceback" not in refused.stderr
 

@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
+from conftest import bench_script
 
 from autotune.candidate.space_file import load_space
 from autotune.configs.command import fill, template_fields
@@ -280,13 +281,7 @@ def test_a_nemo_trial_runs_through_the_family_executor(tmp_path):
 
 
 def bench(tmp_path: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "bench_search.py"), *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
+    return bench_script("bench_search.py", *args, cwd=tmp_path)
 
 
 def test_the_benchmark_runs_nemo_alone_and_refuses_it_mixed_or_past_its_range(tmp_path):
@@ -316,10 +311,7 @@ def test_the_benchmark_runs_nemo_alone_and_refuses_it_mixed_or_past_its_range(tm
 
 def test_bench_inspect_replays_a_nemo_run_and_refuses_one_past_the_ranges():
     def inspect(name: str) -> subprocess.CompletedProcess:
-        script = str(ROOT / "scripts" / "bench_inspect.py")
-        return subprocess.run(
-            [sys.executable, script, name, "--trials", "6"], capture_output=True, text=True, timeout=600
-        )
+        return bench_script("bench_inspect.py", name, "--trials", "6")
 
     run = inspect(f"0/{NEMO}")
     assert run.returncode == 0, run.stderr[-2000:]

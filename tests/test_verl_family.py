@@ -9,6 +9,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+from conftest import bench_script
+
 from autotune.candidate.space_file import load_space
 from autotune.sim.families import FAMILIES, HELD_OUT_BASE, landscape
 from autotune.sim.family_base import failure_text
@@ -131,13 +133,7 @@ def test_a_verl_trial_runs_through_the_family_executor(tmp_path):
 
 def test_the_benchmark_runs_the_held_out_family_alone(tmp_path):
     def bench(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, str(ROOT / "scripts" / "bench_search.py"), *args],
-            capture_output=True,
-            text=True,
-            timeout=600,
-            cwd=tmp_path,
-        )
+        return bench_script("bench_search.py", *args, cwd=tmp_path)
 
     out = tmp_path / "benchmarks-heldout.md"
     run = bench(

@@ -33,6 +33,8 @@ FAMILIES = ("trl", "ppo", "plain")
 HELD_OUT = ("verl", "nemo")  # families no search change was measured on before they were written
 HELD_OUT_BASE = 1000  # the first index of the first held-out family's landscapes
 HELD_OUT_RANGE = 1000  # indices per held-out family: verl 1000-1999, nemo 2000-2999
+# the families run through --command and a template space: each module's truth and program
+TEMPLATE_FAMILIES = {"ppo": ppo, "plain": plain, "verl": verl, "nemo": nemo}
 
 
 def held_out_base(family: str) -> int:
@@ -122,13 +124,13 @@ class LandscapeDef:
 
     @property
     def truth(self) -> Any:
-        truths = {"ppo": ppo.truth, "plain": plain.truth, "verl": verl.truth, "nemo": nemo.truth}
-        return truths.get(self.family)
+        module = TEMPLATE_FAMILIES.get(self.family)
+        return module.truth if module else None
 
     @property
     def program(self) -> str:
-        programs = {"ppo": ppo.PROGRAM, "plain": plain.PROGRAM, "verl": verl.PROGRAM, "nemo": nemo.PROGRAM}
-        return programs.get(self.family, "")
+        module = TEMPLATE_FAMILIES.get(self.family)
+        return module.PROGRAM if module else ""
 
 
 def landscape(index: int, seed: int = 0) -> LandscapeDef:
@@ -232,8 +234,9 @@ def _nemo(index: int, rng: random.Random, physics: Physics) -> LandscapeDef:
     }
     prompt, completion = rng.choice((512, 1024)), rng.choice((1024, 2048, 4096))
     shape = (params_b, hidden, layers, gpus, gib, tflops, batch)
-    env = _env(shape, physics, extra, prompt=prompt, completion=completion, logs=rng.random() < 0.8)
-    env = replace(env, vocab=vocab)
+    env = _env(
+        shape, physics, extra, prompt=prompt, completion=completion, logs=rng.random() < 0.8, vocab=vocab
+    )
     recipe = _command_recipe(env, model, gpu_type, nemo.template(vllm_tp, prompt + completion))
     drawn = _drawn(name, env, extra, physics)
     return LandscapeDef(index, "nemo", name, physics, SPACES / nemo.SPACE, recipe, env, drawn)
@@ -252,7 +255,14 @@ def _drawn(name: str, env: Env, extra: dict[str, float], physics: Physics) -> di
 
 
 def _env(
-    shape: tuple, physics: Physics, extra: dict[str, float], *, prompt: int, completion: int, logs: bool
+    shape: tuple,
+    physics: Physics,
+    extra: dict[str, float],
+    *,
+    prompt: int,
+    completion: int,
+    logs: bool,
+    vocab: int = 151936,
 ) -> Env:
     """A template family's environment from its case's (params in billions, hidden, layers, gpus, GiB
     per GPU, bf16 TFLOPS, completions per step)."""
@@ -264,7 +274,7 @@ def _env(
         params_b=params_b,
         hidden=hidden,
         layers=layers,
-        vocab=151936,
+        vocab=vocab,
         prompt=prompt,
         completion=completion,
         global_batch=batch,
