@@ -349,6 +349,17 @@ def test_a_layout_the_space_s_rules_forbid_is_never_launched():
     assert run.exported is not None and run.final > 0.5 * land.best
 
 
+def test_the_pool_stops_spending_a_third_of_the_search_on_its_ooms():
+    """The memory model cannot read Megatron's knobs, so the grid's best open candidate is the speed
+    prior's fastest (the largest micro-batch) with one saver more each time: on 0/#2005 all ten of
+    the pool's trials ran out of memory, a third of the search. After an OOM in a row it takes fewer
+    turns (policy.pool_pays)."""
+    run, land = search(NEMO + 5)
+    pool = [r.status for r in run.trials if r.proposer == "pool"]
+    assert pool.count("oom") <= 4, pool
+    assert sum(r.status == "ok" for r in run.trials) >= 10 and run.exported is not None
+
+
 def search(index: int):
     """One autotune search of a nemo landscape as the benchmark runs it (seed 0, 30 trials)."""
     sys.path.insert(0, str(ROOT / "scripts"))

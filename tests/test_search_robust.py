@@ -118,6 +118,50 @@ def test_a_stalled_proposer_gets_the_grids_best_open_candidate(tmp_path):
     assert all(proposed[k] == expected[k] for k in trial.params)
 
 
+def test_the_pool_gives_up_turns_while_its_proposals_run_out_of_memory():
+    """Seen on a NeMo-RL-style trainer whose knobs the memory model cannot read: the grid's best open
+    candidate, ranked by the speed prior alone, was the largest micro-batch with one more saver each
+    time, and 8 of a search's 30 trials were such OOMs. After k pool OOMs in a row the pool takes one
+    turn in 2**k (at most 8); a pool proposal that runs gives it every turn again."""
+    from autotune.search.policy import pool_pays
+
+    study = optuna.create_study()
+
+    def add(kind, status):
+        study.add_trial(
+            optuna.trial.create_trial(
+                state=optuna.trial.TrialState.COMPLETE,
+                value=1.0,
+                user_attrs={"status": status},
+                system_attrs={PROPOSAL_ATTR: kind},
+            )
+        )
+
+    assert pool_pays(study)  # nothing proposed yet
+    add("seed", "ok")
+    add("pool", "oom")
+    assert not pool_pays(study)  # its next turn goes to the walk ...
+    for _ in range(5):
+        add("local", "ok")
+    assert pool_pays(study)  # ... the one after is its own
+    add("pool", "oom")
+    for _ in range(11):
+        assert not pool_pays(study)  # two in a row: one turn in four
+        add("local", "ok")
+    assert pool_pays(study)
+    for _ in range(3):
+        add("pool", "oom")
+    for _ in range(22):
+        add("local", "ok")
+    assert not pool_pays(study)  # five in a row: one in eight, never fewer
+    add("local", "ok")
+    assert pool_pays(study)
+    add("pool", "ok")
+    assert pool_pays(study)  # it ran: every turn again
+    add("pool", "crash")
+    assert pool_pays(study)  # a crash says nothing of memory
+
+
 def test_the_grids_best_open_candidate_is_one_the_model_finds_plausible_though_untrusted(tmp_path):
     """Seen: PPO 1.5B on 8 x 24 GB, a --command trainer the model may not veto for, was handed as
     the grid's best open candidate the prior's fastest (micro-batch 16, predicted 300 GiB on 24 GiB

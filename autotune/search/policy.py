@@ -19,9 +19,10 @@ sample it:
    noise, elsewhere in the space: :func:`co_leaders`); while nothing has fit, a step from every OOM
    along its kind's cure, or after three CUDA OOMs the leanest open candidate
    (:mod:`autotune.search.cures`).
-3. **The best open candidate of the grid** every third proposal, and after three proposals in a
-   row that needed no launch (invalid, a repeat, skipped): the proposers can circle forever around
-   what is ruled out while candidates no failure dominates are left. Best expected among the first
+3. **The best open candidate of the grid** every third proposal (fewer while its proposals run out
+   of memory: :func:`pool_pays`), and after three proposals in a row that needed no launch (invalid,
+   a repeat, skipped): the proposers can circle forever around what is ruled out while candidates
+   no failure dominates are left. Best expected among the first
    by prior that the model, once a measured peak calibrates it, puts inside the headroom, or among
    the first by prior when none open is (:mod:`autotune.search.candidates`); without a planner or
    an open candidate, a random valid one.
@@ -58,11 +59,13 @@ from autotune.study import candidate_key, confirmations, measured_configs, rows
 from autotune.study.claims import pending_keys
 from autotune.study.ranking import noise
 from autotune.study.recovery import claim_owner
+from autotune.trial.outcome import Status
 
 PROPOSAL_ATTR = "autotune:proposal"  # trial system attribute: seed | local | pool | valid
 SEEDS_ATTR = "seeds"  # study user attribute: the seed candidates, in order
 LOCAL_EVERY = 3  # of every three proposals, two are local (after the seeds)
 STALL_STREAK = 3  # proposals in a row that needed no launch before the grid's best open candidate
+POOL_BACKOFF = 3  # halvings of the pool's turns after its proposals ran out of memory in a row
 CO_LEADERS = 3  # the incumbent and up to two runners-up within the noise take the one-knob steps in turn
 
 Rules = Sequence[Callable[[dict[str, Any]], "str | None"]]
@@ -151,7 +154,8 @@ class PolicySampler(BaseSampler):
         seed = self.next_seed(study)
         if seed is not None:
             return "seed", seed
-        local = self.local(study) if turn % LOCAL_EVERY != 0 else None
+        pool_turn = turn % LOCAL_EVERY == 0 and pool_pays(study)
+        local = self.local(study) if not pool_turn else None
         if local is not None:
             return "local", local
         if self.stall >= STALL_STREAK or (turn % LOCAL_EVERY == 0 and self.planner is not None):
@@ -275,3 +279,25 @@ def tried(study: optuna.Study) -> set[str]:
     """Configurations not to propose again: answered ones, and those running now (in another slot
     or on another node), so K trials asked at once are K different candidates."""
     return set(measured_configs(study)) | set(pending_keys(study))
+
+
+def pool_pays(study: optuna.Study) -> bool:
+    """Whether the grid's best open candidate takes its turn (every :data:`LOCAL_EVERY` proposals):
+    always while the last one it proposed did not run out of memory; after k such OOMs in a row, once
+    every 2**k turns (at most :data:`POOL_BACKOFF` halvings), the walk taking the others. Where the
+    memory model cannot read a trainer's knobs, the pool ranks by the speed prior alone, which puts
+    the largest micro-batch with one more saver first, and OOMs it over and over (a NeMo-RL-style
+    trainer: 8 of 30 trials per search). A stalled walk still gets the pool at once."""
+    kinds = [
+        (t.system_attrs.get(PROPOSAL_ATTR), t.user_attrs.get("status"))
+        for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
+        if t.system_attrs.get(PROPOSAL_ATTR)
+    ]
+    pool = [i for i, (kind, _) in enumerate(kinds) if kind == "pool"]
+    misses = 0
+    for i in reversed(pool):
+        if kinds[i][1] != Status.OOM:
+            break
+        misses += 1
+    since = len(kinds) - 1 - pool[-1] if pool else len(kinds)
+    return misses == 0 or since >= LOCAL_EVERY * 2 ** min(misses, POOL_BACKOFF) - 1
