@@ -121,45 +121,54 @@ def test_a_stalled_proposer_gets_the_grids_best_open_candidate(tmp_path):
 def test_the_pool_gives_up_turns_while_its_proposals_run_out_of_memory():
     """Seen on a NeMo-RL-style trainer whose knobs the memory model cannot read: the grid's best open
     candidate, ranked by the speed prior alone, was the largest micro-batch with one more saver each
-    time, and 8 of a search's 30 trials were such OOMs. After k pool OOMs in a row the pool takes one
-    turn in 2**k (at most 8); a pool proposal that runs gives it every turn again."""
+    time, and all ten pool trials of a 30-trial search were OOMs. After k pool OOMs in a row the pool
+    takes one turn in 2**k (at most 8); a pool trial that runs gives it every turn again, and one that
+    says nothing of memory (running, decided without a launch, crashed) changes nothing."""
     from autotune.search.policy import pool_pays
 
     study = optuna.create_study()
+    State = optuna.trial.TrialState
 
-    def add(kind, status):
+    def add(kind, status, launched=True, state=State.COMPLETE):
+        attrs = {"status": status, "launched": launched} if status else {}
         study.add_trial(
             optuna.trial.create_trial(
-                state=optuna.trial.TrialState.COMPLETE,
-                value=1.0,
-                user_attrs={"status": status},
-                system_attrs={PROPOSAL_ATTR: kind},
+                state=state,
+                value=1.0 if state == State.COMPLETE else None,
+                user_attrs=attrs,
+                system_attrs={PROPOSAL_ATTR: kind} if kind else {},
             )
         )
 
-    assert pool_pays(study)  # nothing proposed yet
+    def pays():  # asked for the next trial, as before_trial asks while deciding it
+        return pool_pays(study, len(study.trials))
+
+    assert pays()  # nothing proposed yet
     add("seed", "ok")
     add("pool", "oom")
-    assert not pool_pays(study)  # its next turn goes to the walk ...
-    for _ in range(5):
-        add("local", "ok")
-    assert pool_pays(study)  # ... the one after is its own
+    assert not pays()  # its next turn goes to the walk ...
+    for kind in ("local", "local", None, "local", "local"):  # a TPE trial is a turn gone by too
+        add(kind, "ok")
+    assert pays()  # ... the one after is its own
     add("pool", "oom")
     for _ in range(11):
-        assert not pool_pays(study)  # two in a row: one turn in four
+        assert not pays()  # two in a row: one turn in four
         add("local", "ok")
-    assert pool_pays(study)
+    assert pays()
+    add("pool", "crash")  # says nothing of memory: the streak of two stands
+    add("pool", "skipped", launched=False)
+    add("pool", "oom", launched=False)  # a repeat answered from an earlier OOM: nothing ran
+    add("pool", None, state=State.RUNNING)  # still running, in another slot
+    assert not pays()
     for _ in range(3):
         add("pool", "oom")
     for _ in range(22):
         add("local", "ok")
-    assert not pool_pays(study)  # five in a row: one in eight, never fewer
+    assert not pays()  # five in a row: one in eight, never fewer
     add("local", "ok")
-    assert pool_pays(study)
+    assert pays()
     add("pool", "ok")
-    assert pool_pays(study)  # it ran: every turn again
-    add("pool", "crash")
-    assert pool_pays(study)  # a crash says nothing of memory
+    assert pays()  # it ran: every turn again
 
 
 def test_the_grids_best_open_candidate_is_one_the_model_finds_plausible_though_untrusted(tmp_path):

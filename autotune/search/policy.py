@@ -19,10 +19,10 @@ sample it:
    noise, elsewhere in the space: :func:`co_leaders`); while nothing has fit, a step from every OOM
    along its kind's cure, or after three CUDA OOMs the leanest open candidate
    (:mod:`autotune.search.cures`).
-3. **The best open candidate of the grid** every third proposal (fewer while its proposals run out
-   of memory: :func:`pool_pays`), and after three proposals in a row that needed no launch (invalid,
-   a repeat, skipped): the proposers can circle forever around what is ruled out while candidates
-   no failure dominates are left. Best expected among the first
+3. **The best open candidate of the grid** every third proposal (fewer while its trials run out of
+   memory: :func:`pool_pays`), and after three proposals in a row that needed no launch (invalid, a
+   repeat, skipped): the proposers can circle forever around what is ruled out while candidates no
+   failure dominates are left. Best expected among the first
    by prior that the model, once a measured peak calibrates it, puts inside the headroom, or among
    the first by prior when none open is (:mod:`autotune.search.candidates`); without a planner or
    an open candidate, a random valid one.
@@ -59,7 +59,7 @@ from autotune.study import candidate_key, confirmations, measured_configs, rows
 from autotune.study.claims import pending_keys
 from autotune.study.ranking import noise
 from autotune.study.recovery import claim_owner
-from autotune.trial.outcome import Status
+from autotune.trial.outcome import UNINFORMATIVE, Status
 
 PROPOSAL_ATTR = "autotune:proposal"  # trial system attribute: seed | local | pool | valid
 SEEDS_ATTR = "seeds"  # study user attribute: the seed candidates, in order
@@ -154,11 +154,13 @@ class PolicySampler(BaseSampler):
         seed = self.next_seed(study)
         if seed is not None:
             return "seed", seed
-        pool_turn = turn % LOCAL_EVERY == 0 and pool_pays(study)
+        due = turn % LOCAL_EVERY == 0
+        stalled = self.stall >= STALL_STREAK
+        pool_turn = due and (self.planner is None or stalled or pool_pays(study, trial.number))
         local = self.local(study) if not pool_turn else None
         if local is not None:
             return "local", local
-        if self.stall >= STALL_STREAK or (turn % LOCAL_EVERY == 0 and self.planner is not None):
+        if stalled or (due and self.planner is not None):
             if self.planner is not None:
                 pool = self.planner.pool(self.space, self.fixed, self.rules)
                 cand = candidates.next_open(self.planner, pool, tried(study), candidate_key)
@@ -281,23 +283,28 @@ def tried(study: optuna.Study) -> set[str]:
     return set(measured_configs(study)) | set(pending_keys(study))
 
 
-def pool_pays(study: optuna.Study) -> bool:
+def pool_pays(study: optuna.Study, asking: int) -> bool:
     """Whether the grid's best open candidate takes its turn (every :data:`LOCAL_EVERY` proposals):
-    always while the last one it proposed did not run out of memory; after k such OOMs in a row, once
-    every 2**k turns (at most :data:`POOL_BACKOFF` halvings), the walk taking the others. Where the
-    memory model cannot read a trainer's knobs, the pool ranks by the speed prior alone, which puts
-    the largest micro-batch with one more saver first, and OOMs it over and over (a NeMo-RL-style
-    trainer: 8 of 30 trials per search). A stalled walk still gets the pool at once."""
-    kinds = [
-        (t.system_attrs.get(PROPOSAL_ATTR), t.user_attrs.get("status"))
-        for t in sorted(study.get_trials(deepcopy=False), key=lambda t: t.number)
-        if t.system_attrs.get(PROPOSAL_ATTR)
-    ]
-    pool = [i for i, (kind, _) in enumerate(kinds) if kind == "pool"]
+    always while the last of its trials that answered did not run out of memory; after k such OOMs
+    in a row, once every 2**k turns (at most :data:`POOL_BACKOFF` halvings), the walk taking the
+    others. Where the memory model cannot read a trainer's knobs, the pool ranks by the speed prior
+    alone, which puts the largest micro-batch with one more saver first, and OOMs it over and over (a
+    NeMo-RL-style trainer: all ten pool trials of some searches, eight in an average one). A trial
+    still running, decided without a launch, or ended by a crash or an interruption says nothing of
+    memory and neither ends nor lengthens the streak; every trial asked since the pool's last one
+    (``asking``, the one being decided now, apart) is a turn gone by."""
+    trials = study.get_trials(deepcopy=False)
+    pool = [t for t in trials if t.system_attrs.get(PROPOSAL_ATTR) == "pool"]
     misses = 0
-    for i in reversed(pool):
-        if kinds[i][1] != Status.OOM:
+    for t in reversed(pool):
+        status = t.user_attrs.get("status")
+        if not t.user_attrs.get("launched") or status is None or status in UNINFORMATIVE:
+            continue
+        if status != Status.OOM:
             break
         misses += 1
-    since = len(kinds) - 1 - pool[-1] if pool else len(kinds)
-    return misses == 0 or since >= LOCAL_EVERY * 2 ** min(misses, POOL_BACKOFF) - 1
+    if misses == 0:
+        return True
+    last = pool[-1].number
+    since = sum(1 for t in trials if t.number > last and t.number != asking and t.state != TrialState.WAITING)
+    return since >= LOCAL_EVERY * 2 ** min(misses, POOL_BACKOFF) - 1
