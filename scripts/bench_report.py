@@ -234,6 +234,9 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
         f"python scripts/bench_search.py --landscapes {args.landscapes} --families {args.families} "
         f"--trials {args.trials} --seed {args.seed} --jobs {args.jobs}"
         + (f" --luck {','.join(map(str, lucks))}" if lucks != [0] else "")
+        # a held-out family's report is not the default file: without --out the command as shown
+        # would overwrite docs/benchmarks.md
+        + (f" --out docs/{Path(args.out).name}" if Path(args.out).name != "benchmarks.md" else "")
     )
     per_seed = (
         [

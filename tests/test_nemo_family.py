@@ -296,6 +296,8 @@ def test_the_benchmark_runs_nemo_alone_and_refuses_it_mixed_or_past_its_range(tm
     assert {(r["landscape"], r["family"]) for r in rows} == {(NEMO, "nemo"), (NEMO + 1, "nemo")}
     text = out.read_text()
     assert "held-out family `nemo`" in text and "held-out family `verl`" not in text and f"#{NEMO}" in text
+    # the command it says produced it writes this file again, not docs/benchmarks.md
+    assert "--jobs 1 --out docs/benchmarks-heldout-nemo.md` (" in text
     for families in ("trl,nemo", "verl,nemo"):
         mixed = bench(
             tmp_path, "--landscapes", "1", "--families", families, "--out", str(tmp_path / "bad.md")
