@@ -22,10 +22,10 @@ sample it:
 3. **The best open candidate of the grid** every third proposal (fewer while its trials run out of
    memory: :func:`pool_pays`), and after three proposals in a row that needed no launch (invalid, a
    repeat, skipped): the proposers can circle forever around what is ruled out while candidates no
-   failure dominates are left. Best expected among the first
-   by prior that the model, once a measured peak calibrates it, puts inside the headroom, or among
-   the first by prior when none open is (:mod:`autotune.search.candidates`); without a planner or
-   an open candidate, a random valid one.
+   failure dominates are left. Best expected among the first by prior that the model, once a
+   measured peak calibrates it, puts inside the headroom, or among the first by prior when none
+   open is (:mod:`autotune.search.candidates`); without a planner or an open candidate, a random
+   valid one.
 4. Otherwise **TPE** (multivariate, reading each trial's ``fits`` constraint).
 
 A trial that already carries ``fixed_params`` (an interrupted trial queued again on resume) is
