@@ -67,6 +67,20 @@ def run_cli(*args, cwd=None, env=None, timeout=300, input=None):
     )
 
 
+def bench_script(name: str, *args: str, cwd: Path | None = None, timeout: int = 600):
+    """One of the benchmark's scripts (scripts/NAME) run as a user types it, from ``cwd``."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    return subprocess.run(
+        [sys.executable, str(root / "scripts" / name), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )
+
+
 def saved_activation_bytes(module, call) -> int:
     """Bytes autograd keeps for backward while ``call()`` runs ``module`` (each storage once,
     floating point, the module's own parameters left out): the activations the memory model counts."""
@@ -87,20 +101,6 @@ def saved_activation_bytes(module, call) -> int:
 
 
 # --- the bad-input contract: one line, exit 2 ------------------------------------------------
-
-
-def bench_script(name: str, *args: str, cwd: Path | None = None, timeout: int = 600):
-    """One of the benchmark's scripts (scripts/NAME) run as a user types it, from ``cwd``."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    return subprocess.run(
-        [sys.executable, str(root / "scripts" / name), *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=cwd,
-    )
 
 
 def one_line_error(res, *fragments):
