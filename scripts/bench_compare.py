@@ -20,7 +20,9 @@ chance now and then). A p-value well above 0.05 is a difference the benchmark ca
 Two runs of different draws differ by luck alone by about 1.7 points of the share at 0.95 on six
 seeds (one standard deviation; the thirtieth pass in docs/benchmarks-notes.md). Where either file
 holds several draws (``--luck 0,1,2``) the runs pair up by seed, landscape and draw, and the draws are
-counted apart too: a change judged on three draws at once.
+counted apart too: a change judged on three draws at once. A run made with ``--exact`` (every trial
+measured without noise) pairs with the same run made without it: the runs that cross 0.95 up are the
+misses the noise made, those that still miss are the search's own.
 """
 
 from __future__ import annotations
@@ -81,9 +83,11 @@ def name(key: Key) -> str:
 
 
 def label(path: Path, runs: list[dict[str, Any]]) -> str:
-    """A file as the user named it, with the luck its compared runs were drawn with."""
+    """A file as the user named it, with the luck its compared runs were drawn with and whether they were
+    measured exactly (``bench_search.py --exact``)."""
     lucks = sorted({r.get("luck", 0) for r in runs})
-    return f"{path} (luck {', '.join(map(str, lucks))})"
+    exact = ", measured exactly" if any(r.get("exact") for r in runs) else ""
+    return f"{path} (luck {', '.join(map(str, lucks))}{exact})"
 
 
 def p_value(p: float) -> str:

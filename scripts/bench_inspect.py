@@ -1,12 +1,12 @@
 #!/usr/bin/env python
 """One benchmark run, trial by trial, beside its landscape's truth: what the notes read a miss by.
 
-    python scripts/bench_inspect.py 1/6 [--trials 30] [--luck N]
+    python scripts/bench_inspect.py 1/6 [--trials 30] [--luck N] [--exact]
 
 ``SEED/INDEX`` names a run as docs/benchmarks.md does (seed 1, landscape #6). The run is autotune's
-search on that landscape exactly as ``scripts/bench_search.py --seed SEED [--luck N]`` runs it (the
-same recipe, executor and seeds, so the same decisions), printed with what the benchmark knows and the
-search does not: each launched trial's and each confirmation's value in truth, the export's score,
+search on that landscape exactly as ``scripts/bench_search.py --seed SEED [--luck N] [--exact]`` runs
+it (the same recipe, executor and seeds, so the same decisions), printed with what the benchmark knows
+and the search does not: each launched trial's and each confirmation's value in truth, the export's score,
 and the landscape's best configurations. A trial's knobs are shown where they differ from the
 landscape's best, so a walk that never reached it shows which knobs it never moved. For a run that
 exported something below 0.95 of the best possible (its value in truth), last, what the search's
@@ -56,6 +56,9 @@ def main() -> int:
     parser.add_argument("run", help="SEED/INDEX, as docs/benchmarks.md names a run (1/6 or 1/#6)")
     parser.add_argument("--trials", type=int, default=30)
     parser.add_argument("--luck", type=int, default=0, help="the run of bench_search.py ... --luck N")
+    parser.add_argument(
+        "--exact", action="store_true", help="the run of bench_search.py ... --exact (measured without noise)"
+    )
     args = parser.parse_args()
     try:
         seed, index = run_of(args.run)
@@ -72,7 +75,7 @@ def main() -> int:
         return 2
     logging.basicConfig(level=logging.WARNING)
     quiet()
-    land = build_landscape(d, args.trials)
+    land = build_landscape(d, args.trials, exact=args.exact)
     run = policy_autotune(land, search_seed(seed, index, args.luck), args.trials)
     by_key = {candidate_key(c): c for c in land.candidates}
     ranked = sorted(land.safe.items(), key=lambda kv: -kv[1])

@@ -85,6 +85,9 @@ class Landscape:
     truth: dict[str, float] = field(default_factory=dict)
     safe: dict[str, float] = field(default_factory=dict)
     trial_equivalent_s: float = 0.0  # loading + 7 steps of the best configuration, simulated seconds
+    # every trial measured without run-to-run or step-to-step noise and without transient crashes
+    # (bench_search.py --exact): what the search reaches when what it measures is the truth
+    exact: bool = False
 
     @property
     def best(self) -> float:
@@ -104,8 +107,9 @@ class Landscape:
         return self.safe[candidate_key(params)]
 
     def executor(self, seed: int) -> Any:
-        """The in-process executor of one search with this seed (transient crashes included)."""
-        d = self.case
+        """The in-process executor of one search with this seed (transient crashes included, unless
+        :attr:`exact`)."""
+        d = steady(self.case) if self.exact else self.case
         if d.family == "trl":
             recipe = make_recipe(d, seed, self.recipe.trials)
             context = TrialContext(recipe, self.context.space, self.context.model, self.context.gpu)
@@ -171,13 +175,13 @@ def grid(d: LandscapeDef, recipe: Recipe, space: Any) -> list[dict[str, Any]]:
     return out
 
 
-def build_landscape(d: LandscapeDef | Case, trials: int) -> Landscape:
+def build_landscape(d: LandscapeDef | Case, trials: int, exact: bool = False) -> Landscape:
     d = case_def(d) if isinstance(d, Case) else d
     recipe = make_recipe(d, 0, trials)
     space = load_space(d.space)
     gpu = find_gpu_type(d.recipe["gpu_type"])
     context = TrialContext(recipe=recipe, space=space, model=resolve_model(recipe.model), gpu=gpu)
-    land = Landscape(d, recipe, context, grid(d, recipe, space))
+    land = Landscape(d, recipe, context, grid(d, recipe, space), exact=exact)
     for cand in land.candidates:
         land.value(cand)
     best = max(land.candidates, key=lambda c: land.safe[candidate_key(c)])

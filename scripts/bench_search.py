@@ -464,12 +464,13 @@ def search_seed(seed: int, index: int, luck: int = 0) -> int:
     return (luck * APART + seed) * APART + index
 
 
-def run_landscape(job: tuple[Any, list[str], int, int, int]) -> tuple[Any, list[dict[str, Any]]]:
+def run_landscape(job: tuple[Any, list[str], int, int, int, bool]) -> tuple[Any, list[dict[str, Any]]]:
     """Every policy on one landscape (a unit of work for --jobs)."""
-    d, policies, trials, seed, luck = job
+    d, policies, trials, seed, luck, exact = job
     quiet()
-    land = build_landscape(d, trials)
-    drawn = {"luck": luck} if luck else {}  # the JSON of the benchmark's own draw stays as it was
+    land = build_landscape(d, trials, exact=exact)
+    # the JSON of the benchmark's own draw, measured as it is, stays as it was
+    drawn = {**({"luck": luck} if luck else {}), **({"exact": True} if exact else {})}
     return d, [
         {
             "seed": seed,
@@ -482,7 +483,7 @@ def run_landscape(job: tuple[Any, list[str], int, int, int]) -> tuple[Any, list[
 
 #: What the JSON keeps of a baseline's run: its name and the figures the report's tables count.
 BASELINE_FIELDS = (
-    *("seed", "luck", "landscape", "family", "policy"),
+    *("seed", "luck", "exact", "landscape", "family", "policy"),
     *("final", "final_safe", "fitting", "cost", "at20", "ooms", "launched"),
 )
 
@@ -540,6 +541,14 @@ def main() -> int:
         "comma-separated (0,1,2), are reported together and each apart; scripts/bench_compare.py tells "
         "a change from such a draw",
     )
+    parser.add_argument(
+        "--exact",
+        action="store_true",
+        help="measure every trial and confirmation without run-to-run or step-to-step noise and without "
+        "transient crashes, on the same landscapes: what the search reaches when what it measures is the "
+        "truth; scripts/bench_compare.py against the same run without it tells the noise's share of the "
+        "misses",
+    )
     args = parser.parse_args()
     families = [f for f in args.families.split(",") if f]
     bad = [f for f in families if f not in FAMILIES + HELD_OUT] + [
@@ -595,7 +604,11 @@ def main() -> int:
                 f"error: --landscapes {args.landscapes}: too many of --families {args.families}; give fewer"
             )
             return 2
-        jobs += [(d, args.policies.split(","), args.trials, seed, luck) for luck in lucks for d in chosen]
+        jobs += [
+            (d, args.policies.split(","), args.trials, seed, luck, args.exact)
+            for luck in lucks
+            for d in chosen
+        ]
     rows: list[dict[str, Any]] = []
     # landscapes are independent: processes change the wall time, not one figure (rows keep their order)
     with multiprocessing.get_context("fork").Pool(args.jobs) if args.jobs > 1 else nullcontext() as pool:

@@ -356,7 +356,7 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     # the figures the tables count
     ours = [r for r in rows if r["policy"] == "autotune"]
     assert all("drawn" in r and "log" not in r and "trials" not in r for r in ours)
-    assert all(set(r) == set(BASELINE_FIELDS) - {"luck"} for r in rows if r["policy"] != "autotune")
+    assert all(set(r) == set(BASELINE_FIELDS) - {"luck", "exact"} for r in rows if r["policy"] != "autotune")
     assert "Their drawn physics and, for the worst three, every launched trial" in text
     worst = min(ours, key=lambda r: (r["final"], -r["cost"]))
     report = text.splitlines()
@@ -738,6 +738,50 @@ def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_i
             f"error: {bad}: name a run as SEED/INDEX, the seed 0-999, the index >= 0: 1/6"
         ], (refused.stdout, refused.stderr[-500:])
         assert "Traceback" not in refused.stderr
+
+
+def test_a_run_measured_exactly_searches_the_same_landscapes_without_noise(tmp_path):
+    """``bench_search.py --exact`` searches the same landscapes (each run's best possible the same) with
+    every trial and confirmation measured without noise or transient crashes; its JSON and report say
+    so, and bench_compare.py pairs it with the same run made without it (the noise's share of the
+    misses). ``bench_inspect.py --exact`` replays such a run: each trial that ran measured its value in
+    truth, which the noise moves in the run made without it."""
+    tiny = ["--landscapes", "2", "--families", "plain,trl", "--trials", "8", "--policies", "autotune"]
+    base, exact = tmp_path / "base.md", tmp_path / "exact.md"
+    for out, more in ((base, []), (exact, ["--exact"])):
+        run = bench_script("bench_search.py", *tiny, "--seed", "1", *more, "--out", str(out), cwd=tmp_path)
+        assert run.returncode == 0, run.stderr[-2000:]
+    first, second = (json.loads(p.with_suffix(".json").read_text()) for p in (base, exact))
+    assert all("exact" not in r for r in first) and all(r["exact"] is True for r in second)
+    same = ("seed", "landscape", "best_possible")
+    assert [[r[k] for k in same] for r in first] == [[r[k] for k in same] for r in second]
+    assert "--seed 1 --jobs 1 --exact --out docs/exact.md` (" in exact.read_text()
+    assert "**Measured exactly**" in exact.read_text()
+    assert "--exact" not in base.read_text() and "Measured exactly" not in base.read_text()
+    base_json, exact_json = str(base.with_suffix(".json")), str(exact.with_suffix(".json"))
+    shown = bench_script("bench_compare.py", base_json, exact_json, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stdout + shown.stderr[-2000:]
+    assert f"| {exact_json} (luck 0, measured exactly) | 2 |" in shown.stdout
+    assert f"| {base_json} (luck 0) | 2 |" in shown.stdout
+
+    def off_truth(row: dict, *flag: str) -> list[float]:
+        """How far each trial that ran measured from its value in truth, in the replay of ``row``."""
+        shown = bench_script(
+            "bench_inspect.py", f"1/#{row['landscape']}", "--trials", "8", *flag, cwd=tmp_path
+        )
+        assert shown.returncode == 0, shown.stderr[-2000:]
+        assert f"score {row['final']:.3f}" in shown.stdout  # the same run, replayed
+        trials = shown.stdout.split("launched trials")[1].split("confirmations:")[0].splitlines()[1:]
+        ran = [line.split() for line in trials if line.split()[2] == "ok"]
+        assert ran, shown.stdout
+        measured = [
+            (float(f[3].removesuffix("/s")), float(f[f.index("(true") + 1].rstrip(",)"))) for f in ran
+        ]
+        return [abs(x / row["best_possible"] - truth) for x, truth in measured]
+
+    for calm in second:
+        assert max(off_truth(calm, "--exact")) < 0.015  # printed to three digits and two
+    assert max(max(off_truth(r)) for r in first) > 0.03  # without --exact, the noise moved some
 
 
 def test_a_trials_log_line_says_when_its_value_in_truth_peaks_inside_the_headroom():
