@@ -404,7 +404,7 @@ def record(land: Landscape, name: str, run: Run) -> dict[str, Any]:
         "policy": name,
         **({"drawn": d.drawn} if ours else {}),
         "best_possible": best,
-        "nothing_fits": best == 0,
+        "nothing_fits": land.best == 0,  # not the clamped best above, which is never 0
         "fitting": sum(1 for v in land.safe.values() if v > 0),
         "valid": len(land.candidates),
         **{f"at{n}": at(run, n) / best for n in CHECKPOINTS},

@@ -784,6 +784,19 @@ def test_a_run_measured_exactly_searches_the_same_landscapes_without_noise(tmp_p
     assert max(max(off_truth(r)) for r in first) > 0.03  # without --exact, the noise moved some
 
 
+def test_a_landscape_where_nothing_fits_is_recorded_so():
+    """verl 1/#1025 (3B on 4 x 24 GB under its drawn physics) has no configuration that survives a
+    long run: its record says nothing fits (the best possible is clamped for the division, and the flag
+    was once taken from the clamped value, so it never said so)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_search import Run, build_landscape, record
+
+    land = build_landscape(landscape(1025, 1), 6)
+    row = record(land, "autotune", Run())
+    assert land.best == 0 and row["fitting"] == 0 and row["nothing_fits"] is True
+    assert row["final"] == 0 and row["best_possible"] > 0
+
+
 def test_a_trials_log_line_says_when_its_value_in_truth_peaks_inside_the_headroom():
     """A trial's log line (docs/benchmarks.json, bench_inspect.py) gives its configuration's value in
     truth. One whose long runs reach that value only inside the headroom counts for nothing as the
