@@ -20,9 +20,11 @@ chance now and then). A p-value well above 0.05 is a difference the benchmark ca
 Two runs of different draws differ by luck alone by about 1.7 points of the share at 0.95 on six
 seeds (one standard deviation; the thirtieth pass in docs/benchmarks-notes.md). Where either file
 holds several draws (``--luck 0,1,2``) the runs pair up by seed, landscape and draw, and the draws are
-counted apart too: a change judged on three draws at once. A run made with ``--exact`` (every trial
-measured without noise) pairs with the same run made without it: the runs that cross 0.95 up are the
-misses the noise made, those that still miss are the search's own.
+counted apart too: a change judged on three draws at once. A run made with ``--exact`` (every trial's
+throughput measured without noise) pairs with the same run made without it: the runs that cross 0.95
+up are misses the noise made; those that still miss are the search's own (or, at the edge, a run's
+memory luck, which ``--exact`` leaves as the truth has it). A path that sees other measurements goes
+elsewhere, so a few runs cross down too.
 """
 
 from __future__ import annotations

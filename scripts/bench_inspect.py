@@ -84,7 +84,8 @@ def main() -> int:
     noise = d.physics.noise
     print(f"{seed}/#{index} {d.family} {d.name}: best possible {land.best:.3g}/s, limit {limit:.1f} GiB,")
     print(
-        f"  drawn noise {noise:.1%} from run to run, {d.physics.step_sigma:.1%} from step to step; "
+        f"  drawn noise {noise:.1%} from run to run, {d.physics.step_sigma:.1%} from step to step"
+        f"{' (not applied: --exact)' if args.exact else ''}; "
         f"the best: {' '.join(f'{k}={v}' for k, v in sorted(best.items()))}"
     )
     print("launched trials (knobs apart from the best):")

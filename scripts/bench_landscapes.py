@@ -86,7 +86,8 @@ class Landscape:
     safe: dict[str, float] = field(default_factory=dict)
     trial_equivalent_s: float = 0.0  # loading + 7 steps of the best configuration, simulated seconds
     # every trial measured without run-to-run or step-to-step noise and without transient crashes
-    # (bench_search.py --exact): what the search reaches when what it measures is the truth
+    # (bench_search.py --exact): what the search reaches when its throughputs are exact (a run's memory
+    # luck, creep and fragmentation, stays: the truth has it too)
     exact: bool = False
 
     @property

@@ -227,8 +227,9 @@ HELD_OUT_TEXTS = {"verl": HELD_OUT_TEXT, "nemo": NEMO_TEXT}  # a held-out family
 EXACT_TEXT = (
     "**Measured exactly** (`--exact`): here every trial and confirmation ran without that noise and without "
     "transient crashes, on the same landscapes with the same best possible: what the search reaches when "
-    "what it measures is the truth. `python scripts/bench_compare.py` against the same run without "
-    "`--exact` tells how much of each miss is the noise's and how much the search's."
+    "the throughputs it measures are the truth (a run's memory luck, the allocator's creep and "
+    "fragmentation, stays as the truth has it). `python scripts/bench_compare.py` against the same run "
+    "without `--exact` tells how much of each miss is the noise's and how much the search's."
 )
 
 

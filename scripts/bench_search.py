@@ -545,9 +545,10 @@ def main() -> int:
         "--exact",
         action="store_true",
         help="measure every trial and confirmation without run-to-run or step-to-step noise and without "
-        "transient crashes, on the same landscapes: what the search reaches when what it measures is the "
-        "truth; scripts/bench_compare.py against the same run without it tells the noise's share of the "
-        "misses",
+        "transient crashes, on the same landscapes (a configuration's memory luck, the allocator's creep "
+        "and fragmentation, stays as the truth has it): what the search reaches when its throughputs are "
+        "exact; scripts/bench_compare.py against the same run without it tells the noise's share of the "
+        "misses. Give it an --out of its own",
     )
     args = parser.parse_args()
     families = [f for f in args.families.split(",") if f]
@@ -581,6 +582,10 @@ def main() -> int:
             f"error: --luck {args.luck}: give whole numbers 0-999 (0: the benchmark's own draw), each once, "
             "comma-separated: --luck 0,1,2"
         )
+        return 2
+    if args.exact and args.out.resolve().parent == (ROOT / "docs").resolve():
+        # the documented reports are the benchmark as measured: an exact run beside them is a measurement
+        print(f"error: --exact writes {args.out}: give --out a file outside docs/, as --out /tmp/exact.md")
         return 2
     if held_out and args.landscapes > HELD_OUT_RANGE:  # past its range the next family's begin
         print(f"error: --landscapes {args.landscapes}: too many of --families {args.families}; give fewer")

@@ -745,7 +745,8 @@ def test_a_run_measured_exactly_searches_the_same_landscapes_without_noise(tmp_p
     every trial and confirmation measured without noise or transient crashes; its JSON and report say
     so, and bench_compare.py pairs it with the same run made without it (the noise's share of the
     misses). ``bench_inspect.py --exact`` replays such a run: each trial that ran measured its value in
-    truth, which the noise moves in the run made without it."""
+    truth, which the noise moves in the run made without it. An exact run is refused a place in docs/,
+    beside the benchmark as measured: one line, exit 2, nothing written."""
     tiny = ["--landscapes", "2", "--families", "plain,trl", "--trials", "8", "--policies", "autotune"]
     base, exact = tmp_path / "base.md", tmp_path / "exact.md"
     for out, more in ((base, []), (exact, ["--exact"])):
@@ -771,6 +772,7 @@ def test_a_run_measured_exactly_searches_the_same_landscapes_without_noise(tmp_p
         )
         assert shown.returncode == 0, shown.stderr[-2000:]
         assert f"score {row['final']:.3f}" in shown.stdout  # the same run, replayed
+        assert ("(not applied: --exact)" in shown.stdout) == bool(flag)
         trials = shown.stdout.split("launched trials")[1].split("confirmations:")[0].splitlines()[1:]
         ran = [line.split() for line in trials if line.split()[2] == "ok"]
         assert ran, shown.stdout
@@ -782,6 +784,16 @@ def test_a_run_measured_exactly_searches_the_same_landscapes_without_noise(tmp_p
     for calm in second:
         assert max(off_truth(calm, "--exact")) < 0.015  # printed to three digits and two
     assert max(max(off_truth(r)) for r in first) > 0.03  # without --exact, the noise moved some
+    # the documented reports are the benchmark as measured: an exact run is refused a place among them
+    documented = ROOT / "docs" / "benchmarks.md"
+    before = documented.stat().st_mtime_ns
+    for out in ([], ["--out", str(documented)]):
+        refused = bench_script("bench_search.py", *tiny, "--exact", *out, cwd=tmp_path, timeout=120)
+        assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [
+            f"error: --exact writes {documented}: give --out a file outside docs/, as --out /tmp/exact.md"
+        ], (refused.stdout, refused.stderr[-500:])
+        assert "Traceback" not in refused.stderr
+    assert documented.stat().st_mtime_ns == before
 
 
 def test_a_landscape_where_nothing_fits_is_recorded_so():
