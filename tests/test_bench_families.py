@@ -756,7 +756,7 @@ def test_a_run_measured_exactly_searches_the_same_landscapes_without_noise(tmp_p
     assert all("exact" not in r for r in first) and all(r["exact"] is True for r in second)
     same = ("seed", "landscape", "best_possible")
     assert [[r[k] for k in same] for r in first] == [[r[k] for k in same] for r in second]
-    assert "--seed 1 --jobs 1 --exact --out docs/exact.md` (" in exact.read_text()
+    assert f"--seed 1 --jobs 1 --exact --out {exact}` (" in exact.read_text()  # as run: not in docs/
     assert "**Measured exactly**" in exact.read_text()
     assert "--exact" not in base.read_text() and "Measured exactly" not in base.read_text()
     base_json, exact_json = str(base.with_suffix(".json")), str(exact.with_suffix(".json"))
