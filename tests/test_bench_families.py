@@ -747,7 +747,7 @@ def test_a_run_measured_exactly_searches_the_same_landscapes_without_noise(tmp_p
     misses). ``bench_inspect.py --exact`` replays such a run: each trial that ran measured its value in
     truth, which the noise moves in the run made without it. An exact run is refused a place in docs/,
     beside the benchmark as measured: one line, exit 2, nothing written."""
-    tiny = ["--landscapes", "2", "--families", "plain,trl", "--trials", "8", "--policies", "autotune"]
+    tiny = ["--landscapes", "1", "--families", "trl", "--trials", "8", "--policies", "autotune"]
     base, exact = tmp_path / "base.md", tmp_path / "exact.md"
     for out, more in ((base, []), (exact, ["--exact"])):
         run = bench_script("bench_search.py", *tiny, "--seed", "1", *more, "--out", str(out), cwd=tmp_path)
@@ -762,8 +762,8 @@ def test_a_run_measured_exactly_searches_the_same_landscapes_without_noise(tmp_p
     base_json, exact_json = str(base.with_suffix(".json")), str(exact.with_suffix(".json"))
     shown = bench_script("bench_compare.py", base_json, exact_json, cwd=tmp_path)
     assert shown.returncode == 0, shown.stdout + shown.stderr[-2000:]
-    assert f"| {exact_json} (luck 0, measured exactly) | 2 |" in shown.stdout
-    assert f"| {base_json} (luck 0) | 2 |" in shown.stdout
+    assert f"| {exact_json} (luck 0, measured exactly) | 1 |" in shown.stdout
+    assert f"| {base_json} (luck 0) | 1 |" in shown.stdout
 
     def off_truth(row: dict, *flag: str) -> list[float]:
         """How far each trial that ran measured from its value in truth, in the replay of ``row``."""
