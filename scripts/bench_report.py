@@ -241,19 +241,15 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
     lucks = sorted({r.get("luck", 0) for r in rows})
     draws = len(lucks)
     exact = any(r.get("exact") for r in rows)
+    # an exact run is kept out of docs/ (bench_search.py refuses it there): its --out as given; a
+    # held-out family's report is not the default file, which the command without --out would overwrite
+    out = str(args.out) if exact else f"docs/{Path(args.out).name}"
     cmd = (
         f"python scripts/bench_search.py --landscapes {args.landscapes} --families {args.families} "
         f"--trials {args.trials} --seed {args.seed} --jobs {args.jobs}"
         + (f" --luck {','.join(map(str, lucks))}" if lucks != [0] else "")
-        # an exact run is kept out of docs/ (bench_search.py refuses it there): its --out as given
-        + (f" --exact --out {args.out}" if exact else "")
-        # a held-out family's report is not the default file: without --out the command as shown
-        # would overwrite docs/benchmarks.md
-        + (
-            f" --out docs/{Path(args.out).name}"
-            if not exact and Path(args.out).name != "benchmarks.md"
-            else ""
-        )
+        + (" --exact" if exact else "")
+        + (f" --out {out}" if out != "docs/benchmarks.md" else "")
     )
     per_seed = (
         [
