@@ -283,3 +283,34 @@ def test_a_confirmation_cut_below_its_bar_keeps_it_exactly_and_stays_settled(tmp
     assert bar_stands(Confirmation.from_attr(kept.to_json()), bar)
     # a study from before, which kept it to six places, is settled too
     assert bar_stands(Confirmation.from_attr({**kept.to_json(), "extra": {"cut_below": round(bar, 6)}}), bar)
+
+
+def test_the_walk_breaks_a_tie_the_prior_cannot_read_toward_memory_where_peaks_are_measured():
+    """The speed prior does not read verl's log-prob micro-batch, so its two neighbours tie. The
+    walk used to take the one the space lists first, whatever it is; it now takes the one that spends
+    memory (what memory buys is speed), in either order of the choices, but only where a peak is
+    measured: without one the edge it nears is not seen (a configuration there held its trials and
+    died in the long run)."""
+    from dataclasses import replace as swap
+
+    from autotune.search.planner import Seen
+    from autotune.study import candidate_key
+
+    planner, space, _ = verl_planner(CASES["verl 7B on 8 x 80 GB"])
+    here = base()
+    knob = "log_prob_micro_batch_size_per_gpu"
+    others = set(space.params) - {knob}  # measured to change nothing: the knob alone gets turns
+
+    def step(space, peak):
+        planner.seen = [Seen(0, here, "ok", None, peak, throughput=1.0)]
+        return planner.next_local(here, space, {}, [], set(), candidate_key, others)[knob]
+
+    listed = space.params[knob].choices
+    reversed_ = swap(space, params={**space.params, knob: swap(space.params[knob], choices=listed[::-1])})
+    assert planner.expected_throughput(base(**{knob: 4})) == planner.expected_throughput(base(**{knob: 16}))
+    assert step(space, 40.0) == 16 and step(reversed_, 40.0) == 16
+    assert step(space, None) == 4  # no peak measured: no lean, the nearer listed value as before
+    spends = planner.knobs.spends
+    assert spends(base(param_offload=True, enable_gradient_checkpointing=False), here) == 0  # one each way
+    assert spends(base(gpu_memory_utilization=0.6, tensor_model_parallel_size=4), here) == 1  # TP: unknown
+    assert spends(base(gpu_memory_utilization="0.6"), here) == 0  # values that do not compare

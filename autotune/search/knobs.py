@@ -136,6 +136,23 @@ class KnobMemory:
             extra.append(number if way == "up" else -number)
         return tuple(extra), tuple(unknown)
 
+    def spends(self, cand: dict[str, Any], here: dict[str, Any]) -> int:
+        """Steps of ``cand`` away from ``here`` toward more memory, less those toward less, by the
+        knobs whose direction is known (values that do not compare are passed over). The walk breaks
+        its ties by it (``Planner.next_local``): otherwise the order a space lists its choices in
+        decided them, and reversing verl's and nemo's lists moved their searches by a third."""
+        total = 0
+        for name, value in cand.items():
+            way, was = self.direction(name, cand), here.get(name)
+            if way not in ("up", "down") or was is None or value == was:
+                continue
+            try:
+                larger = value > was
+            except TypeError:
+                continue
+            total += 1 if larger == (way == "up") else -1
+        return total
+
     def model_blind(self, params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
         """The values of the knobs that may move memory but the memory model does not read: a
         trainer's own knobs (``--command``: a PPO trainer's ``adam_offload`` or

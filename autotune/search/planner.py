@@ -321,13 +321,21 @@ class Planner(SpeedExpectation, ModelTrust):
         knobs = [n for n in space.params if n not in fixed and n not in flat] or [
             n for n in space.params if n not in fixed
         ]
+        # a tie the prior cannot read goes to the neighbour that spends memory (what memory buys is
+        # speed), only where peaks are measured: without them the edge it nears is not seen, and a
+        # configuration there held its trials and died in the long run (docs/benchmarks-notes.md)
+        lean = any(s.status == "ok" and s.peak_gib is not None for s in self.seen)
+
+        def rank(c: dict[str, Any]) -> tuple[float, int]:
+            return self.expected_throughput(c), self.knobs.spends(c, incumbent) if lean else 0
+
         for _ in range(len(knobs)):
             knob = knobs[self._turn % len(knobs)]
             self._turn += 1
             group = [c for c in options if c.get(knob) != incumbent.get(knob)]
             if group:
-                return max(group, key=self.expected_throughput)
-        return max(options, key=self.expected_throughput)
+                return max(group, key=rank)
+        return max(options, key=rank)
 
     # -- the candidate pool -----------------------------------------------------------------
     def pool(
