@@ -11,7 +11,8 @@ sample it:
    (:mod:`autotune.search.seeds`); without a usable model (CPU trials), hand-written starting
    points that find the memory boundary at once.
 2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial
-   so far (:meth:`Planner.next_local`, going on along a knob while it pays, the value between when
+   so far (:meth:`Planner.next_local`, where a peak was measured a tie the prior cannot read going to
+   the step that spends memory; going on along a knob while it pays, the value between when
    a step that paid peaked inside the headroom, and, when the micro-batch cannot go up by itself, a
    memory saver traded for a larger one, or a knob of unknown effect on memory measured to cost speed
    asked whether it is one: :mod:`autotune.search.trade`); the one-knob steps leave in
