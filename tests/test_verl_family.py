@@ -309,7 +309,7 @@ def test_the_walk_breaks_a_tie_the_prior_cannot_read_toward_memory_where_peaks_a
     reversed_ = swap(space, params={**space.params, knob: swap(space.params[knob], choices=listed[::-1])})
     assert planner.expected_throughput(base(**{knob: 4})) == planner.expected_throughput(base(**{knob: 16}))
     assert step(space, 40.0) == 16 and step(reversed_, 40.0) == 16
-    assert step(space, None) == 4  # no peak measured: no lean, the nearer listed value as before
+    assert step(space, None) == 4  # no peak measured: no lean, the value listed first as before
     spends = planner.knobs.spends
     assert spends(base(param_offload=True, enable_gradient_checkpointing=False), here) == 0  # one each way
     assert spends(base(gpu_memory_utilization=0.6, tensor_model_parallel_size=4), here) == 1  # TP: unknown
