@@ -313,4 +313,7 @@ def test_the_walk_breaks_a_tie_the_prior_cannot_read_toward_memory_where_peaks_a
     spends = planner.knobs.spends
     assert spends(base(param_offload=True, enable_gradient_checkpointing=False), here) == 0  # one each way
     assert spends(base(gpu_memory_utilization=0.6, tensor_model_parallel_size=4), here) == 1  # TP: unknown
-    assert spends(base(gpu_memory_utilization="0.6"), here) == 0  # values that do not compare
+    assert spends(base(gpu_memory_utilization="0.6"), here) == 0  # a value without a place in the order
+    # a category is placed by its choices, as the memory vector places it, not by the alphabet
+    cat = swap(planner.knobs, declared={"granularity": "up"}, choices={"granularity": ("selective", "full")})
+    assert cat.spends({"granularity": "full"}, {"granularity": "selective"}) == 1

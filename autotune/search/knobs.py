@@ -138,19 +138,18 @@ class KnobMemory:
 
     def spends(self, cand: dict[str, Any], here: dict[str, Any]) -> int:
         """Steps of ``cand`` away from ``here`` toward more memory, less those toward less, by the
-        knobs whose direction is known (values that do not compare are passed over). The walk breaks
-        its ties by it (``Planner.next_local``): otherwise the order a space lists its choices in
-        decided them, and reversing verl's lists took a third more of its searches to 0.95, nemo's three
-        times as many."""
+        knobs whose direction is known, each value placed as the memory vector places it (``split``;
+        one without a place is passed over). The walk breaks its ties by it (``Planner.next_local``):
+        otherwise the order a space lists its choices in decided them, and reversing verl's lists took
+        a third more of its searches to 0.95, nemo's three times as many."""
         total = 0
         for name, value in cand.items():
             way, was = self.direction(name, cand), here.get(name)
             if way not in ("up", "down") or was is None or value == was:
                 continue
-            try:
-                larger = value > was
-            except TypeError:
+            if not (self.ordered(name, value) and self.ordered(name, was)):
                 continue
+            larger = order_of(self, name, value) > order_of(self, name, was)
             total += 1 if larger == (way == "up") else -1
         return total
 
