@@ -48,6 +48,12 @@ GRID_FLOAT_POINTS = 5  # values of each continuous knob in the candidate pool
 KEPT: dict[str, Any] = {"init": False, "repr": False, "compare": False}  # a field that is a cache
 
 
+def larger_first(cand: dict[str, Any], names: Iterable[str]) -> tuple[int, ...]:
+    """A sort key that puts each integer knob's larger value first (switches, categories and floats
+    tie, and keep the order listed): how the pool breaks the prior's ties."""
+    return tuple(-v if type(v) is int else 0 for v in (cand.get(n) for n in names))
+
+
 @dataclass
 class Verdict:
     skip: bool
@@ -357,7 +363,10 @@ class Planner(SpeedExpectation, ModelTrust):
                 if key in scored or constraints.violations(cand, self.recipe, rules):
                     continue
                 scored[key] = (self.prior(cand), cand)
-            self._pool = sorted(scored.values(), key=lambda t: -t[0])
+            # the prior's ties go to each integer knob's larger value (a batch, a TP degree: what a
+            # step gets its work done with), not to the order a space lists them in, which decided
+            # where verl's search started (docs/benchmarks-notes.md, forty-fourth pass)
+            self._pool = sorted(scored.values(), key=lambda t: (-t[0], larger_first(t[1], space.params)))
         return self._pool
 
     def sizes(self, pool: list[tuple[float, dict[str, Any]]]) -> list[tuple[float, bool]]:
