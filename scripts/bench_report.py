@@ -202,11 +202,12 @@ HELD_OUT_TEXT = (
     "actor beside a colocated vLLM rollout, in verl's own knob names through a template space "
     "(autotune/sim/spaces/verl.yaml), on four machines from 4 x 24 GB to 8 x 80 GB with drawn prompt "
     "and completion lengths; on about a fifth of them no memory in its logs. It was written after the "
-    "search had been shaped on the other three families and measured before any change; four changes "
+    "search had been shaped on the other three families and measured before any change; five changes "
     "since were read off its runs (the walk's leanest step after three OOMs with nothing fit, "
     "vLLM's share read under verl's name for it, the grid's best open candidate giving up turns "
-    "while its trials run out of memory, and the walk's ties going to the neighbour that spends memory "
-    "where peaks are measured: docs/benchmarks-notes.md, thirty-eighth to forty-third passes), "
+    "while its trials run out of memory, the walk's ties going to the neighbour that spends memory "
+    "where peaks are measured, and the pool's ties to each integer knob's larger value: "
+    "docs/benchmarks-notes.md, thirty-eighth to forty-fourth passes), "
     "so its figures are held out from every other."
 )
 NEMO_TEXT = (
@@ -220,7 +221,8 @@ NEMO_TEXT = (
     "layout whose TP does not divide the model's heads is refused at start-up. It was written by a "
     "helper that never read the search, after the search had been shaped on the three report families "
     "and after `verl`, and measured before any change; the changes since were read off its runs "
-    "(docs/benchmarks-notes.md, thirty-ninth, fortieth, forty-second and forty-third passes)."
+    "(docs/benchmarks-notes.md, thirty-ninth, fortieth, forty-second and forty-third passes; the "
+    "forty-fourth's change, the pool's ties, was read off verl's)."
 )
 HELD_OUT_TEXTS = {"verl": HELD_OUT_TEXT, "nemo": NEMO_TEXT}  # a held-out family's runs, reported alone
 
