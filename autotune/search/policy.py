@@ -7,9 +7,10 @@ trial a candidate of its own (Optuna's ``fixed_params``, what ``enqueue_trial`` 
 sample it:
 
 1. **Seeds**: the candidates the memory model expects to fit and the speed prior ranks fastest,
-   spread over ZeRO stages and the values of knobs of unknown memory effect
-   (:mod:`autotune.search.seeds`); without a usable model (CPU trials), hand-written starting
-   points that find the memory boundary at once.
+   spread over ZeRO stages and the values of knobs of unknown memory effect, the prior's ties going
+   to each integer knob's larger value (:mod:`autotune.search.seeds`,
+   :func:`autotune.search.planner.larger_first`); without a usable model (CPU trials), hand-written
+   starting points that find the memory boundary at once.
 2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial
    so far (:meth:`Planner.next_local`, where a peak was measured a tie the prior cannot read going to
    the step that spends memory; going on along a knob while it pays, the value between when
