@@ -202,7 +202,7 @@ def test_a_search_cuts_a_runner_ups_confirmation_and_counts_it_settled(tmp_path)
     measures its nine steps; runners-up whose longer runs fall out of reach of winning are stopped
     after their first measured step, keep the bar they missed, count among the three --confirm
     settles (no fourth is run) and are never exported."""
-    search = make_search(tmp_path, trials=16, seed=4)
+    search = make_search(tmp_path, trials=16, seed=0)
     result = search.run()
     study = search.state.study
     done = confirmations(study)
@@ -242,7 +242,7 @@ def test_a_cut_run_whose_bar_fell_is_confirmed_again(tmp_path):
     runners-up cut against it were settled against a bar that no longer stands, so the next
     confirmation confirms them again (the first in full) and exports one that held; each cut run's
     folder is kept beside the new one."""
-    search = make_search(tmp_path, trials=16, seed=4)
+    search = make_search(tmp_path, trials=16, seed=0)
     search.run()
     study = search.state.study
     done = confirmations(study)

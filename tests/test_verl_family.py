@@ -320,11 +320,11 @@ def test_the_walk_breaks_a_tie_the_prior_cannot_read_toward_memory_where_peaks_a
 
 
 def test_the_pool_breaks_the_prior_s_ties_by_larger_integers_not_by_the_order_listed():
-    """The speed prior does not read verl's log-prob micro-batch or its micro-batch's every step, so
-    many candidates of the pool tie, and their order seeds the model and starts the search. It used to
-    be the order the space lists its choices in: the same space written the other way round reached
-    0.95 in 70% of verl's runs against 51%. Ties now go to each integer knob's larger value (a batch,
-    a TP degree: what a step gets its work done with), whatever order the lists are in."""
+    """The speed prior does not read verl's log-prob micro-batch or its rollout's TP, so whole blocks
+    of the pool tie, and their order seeds the model and starts the search. It used to be the order
+    the space lists its choices in: the same space written the other way round reached 0.95 in 70% of
+    verl's runs against 51%. Ties now go to each integer knob's larger value (a batch, a TP degree:
+    what a step gets its work done with), whatever order the lists are in."""
     from dataclasses import replace as swap
 
     from autotune.search.knobs import KnobMemory
