@@ -663,8 +663,9 @@ def test_every_drawn_noise_falls_in_one_band_of_the_report():
 
 def test_several_seeds_are_reported_together_and_a_bad_seed_is_one_line(tmp_path):
     """--seed 0,1: each seed's landscapes and searches, one table with a row per seed, and every run
-    named seed/#landscape (the worst runs include landscapes no tuning looked at)."""
-    out = tmp_path / "bench.md"
+    named seed/#landscape (the worst runs include landscapes no tuning looked at). --out's folder is
+    made if missing (before the searches run, not after them); one that cannot be is one line."""
+    out = tmp_path / "runs" / "bench.md"
     tiny = ["--landscapes", "1", "--families", "plain", "--trials", "6", "--policies", "autotune"]
     run = bench_script("bench_search.py", *tiny, "--seed", "0,1", "--out", str(out), cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
@@ -691,6 +692,10 @@ def test_several_seeds_are_reported_together_and_a_bad_seed_is_one_line(tmp_path
             f"error: --seed {bad}: give whole numbers 0-999, each once, comma-separated: --seed 0,1,2"
         ], (run.stdout, run.stderr[-500:])
         assert "Traceback" not in run.stderr and not (tmp_path / "bad.md").exists()
+    blocked = bench_script("bench_search.py", *tiny, "--out", str(out / "x.md"), cwd=tmp_path, timeout=120)
+    assert blocked.returncode == 2 and blocked.stdout.strip().splitlines() == [
+        f"error: --out {out / 'x.md'}: its folder cannot be made (File exists): give another --out"
+    ], (blocked.stdout, blocked.stderr[-500:])
 
 
 def test_one_run_inspected_is_the_benchmarks_run_with_its_truth_and_a_bad_name_is_one_line(tmp_path):
