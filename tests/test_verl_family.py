@@ -319,6 +319,44 @@ def test_the_walk_breaks_a_tie_the_prior_cannot_read_toward_memory_where_peaks_a
     assert cat.spends({"granularity": "full"}, {"granularity": "selective"}) == 1
 
 
+def test_the_walk_breaks_what_still_ties_up_an_integer_knob_of_unknown_effect_not_by_the_list():
+    """verl leaves its rollout's TP undeclared (fewer weights per GPU, the same share of the card) and
+    the speed prior does not read it, so from TP 2 its two neighbours tie in the walk, by speed and by
+    memory alike. The walk used to take the one the space lists first: TP 1 as listed, 4 with the
+    list reversed, and the reversal took 17 of seed 0's runs above 0.95 and 4 below. It now takes the
+    larger, as the pool does, in either order, with a peak measured or not; a knob whose direction is
+    declared keeps the walk's rule for it (the log-prob micro-batch goes up only where a peak is)."""
+    from dataclasses import replace as swap
+
+    from autotune.search.planner import Seen
+    from autotune.study import candidate_key
+
+    planner, space, _ = verl_planner(CASES["verl 7B on 8 x 80 GB"])
+    here = base()
+    assert here["tensor_model_parallel_size"] == 2
+
+    def step(space, knob, peak):
+        planner.seen = [Seen(0, here, "ok", None, peak, throughput=1.0)]
+        others = set(space.params) - {knob}  # measured to change nothing: the knob alone gets turns
+        return planner.next_local(here, space, {}, [], set(), candidate_key, others)[knob]
+
+    def flipped(knob):
+        listed = space.params[knob].choices
+        return swap(space, params={**space.params, knob: swap(space.params[knob], choices=listed[::-1])})
+
+    tp = "tensor_model_parallel_size"
+    assert planner.knobs.direction(tp, here) is None
+    one, four = base(**{tp: 1}), base(**{tp: 4})
+    assert planner.expected_throughput(one) == planner.expected_throughput(four)
+    for peak in (40.0, None):
+        assert step(space, tp, peak) == 4 and step(flipped(tp), tp, peak) == 4, peak
+    assert planner.knobs.rises(four, here) == 1 and planner.knobs.rises(one, here) == -1
+    lp = "log_prob_micro_batch_size_per_gpu"  # declared: up
+    assert planner.knobs.rises(base(**{lp: 16}), here) == 0
+    assert step(space, lp, None) == 4 and step(flipped(lp), lp, None) == 16  # the list's, as before
+    assert planner.knobs.rises(base(param_offload=True), here) == 0  # a switch is no integer here
+
+
 def test_the_pool_breaks_the_prior_s_ties_by_larger_integers_not_by_the_order_listed():
     """The speed prior does not read verl's log-prob micro-batch or its rollout's TP, so whole blocks
     of the pool tie, and their order seeds the model and starts the search. It used to be the order

@@ -153,6 +153,21 @@ class KnobMemory:
             total += 1 if larger == (way == "up") else -1
         return total
 
+    def rises(self, cand: dict[str, Any], here: dict[str, Any]) -> int:
+        """Steps of ``cand`` up from ``here`` in the integer knobs whose effect on memory is unknown
+        (verl's rollout TP), less those down: the walk's last tie-break (``Planner.next_local``), as
+        the pool's is each integer's larger value (``planner.larger_first``). Without it the order a
+        space lists its choices in decided: from TP 2, verl's walk tried 1 before 4, and its integer
+        lists reversed took 17 of seed 0's runs above 0.95 and 4 below (docs/benchmarks-notes.md)."""
+        total = 0
+        for name, value in cand.items():
+            was = here.get(name)
+            if type(value) is not int or type(was) is not int or value == was:
+                continue  # a switch is not an integer here, nor a float or a category
+            if self.direction(name, cand) is None:
+                total += 1 if value > was else -1
+        return total
+
     def model_blind(self, params: dict[str, Any]) -> tuple[tuple[str, str], ...]:
         """The values of the knobs that may move memory but the memory model does not read: a
         trainer's own knobs (``--command``: a PPO trainer's ``adam_offload`` or

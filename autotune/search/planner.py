@@ -329,11 +329,13 @@ class Planner(SpeedExpectation, ModelTrust):
         ]
         # a tie the prior cannot read goes to the neighbour that spends memory (what memory buys is
         # speed), only where peaks are measured: without them the edge it nears is not seen, and a
-        # configuration there held its trials and died in the long run (docs/benchmarks-notes.md)
+        # configuration there held its trials and died in the long run (docs/benchmarks-notes.md);
+        # what still ties goes up an integer knob of unknown effect (a TP degree), not the list's way
         lean = any(s.status == "ok" and s.peak_gib is not None for s in self.seen)
 
-        def rank(c: dict[str, Any]) -> tuple[float, int]:
-            return self.expected_throughput(c), self.knobs.spends(c, incumbent) if lean else 0
+        def rank(c: dict[str, Any]) -> tuple[float, int, int]:
+            spends = self.knobs.spends(c, incumbent) if lean else 0
+            return self.expected_throughput(c), spends, self.knobs.rises(c, incumbent)
 
         for _ in range(len(knobs)):
             knob = knobs[self._turn % len(knobs)]
