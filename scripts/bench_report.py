@@ -202,12 +202,13 @@ HELD_OUT_TEXT = (
     "actor beside a colocated vLLM rollout, in verl's own knob names through a template space "
     "(autotune/sim/spaces/verl.yaml), on four machines from 4 x 24 GB to 8 x 80 GB with drawn prompt "
     "and completion lengths; on about a fifth of them no memory in its logs. It was written after the "
-    "search had been shaped on the other three families and measured before any change; five changes "
+    "search had been shaped on the other three families and measured before any change; six changes "
     "since were read off its runs (the walk's leanest step after three OOMs with nothing fit, "
     "vLLM's share read under verl's name for it, the grid's best open candidate giving up turns "
     "while its trials run out of memory, the walk's ties going to the neighbour that spends memory "
-    "where peaks are measured, and the pool's ties to each integer knob's larger value: "
-    "docs/benchmarks-notes.md, thirty-eighth to forty-fourth passes), "
+    "where peaks are measured, the pool's ties to each integer knob's larger value, and the walk's "
+    "last ties up an integer knob of unknown effect, its rollout's TP: "
+    "docs/benchmarks-notes.md, thirty-eighth to forty-fifth passes), "
     "so its figures are held out from every other."
 )
 NEMO_TEXT = (
@@ -222,7 +223,8 @@ NEMO_TEXT = (
     "helper that never read the search, after the search had been shaped on the three report families "
     "and after `verl`, and measured before any change; the changes since were read off its runs "
     "(docs/benchmarks-notes.md, thirty-ninth, fortieth, forty-second and forty-third passes; the "
-    "forty-fourth's change, the pool's ties, was read off verl's)."
+    "forty-fourth's and forty-fifth's changes, the pool's ties and the walk's last ones, were read off "
+    "verl's; the last moves none of its runs)."
 )
 HELD_OUT_TEXTS = {"verl": HELD_OUT_TEXT, "nemo": NEMO_TEXT}  # a held-out family's runs, reported alone
 
