@@ -11,16 +11,17 @@ sample it:
    to each integer knob's larger value (:mod:`autotune.search.seeds`,
    :func:`autotune.search.planner.larger_first`); without a usable model (CPU trials), hand-written
    starting points that find the memory boundary at once.
-2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial so far
-   (:meth:`Planner.next_local`, where a peak was measured a tie the prior cannot read going to the step
-   that spends memory, and what still ties up an integer knob of unknown effect on memory, a TP degree:
-   :meth:`autotune.search.knobs.KnobMemory.rises`; going on along a knob while it pays, the value between
-   when a step that paid peaked inside the headroom, and, when the micro-batch cannot go up by itself, a
-   memory saver traded for a larger one, or a knob of unknown effect on memory measured to cost speed asked
-   whether it is one: :mod:`autotune.search.trade`); the one-knob steps leave in turn from the incumbent
-   and from runners-up a second run could rank above it (within twice the noise, elsewhere in the space:
-   :func:`co_leaders`); while nothing has fit, a step from every OOM along its kind's cure, or after three
-   CUDA OOMs the leanest open candidate (:mod:`autotune.search.cures`).
+2. **Local search**: two proposals in three, the most promising untried neighbour of the best trial so
+   far (:meth:`Planner.next_local`, where a peak was measured a tie the prior cannot read going to the
+   step that spends memory, and what still ties up an integer knob of unknown effect on memory, a TP
+   degree: :meth:`autotune.search.knobs.KnobMemory.rises`; going on along a knob while it pays, the
+   value between when a step that paid peaked inside the headroom, and, when the micro-batch cannot go
+   up by itself, a memory saver traded for a larger one, or a knob of unknown effect on memory
+   measured to cost speed asked whether it is one: :mod:`autotune.search.trade`); the one-knob steps
+   leave in turn from the incumbent and from runners-up a second run could rank above it (within twice
+   the noise, elsewhere in the space: :func:`co_leaders`); while nothing has fit, a step from every
+   OOM along its kind's cure, or after three CUDA OOMs the leanest open candidate
+   (:mod:`autotune.search.cures`).
 3. **The best open candidate of the grid** every third proposal (fewer while its trials run out of
    memory: :func:`pool_pays`), and after three proposals in a row that needed no launch (invalid, a
    repeat, skipped): the proposers can circle forever around what is ruled out while candidates no
