@@ -587,13 +587,13 @@ def main() -> int:
         # the documented reports are the benchmark as measured: an exact run beside them is a measurement
         print(f"error: --exact writes {args.out}: give --out a file outside docs/, as --out /tmp/exact.md")
         return 2
+    if held_out and args.landscapes > HELD_OUT_RANGE:  # past its range the next family's begin
+        print(f"error: --landscapes {args.landscapes}: too many of --families {args.families}; give fewer")
+        return 2
     try:  # made before the searches run: a folder missing at the end lost a whole night's runs
         args.out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         print(f"error: --out {args.out}: its folder cannot be made ({exc.strerror}): give another --out")
-        return 2
-    if held_out and args.landscapes > HELD_OUT_RANGE:  # past its range the next family's begin
-        print(f"error: --landscapes {args.landscapes}: too many of --families {args.families}; give fewer")
         return 2
     logging.basicConfig(level=logging.WARNING)
     quiet()
