@@ -18,7 +18,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "autotune"
 # Lowest layer first; a module belongs to the first prefix that matches it (longest prefixes are
 # listed where a package spans layers: the flat autotune package holds modules of every layer).
 LAYERS: list[tuple[int, tuple[str, ...]]] = [
-    (0, ("autotune", "autotune.errors", "autotune.units", "autotune.files")),
+    (0, ("autotune", "autotune.errors", "autotune.units", "autotune.files", "autotune.pyparse")),
     (1, ("autotune.recipe", "autotune.hardware", "autotune.nvml", "autotune.models")),
     (2, ("autotune.candidate", "autotune.trial")),
     (3, ("autotune.configs",)),
@@ -187,6 +187,28 @@ def test_no_module_cites_the_founding_design_document():
     """DESIGN.md was never part of the repository: the trial contract is docs/trial-contract.md."""
     citing = sorted(name for name, path in MODULES.items() if "DESIGN.md" in path.read_text())
     assert not citing, f"these modules cite DESIGN.md, which the repository does not hold: {citing}"
+
+
+def test_every_parse_of_python_text_goes_through_the_lock():
+    """CPython 3.11's ``ast.parse`` breaks when two threads run it at once (autotune/pyparse.py):
+    a module that calls it directly, or ``compile`` or ``ast.literal_eval`` (which parse too), brings
+    back the crash CI saw in a parallel search."""
+    direct = []
+    for name, path in MODULES.items():
+        if name == "autotune.pyparse":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                func = node.func
+                called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                owner = (
+                    func.value.id
+                    if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name)
+                    else ""
+                )
+                if (owner, called) in {("ast", "parse"), ("ast", "literal_eval"), ("", "compile")}:
+                    direct.append(f"{name}:{node.lineno}")
+    assert not direct, f"parse through autotune.pyparse.parse: {direct}"
 
 
 TESTS = Path(__file__).resolve().parent

@@ -218,6 +218,52 @@ def test_a_huge_dict_line_is_refused_quickly():
     assert len(fits) < MAX_LITERAL_CHARS and len(parse_mapping(fits)) == 4000
 
 
+class _CyclicGarbage:
+    """An object only the cycle collector frees; its finalizer runs Python code that lets another
+    thread in, as any library's ``__del__`` may while a log line is being parsed."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+    def __del__(self) -> None:
+        time.sleep(0)
+
+
+def test_reader_threads_parse_dicts_at_once_without_tripping_the_interpreter():
+    """A trial's stdout and stderr are read by two threads, and a parallel search runs several
+    trials: CPython 3.11's ``ast.parse`` is not safe to run in two threads at once (CI died of
+    "SystemError: AST constructor recursion depth mismatch" in a parallel search). Every parse goes
+    through one lock, so four threads reading Python-repr dicts amid garbage collections all read
+    every dict."""
+    import threading
+
+    line = "{" + ", ".join(f"'k{i}': [{i}, ({i}, {{'loss': np.float64(0.{i})}})]" for i in range(100)) + "}"
+    expected = parse_mapping(line)
+    assert expected is not None and len(expected) == 100
+    failures: list[BaseException] = []
+    wrong: list[object] = []
+
+    def read(times: int) -> None:
+        for _ in range(times):
+            for _ in range(50):
+                _CyclicGarbage()
+            try:
+                got = parse_mapping(line)
+            except BaseException as exc:  # the interpreter's SystemError is the failure looked for
+                failures.append(exc)
+                return
+            if got != expected:
+                wrong.append(got)
+
+    readers = [threading.Thread(target=read, args=(40,)) for _ in range(4)]
+    for reader in readers:
+        reader.start()
+    for reader in readers:
+        reader.join()
+    assert not failures, repr(failures[0])
+    assert not wrong
+
+
 def test_malformed_or_deeply_nested_lines_give_no_dict():
     deep = "{'a': " + "[" * 5000 + "]" * 5000 + "}"
     deep_calls = "{'a': " + "f(" * 5000 + "1" + ")" * 5000 + "}"

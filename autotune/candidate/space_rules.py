@@ -25,6 +25,8 @@ import operator
 from dataclasses import dataclass
 from typing import Any
 
+from autotune.pyparse import parse
+
 GPUS = "gpus"
 MAX_LENGTH = 500  # characters: a rule is a line of a space file, and Python's parser recurses
 CONSTANTS = {"true": True, "false": False, "True": True, "False": False, "none": None, "None": None}
@@ -93,7 +95,7 @@ class SpaceRule:
                 f"a parameter named {clash[0]!r} cannot be told apart from the rules' own {clash[0]}"
             )
         try:
-            tree = ast.parse(text.strip(), mode="eval")
+            tree = parse(text.strip(), mode="eval")
         except SyntaxError as exc:
             raise RuleError(f"{text!r} is not a Python expression ({exc.msg})") from None
         except (RecursionError, MemoryError, ValueError):

@@ -20,6 +20,7 @@ from typing import Any
 
 from autotune.candidate.batch import accumulation_for
 from autotune.candidate.defaults import TRL_DEFAULTS
+from autotune.pyparse import parse
 from autotune.recipe import Recipe
 
 # Parameters a search space may add that are GRPOConfig fields and are passed through unchanged
@@ -172,7 +173,7 @@ def checkpointing_field() -> str:
     """
     try:
         source = importlib.metadata.distribution("transformers").locate_file("transformers/training_args.py")
-        tree = ast.parse(source.read_text(encoding="utf-8"))
+        tree = parse(source.read_text(encoding="utf-8"))
     except (importlib.metadata.PackageNotFoundError, OSError, SyntaxError, ValueError):
         return "gradient_checkpointing"
     for node in tree.body:

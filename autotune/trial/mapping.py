@@ -14,6 +14,8 @@ import re
 import warnings
 from typing import Any
 
+from autotune.pyparse import parse
+
 __all__ = ["MAX_LITERAL_CHARS", "parse_mapping"]
 
 #: Texts longer than this are not handed to Python's parser: its time and memory grow much faster
@@ -92,7 +94,7 @@ def _python_literal(text: str) -> Any:
     if len(text) > MAX_LITERAL_CHARS:
         return None
     try:
-        return _literal(ast.parse(text, _SOURCE_NAME, mode="eval").body)
+        return _literal(parse(text, _SOURCE_NAME, mode="eval").body)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return None
 
