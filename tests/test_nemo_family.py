@@ -339,6 +339,17 @@ def test_a_layout_the_trainer_refuses_is_not_launched_again_after_two_alike_cras
     assert crashes and max(crashes.values()) <= 2, crashes
 
 
+def test_a_value_the_trainer_refused_by_name_is_not_launched_again_in_other_settings():
+    """Closing a candidate after two alike crashes left the refused value open in every other
+    setting: on 0/#2007 (7B, 28 heads) the pool proposed TP 8 with one knob or another changed nine
+    times of thirty, each refused at start-up in Megatron-Core's words, which name the knob and its
+    value (search/refusals.py)."""
+    run, land = search(NEMO + 7)
+    tp8 = [r.status for r in run.trials if r.params["tensor_model_parallel_size"] == 8]
+    assert tp8 == ["crash"], tp8
+    assert run.exported is not None
+
+
 def test_a_layout_the_space_s_rules_forbid_is_never_launched():
     """The space states Megatron's rules (TP x PP divides the GPUs, sequence parallelism needs TP); on
     0/#2002 (32B on 8 x 80 GB) the leanest step went to TP 8 x PP 4 and every trial after it crashed

@@ -33,6 +33,7 @@ from autotune.models import ModelSpec
 from autotune.recipe import Recipe
 from autotune.search.expectation import SpeedExpectation
 from autotune.search.knobs import KnobMemory, fraction_knob, learn, vllm_beside_trainer
+from autotune.search.refusals import Refusals
 from autotune.search.trust import ModelTrust
 from autotune.study.ranking import headroom_limit
 
@@ -87,6 +88,7 @@ class Planner(SpeedExpectation, ModelTrust):
     _turn: int = 0  # which knob the local search moves next
     rel_error: float = 0.25  # typical |measured - predicted| / measured after calibration
     knobs: KnobMemory = field(default_factory=KnobMemory)  # which knobs' memory effect is known
+    refusals: Refusals = field(default_factory=Refusals)  # values the trainer refused by name
     # successes a longer run took from the export (a confirmation that died or peaked inside the
     # headroom, a production run lost): never the incumbent, nor a centre of the walk
     passed_over: set[int] = field(default_factory=set)
@@ -212,10 +214,14 @@ class Planner(SpeedExpectation, ModelTrust):
         fits, so it is never skipped, whatever an OOM or the model says (an OOM it contradicts was
         noise, or another trial's leftovers). Then a measured OOM that the candidate dominates in
         the knobs that kind of failure depends on; an OOM that started on GPUs still holding an
-        earlier trial's memory proves nothing and is not used. Last, the calibrated model.
+        earlier trial's memory proves nothing and is not used. Last, the calibrated model. Before
+        all of them, a value the trainer refused by name (:mod:`autotune.search.refusals`).
         """
         vec = self.vector(params)
         predicted = self.predict(params) if self.use_model else None
+        refused = self.refusals.reason(params, (s.params for s in self.seen if s.status == "ok"))
+        if refused:
+            return Verdict(True, refused, predicted)
         limit = headroom_limit(self.recipe) or math.inf
         ok = [(s, v) for s, v in self.seen_vectors() if s.status == "ok"]
         for s, other in ok:

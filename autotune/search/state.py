@@ -45,6 +45,7 @@ class Finished:
     pruned: bool = False
     launched: bool = True  # False: answered without a run (a repeat): not taught to the planner
     leftover: bool = False  # started beside a predecessor's memory: its OOM says nothing of itself
+    error_line: str | None = None  # a crash's: a value the trainer refused by name is learned
 
     @classmethod
     def of_outcome(cls, number: int, params: dict[str, Any], outcome: Outcome, *, launched: bool) -> Finished:
@@ -58,6 +59,7 @@ class Finished:
             outcome.pruned,
             launched,
             bool(outcome.leftover_gib),
+            outcome.error_line,
         )
 
     @classmethod
@@ -74,6 +76,7 @@ class Finished:
             row.pruned,
             row.launched,
             status == Status.OOM and leftover(row.number),
+            row.error_line,
         )
 
 
@@ -128,7 +131,8 @@ class SearchState:
 
         The planner learns from every launched trial except those that ended for reasons unrelated
         to the configuration (:data:`UNINFORMATIVE`), with a pruned trial's throughput withheld (it
-        was stopped before it was measured) and whether a predecessor's memory was still on the GPUs.
+        was stopped before it was measured) and whether a predecessor's memory was still on the GPUs;
+        from a crash, only a value its error line names (:mod:`autotune.search.refusals`).
         A gain beyond the noise restarts the convergence patience, whoever measured it."""
         if self.planner is not None and done.launched and done.status not in UNINFORMATIVE:
             self.planner.observe(
@@ -140,6 +144,8 @@ class SearchState:
                 None if done.pruned else done.throughput,
                 leftover=done.leftover,
             )
+        if self.planner is not None and done.launched and done.status == Status.CRASH:
+            self.planner.refusals.learn(done.number, done.params, done.error_line)
         value = done.throughput or 0.0
         # a trial that ran inside the headroom is never exported: its gain restarts no patience
         better = (

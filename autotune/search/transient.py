@@ -4,7 +4,8 @@ On a cluster a few percent of trials die of something unrelated to what they mea
 watchdog timeout (``c10::DistBackendError``) after a slow peer, a reset connection. Taking such a
 crash as final can throw away the best candidate of the night. A crash is worth a second run when
 its error is one of those known transient classes, or when candidates one knob away ran fine (the
-configuration itself is then unlikely to be what broke). A re-run is queued after the next trial
+configuration itself is then unlikely to be what broke), unless its error names the candidate's
+own values (a refusal: :mod:`autotune.search.refusals`). A re-run is queued after the next trial
 rather than at once, so a passing hiccup has time to pass. A broken command still stops the
 search: three identical crashes in a row end it (``search/stopping.py``), re-runs included.
 """
@@ -15,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from autotune.search.refusals import named
 from autotune.study.record import crashed_alike
 from autotune.trial.failure_texts import transient_error
 
@@ -44,8 +46,8 @@ class Reruns:
         fine: Iterable[dict[str, Any]],
     ) -> bool:
         """After a crash: hold the candidate for a re-run if it deserves one (once per key)."""
-        if key in self.done or key in self.waiting:
-            return False
+        if key in self.done or key in self.waiting or named(error_line, params):
+            return False  # (a crash naming the candidate's own values is a refusal, not a hiccup)
         if transient_error(error_line, detail) or neighbours_fine(params, fine):
             self.waiting[key] = dict(params)
             return True
