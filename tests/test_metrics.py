@@ -229,19 +229,28 @@ class _CyclicGarbage:
         time.sleep(0)
 
 
-def test_reader_threads_parse_dicts_at_once_without_tripping_the_interpreter():
-    """A trial's stdout and stderr are read by two threads, and a parallel search runs several
-    trials: CPython 3.11's ``ast.parse`` is not safe to run in two threads at once (CI died of
-    "SystemError: AST constructor recursion depth mismatch" in a parallel search). Every parse goes
-    through one lock, so four threads reading Python-repr dicts amid garbage collections all read
-    every dict."""
+def _failing_index(k: int) -> int:
+    values = {"a": [1, 2, 3]}
+    return values["a"][k] + (values["a"][0] * 2)
+
+
+def test_trials_parse_dicts_at_once_without_tripping_the_interpreter():
+    """A parallel search reads several trials' printed dicts at once, each in its trial's launch
+    thread, while other threads may log an exception: CPython 3.11's ``ast.parse`` is not safe to run
+    in two threads at once (CI died of "SystemError: AST constructor recursion depth mismatch" in a
+    parallel search), and 3.11's ``traceback`` parses too, to place its ``^^^`` marks. Every parse of
+    autotune's goes through one lock and is run again if the standard library's broke it, so three
+    threads reading Python-repr dicts amid garbage collections, beside one formatting tracebacks,
+    read every dict."""
     import threading
+    import traceback
 
     line = "{" + ", ".join(f"'k{i}': [{i}, ({i}, {{'loss': np.float64(0.{i})}})]" for i in range(100)) + "}"
     expected = parse_mapping(line)
     assert expected is not None and len(expected) == 100
     failures: list[BaseException] = []
     wrong: list[object] = []
+    done = threading.Event()
 
     def read(times: int) -> None:
         for _ in range(times):
@@ -255,11 +264,25 @@ def test_reader_threads_parse_dicts_at_once_without_tripping_the_interpreter():
             if got != expected:
                 wrong.append(got)
 
-    readers = [threading.Thread(target=read, args=(40,)) for _ in range(4)]
+    def format_tracebacks() -> None:
+        while not done.is_set():
+            try:
+                _failing_index(10)
+            except IndexError as exc:
+                try:
+                    traceback.format_exception(exc)
+                except SystemError:
+                    pass  # the standard library's own parse lost the race: not autotune's to mend
+
+    formatter = threading.Thread(target=format_tracebacks)
+    readers = [threading.Thread(target=read, args=(60,)) for _ in range(3)]
+    formatter.start()
     for reader in readers:
         reader.start()
     for reader in readers:
         reader.join()
+    done.set()
+    formatter.join()
     assert not failures, repr(failures[0])
     assert not wrong
 

@@ -95,8 +95,8 @@ def _python_literal(text: str) -> Any:
         return None
     try:
         return _literal(parse(text, _SOURCE_NAME, mode="eval").body)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return None
+    except (SyntaxError, ValueError, RecursionError, MemoryError, SystemError):
+        return None  # SystemError: CPython 3.11's parser race, met again on every retry (pyparse)
 
 
 def parse_mapping(text: str) -> dict[str, Any] | None:
