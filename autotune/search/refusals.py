@@ -19,29 +19,35 @@ knob of the space teaches nothing here: the same crash twice on one candidate cl
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from autotune.trial.failure_texts import transient_error
 
-_WORD = r"A-Za-z0-9_"
+# between a knob's name and its value: ``name (8)``, ``name=8``, ``name: 8``, ``name 8``, a repr's
+# ``name='cpu'``; no sign or comparison (``max_steps=-1`` does not name 1, ``size > 8`` not 8)
+_BETWEEN = r"(?:\s*[=:(]\s*|\s+)['\"]?"
+# after the value: not more of a word, a number or a path (8 is not 80, 8.5, 8-bit; cpu is not cpu/nvme)
+_AFTER = r"(?!\w|[-/.]\w)"
 
 
-def named(error_line: str | None, params: dict[str, Any]) -> dict[str, Any]:
-    """The knobs of ``params`` that ``error_line`` names together with the value ``params`` has
-    (at most three non-word characters between them; a boolean in either case); empty where it
-    names none, or where the line is a known transient class (an NCCL timeout that happens to print
-    a rank's setting)."""
+def named(
+    error_line: str | None, params: dict[str, Any], searched: Collection[str] | None = None
+) -> dict[str, Any]:
+    """The knobs of ``params`` (those in ``searched``, where given) that ``error_line`` names
+    together with the value ``params`` has (a boolean in either case); empty where it names none,
+    or where the line is a known transient class (an NCCL timeout that happens to print a rank's
+    setting)."""
     if not error_line or transient_error(error_line):
         return {}
     out = {}
     for name, value in params.items():
-        pattern = (
-            rf"(?<![{_WORD}]){re.escape(name)}(?![{_WORD}])[^{_WORD}]{{1,3}}"
-            rf"{re.escape(str(value))}(?![{_WORD}]|\.\d)"
-        )
-        if re.search(pattern, error_line, flags=re.IGNORECASE if isinstance(value, bool) else 0):
+        text = str(value)
+        if not text or (searched is not None and name not in searched):
+            continue
+        shown = f"(?i:{re.escape(text)})" if isinstance(value, bool) else re.escape(text)
+        if re.search(rf"(?<!\w){re.escape(name)}(?!\w){_BETWEEN}{shown}{_AFTER}", error_line):
             out[name] = value
     return out
 
@@ -52,9 +58,13 @@ class Refusals:
 
     learned: list[tuple[int, dict[str, Any], str]] = field(default_factory=list)
 
-    def learn(self, number: int, params: dict[str, Any], error_line: str | None) -> None:
-        """After a launched trial crashed: keep what its error line names, if anything."""
-        culprits = named(error_line, params)
+    def learn(
+        self, number: int, params: dict[str, Any], error_line: str | None, searched: Collection[str]
+    ) -> None:
+        """After a launched trial crashed: keep what its error line names among the knobs the search
+        varies, if anything. A pinned knob is left out: refusing its value would refuse every
+        candidate, where three crashes alike stop the search with the trainer's own line."""
+        culprits = named(error_line, params, searched)
         if culprits:
             self.learned.append((number, culprits, error_line or ""))
 

@@ -10,6 +10,7 @@ which it last improved beyond the noise are kept in step there, not in copies th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -126,6 +127,15 @@ class SearchState:
     improved_at: int = 0
     measured_since_gain: int = 0  # successes since the last gain (--patience counts these, not OOMs)
 
+    @functools.cached_property
+    def searched(self) -> frozenset[str]:
+        """The knobs this search varies: not pinned, more than one value."""
+        return frozenset(
+            name
+            for name, param in self.space.params.items()
+            if name not in self.fixed and (param.choices is None or len(param.choices) > 1)
+        )
+
     def observe(self, done: Finished) -> bool:
         """Learn from a finished trial; True when it is a new best.
 
@@ -144,8 +154,8 @@ class SearchState:
                 None if done.pruned else done.throughput,
                 leftover=done.leftover,
             )
-        if self.planner is not None and done.launched and done.status == Status.CRASH:
-            self.planner.refusals.learn(done.number, done.params, done.error_line)
+        if self.planner is not None and done.launched and done.status == Status.CRASH and not done.leftover:
+            self.planner.refusals.learn(done.number, done.params, done.error_line, self.searched)
         value = done.throughput or 0.0
         # a trial that ran inside the headroom is never exported: its gain restarts no patience
         better = (
