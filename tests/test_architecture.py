@@ -208,6 +208,12 @@ def test_every_parse_of_python_text_goes_through_the_lock():
                 )
                 if (owner, called) in {("ast", "parse"), ("ast", "literal_eval"), ("", "compile")}:
                     direct.append(f"{name}:{node.lineno}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "ast":
+                if {a.name for a in node.names} & {"parse", "literal_eval", "*"}:
+                    direct.append(f"{name}:{node.lineno} (from ast import ...)")
+            elif isinstance(node, ast.Import):
+                if any(a.name == "ast" and a.asname not in (None, "ast") for a in node.names):
+                    direct.append(f"{name}:{node.lineno} (ast imported under another name)")
     assert not direct, f"parse through autotune.pyparse.parse: {direct}"
 
 
