@@ -8,7 +8,9 @@ the same refused value in other settings again and again: nine of thirty trials 
 NeMo-RL-style trainer died so (docs/benchmarks-notes.md, forty-sixth pass).
 
 What is learned is only what the line says: the knobs of the crashed candidate it names, each
-followed by the value the candidate had (``name (8)``, ``name=8``, ``name: 8``). A candidate that
+followed by the value the candidate had (``name (8)``, ``name=8``, ``name: 8``, ``name 8``,
+``name='cpu'``), among the knobs the search varies (a pinned value refused would rule out every
+candidate; three crashes alike stop the search with the trainer's line instead). A candidate that
 holds all of those values is refused, whatever its other knobs; one that differs in any of them is
 not. A refusal that also depends on a knob the line does not name would overreach, so a success
 that holds every named value (it ran its steps) contradicts it, and it is dropped. A line naming no
