@@ -30,7 +30,7 @@ from autotune.hardware import plan_slots
 from autotune.progress import Reporter, short_params
 from autotune.recipe import Recipe
 from autotune.runners import Runner, TrialContext, make_runner
-from autotune.search import candidates
+from autotune.search import candidates, coverage
 from autotune.search.confirm import confirm, search_on, searching_on
 from autotune.search.headroom import incumbent, save_risks
 from autotune.search.knobs import KnobMemory
@@ -40,7 +40,7 @@ from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe, tried
 from autotune.search.prior_check import blind_knobs, local_optimum, neighbourhood_measured, prior_agrees
 from autotune.search.pruning import BelowBestPruner
-from autotune.search.state import Finished, Previous, SearchState
+from autotune.search.state import Finished, Previous, SearchState, walk_from
 from autotune.search.stopping import Budget, Stopping
 from autotune.search.transient import Reruns
 from autotune.study import (
@@ -126,17 +126,8 @@ class Search:
             self.fixed.update(forced)
             self.valid, _ = constraints.valid_combinations(self.space, recipe, self.fixed, self.rules)
         self.execute: Executor = execute or self.runner.run
-        self.planner = (
-            Planner(
-                context.model,
-                recipe,
-                context.gpu,
-                use_model=recipe.device != "cpu",
-                knobs=KnobMemory.of(self.space),
-            )
-            if use_planner
-            else None
-        )
+        known = {"use_model": recipe.device != "cpu", "knobs": KnobMemory.of(self.space)}
+        self.planner = Planner(context.model, recipe, context.gpu, **known) if use_planner else None
         self.check_something_fits()
         # the GPU sets trials run on at once (one per slot); checked here, before anything is written
         self.slots = slots or plan_slots(
@@ -254,6 +245,7 @@ class Search:
             and state.best_value
             and launched >= MIN_LAUNCHED + patience
             and state.measured_since_gain >= patience
+            and not self.unread_open()
         ):
             return (
                 f"stopped after {launched} trials: converged, the last {state.measured_since_gain} "
@@ -297,6 +289,13 @@ class Search:
             f"stopped after {launched} trials: converged, no untried candidate is expected to beat "
             f"the best {state.best_value:.3g} completions/s by more than the noise ({spread:.0%})"
         )
+
+    def unread_open(self) -> bool:
+        """Whether a switch nothing describes has a value no success ran yet (search/coverage.py)."""
+        if self.planner is None or (best := walk_from(self.state.study, self.recipe)) is None:
+            return False
+        args = (self.space, self.fixed, self.rules, tried(self.state.study), candidate_key)
+        return coverage.open_value(self.planner, best.params, *args) is not None
 
     def open(self) -> SearchState:
         """Open the study, recover what a killed controller left, and learn from its trials."""

@@ -51,7 +51,7 @@ from autotune.candidate import constraints
 from autotune.candidate.moves import knobs_apart
 from autotune.candidate.space import Space
 from autotune.recipe import Recipe
-from autotune.search import candidates, cures
+from autotune.search import candidates, coverage, cures
 from autotune.search.headroom import exportable
 from autotune.search.momentum import between, flat_knobs, keep_going, promising_onward
 from autotune.search.planner import Planner, Seen
@@ -202,6 +202,11 @@ class PolicySampler(BaseSampler):
             )
             if onward is not None:
                 return onward
+        unread = coverage.open_value(
+            self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key
+        )
+        if unread is not None:  # a switch nothing describes, at a value no success ran
+            return unread
         further = promising_onward(
             self.planner, best.throughput or 0.0, self.space, self.fixed, self.rules, done, candidate_key
         )
