@@ -1,5 +1,5 @@
 """A switch or category that neither the memory side nor the speed prior reads has each of its values
-measured once, from the incumbent, before the search settles (search/coverage.py).
+run once, from the incumbent, before the search settles (search/coverage.py).
 
 The space is the NeMo-RL-style one the benchmark holds out, read by the real loader: its
 ``recompute_granularity`` is declared nowhere and only counts with checkpointing on."""
@@ -10,11 +10,13 @@ from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
-from autotune.search.coverage import open_value, unread
+from autotune.search.coverage import ATTEMPTS, open_value, unread
 from autotune.search.knobs import KnobMemory
 from autotune.search.planner import Planner
 from autotune.sim.families import held_out_base, landscape
 from autotune.study import candidate_key
+
+SELECTIVE = {"activation_checkpointing": True, "recompute_granularity": "selective"}
 
 
 def setting():
@@ -30,29 +32,44 @@ def test_only_switches_and_categories_nothing_reads_are_covered():
     # the declared savers (checkpointing, offload, SP) and the integers (TP, micro-batch) are the
     # model's, the prior's or the walk's; the recompute granularity nobody describes
     assert unread(planner, space, {}, here) == ["recompute_granularity"]
+    # pinned, or where a pin forbids what it requires, it is not searched
     assert unread(planner, space, {"recompute_granularity": "full"}, here) == []
+    assert unread(planner, space, {"activation_checkpointing": False}, here) == []
+    # without the space's declarations the savers are unknown too (a bare planner knows TRL's names)
+    bare = Planner(planner.model, planner.recipe, planner.gpu)
+    assert "optimizer_cpu_offload" in unread(bare, space, {}, here)
 
 
-def test_a_value_no_success_ran_is_proposed_from_the_incumbent_with_what_it_requires():
+def test_a_value_no_trial_ran_is_proposed_from_the_incumbent_with_what_it_requires():
     space, planner = setting()
-    rules = []
     off = space.normalize({**space.defaults(), "activation_checkpointing": False})
+    full = space.normalize(space.defaults())
     planner.observe(0, off, "ok", None, 40.0, throughput=5.0)
-    planner.observe(1, space.normalize(space.defaults()), "ok", None, 35.0, throughput=4.0)
-    tried = {candidate_key(s.params) for s in planner.seen}
-    cand = open_value(planner, off, space, {}, rules, tried, candidate_key)
+    planner.observe(1, full, "ok", None, 35.0, throughput=4.0)
+    ran = [(off, "ok"), (full, "ok")]
+    tried = {candidate_key(p) for p, _ in ran}
+
+    def ask(incumbent, fixed=None):
+        return open_value(planner, incumbent, space, fixed or {}, [], tried, candidate_key, ran)
+
     # from an incumbent without checkpointing, selective recomputation needs it on: both move
-    assert cand == {**off, "activation_checkpointing": True, "recompute_granularity": "selective"}
+    cand = ask(off)
+    assert cand == {**off, **SELECTIVE}
+    # pinned off, checkpointing cannot be turned on for it: nothing to propose
+    assert ask(off, {"activation_checkpointing": False}) is None
     # an OOM there says nothing of its speed: the value stays open from an incumbent it does not rule
-    # out (more TP needs less memory), and closes once a success holds it
+    # out (more TP needs less memory) ...
     planner.observe(2, cand, "oom", "cuda", None)
+    ran.append((cand, "oom"))
     tried.add(candidate_key(cand))
-    assert open_value(planner, off, space, {}, rules, tried, candidate_key) is None
+    assert ask(off) is None  # (its own candidate is answered)
     wider = {**off, "tensor_model_parallel_size": 4}
-    assert open_value(planner, wider, space, {}, rules, tried, candidate_key) == {
-        **wider,
-        "activation_checkpointing": True,
-        "recompute_granularity": "selective",
-    }
-    planner.observe(3, {**cand, "tensor_model_parallel_size": 8}, "ok", None, 30.0, throughput=4.5)
-    assert open_value(planner, wider, space, {}, rules, tried, candidate_key) is None
+    assert ask(wider) == {**wider, **SELECTIVE}
+    # ... until a trial holding it runs, or ATTEMPTS of them did not (a value that cannot run must not
+    # hold the search open)
+    ran.append(({**cand, "tensor_model_parallel_size": 8}, "crash"))
+    assert ATTEMPTS == 2 and ask(wider) is None
+    ran[-1] = ({**cand, "tensor_model_parallel_size": 8}, "ok")
+    assert ask(wider) is None
+    ran.pop()
+    assert ask(wider) is not None

@@ -383,6 +383,49 @@ def test_a_switch_nothing_describes_is_run_at_each_of_its_values():
     assert run.final >= 0.95 * land.best
 
 
+def test_no_convergence_stop_fires_while_such_a_value_is_unsettled(tmp_path):
+    """Every stop "nothing untried beats the best" (the patience stop, the measured local optimum, the
+    prior's word) says nothing of a switch nothing describes: ``Search.converged`` holds each of them
+    back until each value of it has run (search/coverage.py), read from the study's own rows."""
+    import optuna
+
+    from autotune.runners import TrialContext
+    from autotune.search.loop import Search
+    from autotune.study import StudyPaths, candidate_key
+    from autotune.study.record import record
+    from autotune.trial.outcome import Outcome, Status
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from bench_landscapes import Quiet, build_landscape, make_recipe
+
+    land = build_landscape(landscape(NEMO, 0), 30)
+    recipe = make_recipe(land.case, 0, 30)
+    context = TrialContext(recipe, land.context.space, land.context.model, land.context.gpu)
+    search = Search(
+        recipe,
+        StudyPaths(tmp_path, recipe.name),
+        context,
+        Quiet(30),
+        storage=optuna.storages.InMemoryStorage(),
+    )
+    state = search.open()
+    space = search.space
+    best = space.normalize(space.defaults())  # checkpointing on, full recomputation
+
+    def ran(params: dict, throughput: float) -> None:
+        outcome = Outcome(Status.OK, throughput=throughput, peak_memory_gib=40.0, steps=5, wall_time_s=1.0)
+        key = candidate_key(params)
+        record(state.study, state.study.ask(), params, outcome, launched=True, key=key)
+        search.planner.observe(len(search.planner.seen), params, "ok", None, 40.0, throughput)
+
+    ran(best, 10.0)
+    ran({**best, "train_micro_batch_size": 2}, 9.0)
+    search._converged = lambda launched: "converged (as the stops would say)"
+    assert search.converged(20) is None
+    ran({**best, "recompute_granularity": "selective", "train_micro_batch_size": 2}, 9.5)
+    assert search.converged(20) == "converged (as the stops would say)"
+
+
 def search(index: int):
     """One autotune search of a nemo landscape as the benchmark runs it (seed 0, 30 trials)."""
     sys.path.insert(0, str(ROOT / "scripts"))

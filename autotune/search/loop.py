@@ -40,7 +40,7 @@ from autotune.search.planner import Planner
 from autotune.search.policy import PolicySampler, make_tpe, tried
 from autotune.search.prior_check import blind_knobs, local_optimum, neighbourhood_measured, prior_agrees
 from autotune.search.pruning import BelowBestPruner
-from autotune.search.state import Finished, Previous, SearchState, walk_from
+from autotune.search.state import Finished, Previous, SearchState
 from autotune.search.stopping import Budget, Stopping
 from autotune.search.transient import Reruns
 from autotune.study import (
@@ -225,6 +225,14 @@ class Search:
         )
 
     def converged(self, launched: int) -> str | None:
+        """Why to stop as converged, or None: never while a switch nothing reads has an unsettled value."""
+        reason = self._converged(launched)
+        if reason is None or self.planner is None:
+            return reason
+        args = (self.planner, self.state.study, self.recipe, self.space, self.fixed, self.rules)
+        return None if coverage.unsettled(*args) else reason
+
+    def _converged(self, launched: int) -> str | None:
         """Why to stop now that nothing untried is likely to beat the incumbent, or None.
 
         Always: ``--patience`` trials that ran (an OOM says nothing of speed and costs a fraction
@@ -245,7 +253,6 @@ class Search:
             and state.best_value
             and launched >= MIN_LAUNCHED + patience
             and state.measured_since_gain >= patience
-            and not self.unread_open()
         ):
             return (
                 f"stopped after {launched} trials: converged, the last {state.measured_since_gain} "
@@ -289,13 +296,6 @@ class Search:
             f"stopped after {launched} trials: converged, no untried candidate is expected to beat "
             f"the best {state.best_value:.3g} completions/s by more than the noise ({spread:.0%})"
         )
-
-    def unread_open(self) -> bool:
-        """Whether a switch nothing describes has a value no success ran yet (search/coverage.py)."""
-        if self.planner is None or (best := walk_from(self.state.study, self.recipe)) is None:
-            return False
-        args = (self.space, self.fixed, self.rules, tried(self.state.study), candidate_key)
-        return coverage.open_value(self.planner, best.params, *args) is not None
 
     def open(self) -> SearchState:
         """Open the study, recover what a killed controller left, and learn from its trials."""

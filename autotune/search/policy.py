@@ -56,10 +56,9 @@ from autotune.search.headroom import exportable
 from autotune.search.momentum import between, flat_knobs, keep_going, promising_onward
 from autotune.search.planner import Planner, Seen
 from autotune.search.seeds import seed_candidates
-from autotune.search.state import walk_from
+from autotune.search.state import tried, walk_from
 from autotune.search.trade import next_trade, saver_experiment
-from autotune.study import candidate_key, confirmations, measured_configs, rows
-from autotune.study.claims import pending_keys
+from autotune.study import candidate_key, confirmations, rows
 from autotune.study.ranking import noise
 from autotune.study.recovery import claim_owner
 from autotune.trial.outcome import UNINFORMATIVE, Status
@@ -202,8 +201,9 @@ class PolicySampler(BaseSampler):
             )
             if onward is not None:
                 return onward
+        ran = coverage.launched(study)
         unread = coverage.open_value(
-            self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key
+            self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, ran
         )
         if unread is not None:  # a switch nothing describes, at a value no success ran
             return unread
@@ -283,12 +283,6 @@ def rotate(items: list[Any], turn: int) -> list[Any]:
         return items
     i = turn % len(items)
     return items[i:] + items[:i]
-
-
-def tried(study: optuna.Study) -> set[str]:
-    """Configurations not to propose again: answered ones, and those running now (in another slot
-    or on another node), so K trials asked at once are K different candidates."""
-    return set(measured_configs(study)) | set(pending_keys(study))
 
 
 def pool_pays(study: optuna.Study, asking: int) -> bool:

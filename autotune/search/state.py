@@ -23,7 +23,8 @@ from autotune.recipe import Recipe
 from autotune.search.headroom import fits_headroom
 from autotune.search.planner import Planner
 from autotune.search.stopping import Stopping
-from autotune.study import StudyPaths, TrialRow, eligible, launched_rows, rows
+from autotune.study import StudyPaths, TrialRow, eligible, launched_rows, measured_configs, rows
+from autotune.study.claims import pending_keys
 from autotune.study.incidents import incidents, long_run_failures
 from autotune.study.ranking import MIN_NOISE, confirmations, headroom_limit
 from autotune.trial.layout import TrialFiles
@@ -87,6 +88,12 @@ def walk_from(study: optuna.Study, recipe: Recipe) -> TrialRow | None:
     or peaked inside the headroom, nor one a production run lost: its neighbours share its edge."""
     left, _ = eligible(rows(study), recipe, confirmations(study), failed_long=long_run_failures(study))
     return left[0] if left else None
+
+
+def tried(study: optuna.Study) -> set[str]:
+    """Configurations not to propose again: answered ones, and those running now (in another slot
+    or on another node), so K trials asked at once are K different candidates."""
+    return set(measured_configs(study)) | set(pending_keys(study))
 
 
 def short_and_left(study: optuna.Study, recipe: Recipe) -> tuple[list[TrialRow], list[TrialRow]]:
