@@ -222,10 +222,11 @@ NEMO_TEXT = (
     "layout whose TP does not divide the model's heads is refused at start-up. It was written by a "
     "helper that never read the search, after the search had been shaped on the three report families "
     "and after `verl`, and measured before any change; the changes since were read off its runs "
-    "(docs/benchmarks-notes.md, thirty-ninth, fortieth, forty-second, forty-third and forty-sixth "
-    "passes, the last a value the trainer refused by name not launched again in other settings); the "
-    "forty-fourth's and forty-fifth's changes, the pool's ties and the walk's last ones, were read off "
-    "verl's, and the forty-fifth's moves none of its runs."
+    "(docs/benchmarks-notes.md, thirty-ninth, fortieth, forty-second, forty-third, forty-sixth and "
+    "forty-seventh passes, the last two a value the trainer refused by name not launched again in other "
+    "settings and each value of a switch nothing describes, its recomputation's granularity, run before "
+    "the search settles); the forty-fourth's and forty-fifth's changes, the pool's ties and the walk's "
+    "last ones, were read off verl's, and the forty-fifth's moves none of its runs."
 )
 HELD_OUT_TEXTS = {"verl": HELD_OUT_TEXT, "nemo": NEMO_TEXT}  # a held-out family's runs, reported alone
 
