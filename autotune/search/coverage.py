@@ -4,8 +4,8 @@ The walk's rankings read two things: the memory model (or a declared direction) 
 A switch or category that neither reads (NeMo-RL's ``recompute_granularity``: full or selective; a
 PPO trainer's ``colocate_all_models``) ties with the incumbent in every ranking, so whether its other
 value pays is left to the turn the rotation of knobs happens to give it, after momentum, trades and
-co-leaders have had theirs. On the NeMo-RL-style family the selective recomputation the best
-configurations share was never run at all in 39 of seed 0's 86 searches below 0.95 of the best
+co-leaders have had theirs. On the NeMo-RL-style family, 39 of seed 0's 86 searches below 0.95 of
+the best never ran the selective recomputation that the good configuration nearest their export held
 (docs/benchmarks-notes.md, forty-seventh pass). What nothing predicts must be measured: each such
 value is run once, from the incumbent (what the value requires set with it), and a search does not
 stop as converged while one of them is still open. A value is settled once a trial holding it ran, or

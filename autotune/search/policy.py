@@ -205,7 +205,7 @@ class PolicySampler(BaseSampler):
         unread = coverage.open_value(
             self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, ran
         )
-        if unread is not None:  # a switch nothing describes, at a value no success ran
+        if unread is not None:  # a switch nothing describes, at a value not yet settled
             return unread
         further = promising_onward(
             self.planner, best.throughput or 0.0, self.space, self.fixed, self.rules, done, candidate_key
