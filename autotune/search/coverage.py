@@ -26,7 +26,7 @@ from autotune.candidate.space import Space
 from autotune.recipe import Recipe
 from autotune.search.planner import Planner
 from autotune.search.state import tried, walk_from
-from autotune.study import candidate_key, rows
+from autotune.study import TrialRow, candidate_key, rows
 
 ATTEMPTS = 2  # launched trials of a value that did not run (OOM, crash) before it is settled unrun
 
@@ -80,9 +80,10 @@ def open_value(
     return max(options, key=planner.expected_throughput, default=None)
 
 
-def launched(study: optuna.Study) -> list[tuple[dict[str, Any], str]]:
-    """Each launched trial's parameters and status, as :func:`open_value` reads them."""
-    return [(r.params, r.status) for r in rows(study) if r.launched]
+def launched(table: Iterable[TrialRow]) -> list[tuple[dict[str, Any], str]]:
+    """Each launched trial's parameters and status (of the study's ``rows``), as :func:`open_value`
+    reads them."""
+    return [(r.params, r.status) for r in table if r.launched]
 
 
 def unsettled(
@@ -98,5 +99,6 @@ def unsettled(
     best = walk_from(study, recipe)
     if best is None:
         return False
-    cand = open_value(planner, best.params, space, fixed, rules, tried(study), candidate_key, launched(study))
+    ran = launched(rows(study))
+    cand = open_value(planner, best.params, space, fixed, rules, tried(study), candidate_key, ran)
     return cand is not None

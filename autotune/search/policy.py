@@ -201,7 +201,8 @@ class PolicySampler(BaseSampler):
             )
             if onward is not None:
                 return onward
-        ran = coverage.launched(study)
+        table = rows(study)  # read once: the coverage and the noise below both read it
+        ran = coverage.launched(table)
         unread = coverage.open_value(
             self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, ran
         )
@@ -222,7 +223,7 @@ class PolicySampler(BaseSampler):
         )
         if traded is not None:  # the micro-batch is stuck: a memory saver on, and what it frees spent
             return traded
-        spread = noise(rows(study), confirmations(study))
+        spread = noise(table, confirmations(study))
         asked = saver_experiment(
             self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, spread
         )
