@@ -6,11 +6,15 @@ The space is the NeMo-RL-style one the benchmark holds out, read by the real loa
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
+import autotune
 from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
 from autotune.models import resolve_model
 from autotune.recipe import Recipe
-from autotune.search.coverage import ATTEMPTS, open_value, unread
+from autotune.search.coverage import ATTEMPTS, larger_share, open_value, unread
 from autotune.search.knobs import KnobMemory
 from autotune.search.planner import Planner
 from autotune.sim.families import held_out_base, landscape
@@ -44,8 +48,9 @@ def test_a_value_no_trial_ran_is_proposed_from_the_incumbent_with_what_it_requir
     space, planner = setting()
     off = space.normalize({**space.defaults(), "activation_checkpointing": False})
     full = space.normalize(space.defaults())
-    planner.observe(0, off, "ok", None, 40.0, throughput=5.0)
-    planner.observe(1, full, "ok", None, 35.0, throughput=4.0)
+    # peaks at the limit leave no room to raise vLLM's share (the next test)
+    planner.observe(0, off, "ok", None, 75.0, throughput=5.0)
+    planner.observe(1, full, "ok", None, 75.0, throughput=4.0)
     ran = [(off, "ok"), (full, "ok")]
     tried = {candidate_key(p) for p, _ in ran}
 
@@ -73,3 +78,62 @@ def test_a_value_no_trial_ran_is_proposed_from_the_incumbent_with_what_it_requir
     assert ask(wider) is None
     ran.pop()
     assert ask(wider) is not None
+
+
+def test_vllm_s_share_is_raised_where_the_measured_peak_leaves_room_for_all_of_it():
+    """vLLM's own docs: a larger ``gpu_memory_utilization`` gives the engine more KV cache and fewer
+    preemptions, at the cost of memory alone. Where the speed prior does not read the share, the
+    walk raises it from the incumbent as far as the measured peak leaves room for every byte of it
+    (the engine may sit beside the trainer), step by measured step, and stops after ATTEMPTS that
+    did not run."""
+    space, planner = setting()
+    here = space.normalize(space.defaults())  # the engine at 0.6 of an 80 GB card; limit 76 GiB
+    limit = planner.recipe.gpu_memory_gib * (1 - planner.recipe.headroom)
+    ran: list[tuple[dict, str]] = []
+    tried: set[str] = set()
+
+    def ask():
+        return larger_share(planner, here, space, {}, [], tried, candidate_key, ran)
+
+    assert ask() is None  # no peak measured at these knobs: no room is known
+    planner.observe(0, here, "ok", None, limit - 13.0, throughput=5.0)
+    ran.append((here, "ok"))
+    tried.add(candidate_key(here))
+    assert ask()["gpu_memory_utilization"] == 0.7  # 13 GiB of room: 0.1 of the card, not 0.2
+    planner.seen[0] = replace(planner.seen[0], peak_gib=limit - 30.0)
+    assert ask()["gpu_memory_utilization"] == 0.9  # 30 GiB: the largest value
+    # the step ran and its peak did not move (an engine that sleeps while the trainer trains): the
+    # room is read again above it
+    planner.seen[0] = replace(planner.seen[0], peak_gib=limit - 13.0)
+    up = {**here, "gpu_memory_utilization": 0.7}
+    planner.observe(1, up, "ok", None, limit - 13.0, throughput=5.0)
+    ran.append((up, "ok"))
+    tried.add(candidate_key(up))
+    assert ask()["gpu_memory_utilization"] == 0.8
+    # two launches above every share that ran, that ran out of memory or crashed, settle it
+    for share, status in ((0.8, "oom"), (0.9, "crash")):
+        ran.append(({**here, "gpu_memory_utilization": share}, status))
+    assert ATTEMPTS == 2 and ask() is None
+    # pinned, it is not searched; pinned elsewhere, the incumbent's other knobs have their own peaks
+    ran = ran[:2]
+    assert (
+        larger_share(planner, here, space, {"gpu_memory_utilization": 0.6}, [], tried, candidate_key, ran)
+        is None
+    )
+    wider = {**here, "tensor_model_parallel_size": 4}
+    assert larger_share(planner, wider, space, {}, [], tried, candidate_key, ran) is None
+
+
+def test_the_share_is_left_to_the_prior_where_the_prior_reads_it():
+    """TRL's colocated engine: the speed prior reads its share (its KV cache against the rollout,
+    candidate/speed.py), so its ranking weighs it already and the share is not raised on top."""
+    space = load_space(Path(autotune.__file__).parent / "spaces" / "grpo.yaml")
+    gpu = find_gpu_type("H100-80GB")
+    recipe = Recipe(model="Qwen2.5-7B-Instruct", gpus=8, gpu_type=gpu.name, gpu_memory_gib=gpu.memory_gib)
+    planner = Planner(resolve_model(recipe.model), recipe, gpu, knobs=KnobMemory.of(space))
+    here = {**space.normalize(space.defaults()), "vllm_gpu_memory_utilization": 0.3}
+    assert here["vllm_mode"] == "colocate"
+    # the prior reads it: a smaller KV cache generates in more waves
+    assert planner.prior({**here, "vllm_gpu_memory_utilization": 0.2}) < planner.prior(here)
+    planner.observe(0, here, "ok", None, 20.0, throughput=5.0)
+    assert larger_share(planner, here, space, {}, [], set(), candidate_key, [(here, "ok")]) is None

@@ -12,6 +12,15 @@ stop as converged while one of them is still open. A value is settled once a tri
 after :data:`ATTEMPTS` launched trials holding it ran out of memory or crashed (a value that cannot
 run must not hold the search open). Integer knobs are left to the walk's steps, which move them up and
 down by one value.
+
+One number is known without a model: vLLM's share of the card (``gpu_memory_utilization``). vLLM's
+own tuning guide cures preemption by raising it (more KV cache, more sequences in flight), so a larger
+share is never slower; what it costs is memory. Where the speed prior does not read the share (a
+trainer without TRL's vLLM switch: NeMo-RL, verl, OpenRLHF), one step that ran no faster had told the
+walk the knob was flat, while the rollout's waves fall in steps (0/#2104 stopped converged at 0.71,
+one share step from 0.96). Where the search would stop as converged, the walk raises it as far as
+the measured peak leaves room for all of it (:func:`larger_share`), and the stop waits for that: in
+the walk's own turns the steps crowded out others and lost as many searches as they won.
 """
 
 from __future__ import annotations
@@ -24,9 +33,11 @@ import optuna
 from autotune.candidate import constraints
 from autotune.candidate.space import Space
 from autotune.recipe import Recipe
+from autotune.search.knobs import fraction_knob
 from autotune.search.planner import Planner
 from autotune.search.state import tried, walk_from
 from autotune.study import TrialRow, candidate_key, rows
+from autotune.study.ranking import headroom_limit
 
 ATTEMPTS = 2  # launched trials of a value that did not run (OOM, crash) before it is settled unrun
 
@@ -80,6 +91,57 @@ def open_value(
     return max(options, key=planner.expected_throughput, default=None)
 
 
+def larger_share(
+    planner: Planner,
+    incumbent: dict[str, Any],
+    space: Space,
+    fixed: dict[str, Any],
+    rules: Iterable[Callable[[dict[str, Any]], str | None]],
+    tried: set[str],
+    key: Callable[[dict[str, Any]], str],
+    launched: list[tuple[dict[str, Any], str]],
+) -> dict[str, Any] | None:
+    """The incumbent with vLLM's share of the card raised, where the speed prior does not read the
+    share (a trainer without TRL's ``use_vllm`` switch, whose generation the prior reads): to the
+    largest value whose extra engine memory, all of it landing on the peak, stays inside the limit
+    above the largest share measured at the incumbent's other knobs. None where no peak was measured
+    there, or after :data:`ATTEMPTS` launched trials above it did not run."""
+    name = fraction_knob(incumbent)
+    limit = headroom_limit(planner.recipe)
+    if name is None or name in fixed or name not in space.params or not limit:
+        return None
+    if "use_vllm" in incumbent:
+        return None  # TRL's and ms-swift's engine: the speed prior's generation reads its share
+    values = sorted((float(v) for v in space.params[name].grid_values(64)), reverse=True)
+
+    def alike(params: dict[str, Any]) -> bool:
+        return all(params.get(k) == v for k, v in incumbent.items() if k != name)
+
+    measured = [
+        (float(s.params.get(name) or 0), s.peak_gib)
+        for s in planner.seen
+        if s.status == "ok" and s.peak_gib and alike(s.params)
+    ]
+    if not measured:
+        return None
+    share, peak = max(measured)
+    above = [p for p, status in launched if status != "ok" and float(p.get(name) or 0) > share + 1e-9]
+    if sum(alike(p) for p in above) >= ATTEMPTS:
+        return None
+    cap = planner.recipe.gpu_memory_gib
+    for value in values:
+        if value <= share + 1e-9:
+            return None
+        if peak + (value - share) * cap > limit:
+            continue
+        cand = space.normalize(constraints.derive({**incumbent, name: value, **fixed}, planner.recipe))
+        if constraints.violations(cand, planner.recipe, rules) or key(cand) in tried:
+            continue
+        if not planner.verdict(cand).skip:
+            return cand
+    return None
+
+
 def launched(table: Iterable[TrialRow]) -> list[tuple[dict[str, Any], str]]:
     """Each launched trial's parameters and status (of the study's ``rows``), as :func:`open_value`
     reads them."""
@@ -100,5 +162,5 @@ def unsettled(
     if best is None:
         return False
     ran = launched(rows(study))
-    cand = open_value(planner, best.params, space, fixed, rules, tried(study), candidate_key, ran)
-    return cand is not None
+    args = (planner, best.params, space, fixed, rules, tried(study), candidate_key, ran)
+    return open_value(*args) is not None or larger_share(*args) is not None

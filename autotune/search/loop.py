@@ -225,8 +225,9 @@ class Search:
         )
 
     def converged(self, launched: int) -> str | None:
-        """Why to stop as converged, or None: never while a switch nothing reads has an unsettled value."""
+        """Why to stop as converged, or None: not while a value is unsettled (search/coverage.py)."""
         reason = self._converged(launched)
+        self.state.study.sampler.settling = reason is not None  # the walk raises vLLM's share then
         if reason is None or self.planner is None:
             return reason
         args = (self.planner, self.state.study, self.recipe, self.space, self.fixed, self.rules)

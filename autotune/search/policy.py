@@ -104,6 +104,7 @@ class PolicySampler(BaseSampler):
         self.asked = 0  # proposals in this session: the local-search rhythm counts them
         self.stall = 0  # proposals in a row that needed no launch (invalid, a repeat, skipped)
         self.local_turns = 0  # one-knob steps proposed: they take the co-leaders in turn
+        self.settling = False  # the search would stop as converged but for a value still open
 
     # -- Optuna's sampler interface: TPE does the sampling --------------------------------------
     def infer_relative_search_space(
@@ -208,6 +209,10 @@ class PolicySampler(BaseSampler):
         )
         if unread is not None:  # a switch nothing describes, at a value not yet settled
             return unread
+        if self.settling:  # the search would stop as converged: vLLM's share, up while the peak has room
+            args = (self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, ran)
+            if (share := coverage.larger_share(*args)) is not None:
+                return share
         further = promising_onward(
             self.planner, best.throughput or 0.0, self.space, self.fixed, self.rules, done, candidate_key
         )
