@@ -178,8 +178,9 @@ class Recipe:
         metadata=_opt(
             "Stop once this many trials that ran (OOMs do not count) brought no gain beyond the "
             "noise (the larger of 3% and the spread of its own one-knob pairs the speed prior "
-            "cannot tell apart), after at least 6 more launched, and once each value of a switch "
-            "neither the memory model nor the speed prior reads has run (0: never)."
+            "cannot tell apart), after at least 6 more launched, once each value of a switch "
+            "neither the memory model nor the speed prior reads has run, and once vLLM's share, "
+            "where the prior does not read it, is as high as the measured peak has room for (0: never)."
         ),
     )
     warmup_steps: int = field(default=2, metadata=_opt("Steps before a trial's throughput is measured."))
