@@ -110,6 +110,14 @@ def test_vllm_s_share_is_raised_where_the_measured_peak_leaves_room_for_all_of_i
     ran.append((up, "ok"))
     tried.add(candidate_key(up))
     assert ask()["gpu_memory_utilization"] == 0.8
+    # while that raise runs (--parallel), the next slot does not step down past it to 0.7
+    running = {candidate_key({**here, "gpu_memory_utilization": 0.8})}
+    assert larger_share(planner, here, space, {}, [], tried, candidate_key, ran, running) is None
+    # on CPU (vLLM's CPU backend sizes its cache by its own setting) it is left alone
+    gpu = planner.recipe
+    planner.recipe = replace(gpu, device="cpu", memory_limit_gib=gpu.gpu_memory_gib)
+    assert ask() is None
+    planner.recipe = gpu
     # two launches above every share that ran, that ran out of memory or crashed, settle it
     for share, status in ((0.8, "oom"), (0.9, "crash")):
         ran.append(({**here, "gpu_memory_utilization": share}, status))

@@ -457,11 +457,13 @@ def test_where_the_search_would_stop_the_walk_raises_vllm_s_share_while_the_peak
     assert sampler.local(search.state.study) != {**best, "gpu_memory_utilization": 0.7}  # not settling
     assert search.converged(20) is None and sampler.settling
     assert sampler.local(search.state.study) == {**best, "gpu_memory_utilization": 0.7}
+    assert not sampler.settling  # one raise for each stop held back
     ran({**best, "gpu_memory_utilization": 0.7}, 10.0, 60.0)  # its peak did not move
     assert search.converged(20) is None
     assert sampler.local(search.state.study) == {**best, "gpu_memory_utilization": 0.8}
     ran({**best, "gpu_memory_utilization": 0.8}, 10.0, 68.0)  # it did: 7.3 GiB of room, not 8
     assert search.converged(20) == "converged (as the stops would say)"
+    assert not sampler.settling  # a search that goes on after its stop walks before it raises
 
 
 def search(index: int):

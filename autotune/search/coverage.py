@@ -100,17 +100,20 @@ def larger_share(
     tried: set[str],
     key: Callable[[dict[str, Any]], str],
     launched: list[tuple[dict[str, Any], str]],
+    running: Iterable[str] = (),
 ) -> dict[str, Any] | None:
     """The incumbent with vLLM's share of the card raised, where the speed prior does not read the
     share (a trainer without TRL's ``use_vllm`` switch, whose generation the prior reads): to the
     largest value whose extra engine memory, all of it landing on the peak, stays inside the limit
     above the largest share measured at the incumbent's other knobs. None where no peak was measured
-    there, or after :data:`ATTEMPTS` launched trials above it did not run."""
+    there, after :data:`ATTEMPTS` launched trials above it did not run, while such a raise is still
+    running (``running``: the keys of running trials; under ``--parallel`` the next slot would step
+    down past it), and on CPU (vLLM's CPU backend sizes its cache otherwise)."""
     name = fraction_knob(incumbent)
     limit = headroom_limit(planner.recipe)
     if name is None or name in fixed or name not in space.params or not limit:
         return None
-    if "use_vllm" in incumbent:
+    if "use_vllm" in incumbent or planner.recipe.device == "cpu":
         return None  # TRL's and ms-swift's engine: the speed prior's generation reads its share
     values = sorted((float(v) for v in space.params[name].grid_values(64)), reverse=True)
 
@@ -128,13 +131,15 @@ def larger_share(
     above = [p for p, status in launched if status != "ok" and float(p.get(name) or 0) > share + 1e-9]
     if sum(alike(p) for p in above) >= ATTEMPTS:
         return None
-    cap = planner.recipe.gpu_memory_gib
+    cap, running = planner.recipe.gpu_memory_gib, set(running)
     for value in values:
         if value <= share + 1e-9:
             return None
+        cand = space.normalize(constraints.derive({**incumbent, name: value, **fixed}, planner.recipe))
+        if key(cand) in running:
+            return None
         if peak + (value - share) * cap > limit:
             continue
-        cand = space.normalize(constraints.derive({**incumbent, name: value, **fixed}, planner.recipe))
         if constraints.violations(cand, planner.recipe, rules) or key(cand) in tried:
             continue
         if not planner.verdict(cand).skip:

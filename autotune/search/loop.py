@@ -227,11 +227,10 @@ class Search:
     def converged(self, launched: int) -> str | None:
         """Why to stop as converged, or None: not while a value is unsettled (search/coverage.py)."""
         reason = self._converged(launched)
-        self.state.study.sampler.settling = reason is not None  # the walk raises vLLM's share then
-        if reason is None or self.planner is None:
-            return reason
         args = (self.planner, self.state.study, self.recipe, self.space, self.fixed, self.rules)
-        return None if coverage.unsettled(*args) else reason
+        held = reason is not None and self.planner is not None and coverage.unsettled(*args)
+        self.state.study.sampler.settling = held  # while a stop is held back, the walk raises vLLM's share
+        return None if held else reason
 
     def _converged(self, launched: int) -> str | None:
         """Why to stop now that nothing untried is likely to beat the incumbent, or None.

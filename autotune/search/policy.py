@@ -59,6 +59,7 @@ from autotune.search.seeds import seed_candidates
 from autotune.search.state import tried, walk_from
 from autotune.search.trade import next_trade, saver_experiment
 from autotune.study import candidate_key, confirmations, rows
+from autotune.study.claims import pending_keys
 from autotune.study.ranking import noise
 from autotune.study.recovery import claim_owner
 from autotune.trial.outcome import UNINFORMATIVE, Status
@@ -211,7 +212,8 @@ class PolicySampler(BaseSampler):
             return unread
         if self.settling:  # the search would stop as converged: vLLM's share, up while the peak has room
             args = (self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, ran)
-            if (share := coverage.larger_share(*args)) is not None:
+            if (share := coverage.larger_share(*args, pending_keys(study))) is not None:
+                self.settling = False  # one raise for each stop held back (converged asks again)
                 return share
         further = promising_onward(
             self.planner, best.throughput or 0.0, self.space, self.fixed, self.rules, done, candidate_key
