@@ -1,5 +1,7 @@
 """A switch or category that neither the memory side nor the speed prior reads has each of its values
-run once, from the incumbent, before the search settles (search/coverage.py).
+run once, from the incumbent, before the search settles (search/coverage.py); where the search would
+stop, vLLM's share, which the prior does not read for such a trainer, goes up as far as the measured
+peak leaves room for (coverage.larger_share).
 
 The space is the NeMo-RL-style one the benchmark holds out, read by the real loader: its
 ``recompute_granularity`` is declared nowhere and only counts with checkpointing on."""
