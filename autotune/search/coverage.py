@@ -114,7 +114,7 @@ def larger_share(
     if name is None or name in fixed or name not in space.params or not limit:
         return None
     if "use_vllm" in incumbent or planner.recipe.device == "cpu":
-        return None  # TRL's and ms-swift's engine: the speed prior's generation reads its share
+        return None  # TRL's and ms-swift's engine, whose share the prior reads; vLLM on CPU
     values = sorted((float(v) for v in space.params[name].grid_values(64)), reverse=True)
 
     def alike(params: dict[str, Any]) -> bool:

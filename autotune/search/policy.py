@@ -205,13 +205,11 @@ class PolicySampler(BaseSampler):
                 return onward
         table = rows(study)  # read once: the coverage and the noise below both read it
         ran = coverage.launched(table)
-        unread = coverage.open_value(
-            self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, ran
-        )
+        args = (self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, ran)
+        unread = coverage.open_value(*args)
         if unread is not None:  # a switch nothing describes, at a value not yet settled
             return unread
         if self.settling:  # the search would stop as converged: vLLM's share, up while the peak has room
-            args = (self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, ran)
             if (share := coverage.larger_share(*args, pending_keys(study))) is not None:
                 self.settling = False  # one raise for each stop held back (converged asks again)
                 return share
