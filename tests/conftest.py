@@ -360,6 +360,23 @@ def run_trial(recipe_factory, tmp_path, params, model="tiny-qwen", **recipe_kw):
     return result, trial_dir, lines
 
 
+#: A 7B-class TRL candidate the memory and planner tests start from: ZeRO-3, checkpointing,
+#: micro-batch 4 x 4 accumulation, 8 generations, vLLM colocated at 0.4 without sleep mode.
+COLOCATED = dict(
+    per_device_train_batch_size=4,
+    gradient_accumulation_steps=4,
+    num_generations=8,
+    zero_stage=3,
+    offload="none",
+    gradient_checkpointing=True,
+    use_vllm=True,
+    vllm_mode="colocate",
+    vllm_gpu_memory_utilization=0.4,
+    vllm_enable_sleep_mode=False,
+    vllm_tensor_parallel_size=1,
+)
+
+
 def params(pd=2, accum=2, gens=2, **kw):
     return dict(
         per_device_train_batch_size=pd,

@@ -19,6 +19,7 @@ from autotune.recipe import Recipe
 from autotune.search.coverage import ATTEMPTS, larger_share, open_value, unread
 from autotune.search.knobs import KnobMemory
 from autotune.search.planner import Planner
+from autotune.search.walk import Walk
 from autotune.sim.families import held_out_base, landscape
 from autotune.study import candidate_key
 
@@ -57,7 +58,7 @@ def test_a_value_no_trial_ran_is_proposed_from_the_incumbent_with_what_it_requir
     tried = {candidate_key(p) for p, _ in ran}
 
     def ask(incumbent, fixed=None):
-        return open_value(planner, incumbent, space, fixed or {}, [], tried, candidate_key, ran)
+        return open_value(Walk.of(planner, space, fixed or {}, [], tried, candidate_key), incumbent, ran)
 
     # from an incumbent without checkpointing, selective recomputation needs it on: both move
     cand = ask(off)
@@ -95,7 +96,7 @@ def test_vllm_s_share_is_raised_where_the_measured_peak_leaves_room_for_all_of_i
     tried: set[str] = set()
 
     def ask():
-        return larger_share(planner, here, space, {}, [], tried, candidate_key, ran)
+        return larger_share(Walk.of(planner, space, {}, [], tried, candidate_key), here, ran)
 
     assert ask() is None  # no peak measured at these knobs: no room is known
     planner.observe(0, here, "ok", None, limit - 13.0, throughput=5.0)
@@ -114,7 +115,7 @@ def test_vllm_s_share_is_raised_where_the_measured_peak_leaves_room_for_all_of_i
     assert ask()["gpu_memory_utilization"] == 0.8
     # while that raise runs (--parallel), the next slot does not step down past it to 0.7
     running = {candidate_key({**here, "gpu_memory_utilization": 0.8})}
-    assert larger_share(planner, here, space, {}, [], tried, candidate_key, ran, running) is None
+    assert larger_share(Walk.of(planner, space, {}, [], tried, candidate_key), here, ran, running) is None
     # on CPU (vLLM's CPU backend sizes its cache by its own setting) it is left alone
     gpu = planner.recipe
     planner.recipe = replace(gpu, device="cpu", memory_limit_gib=gpu.gpu_memory_gib)
@@ -127,11 +128,13 @@ def test_vllm_s_share_is_raised_where_the_measured_peak_leaves_room_for_all_of_i
     # pinned, it is not searched; pinned elsewhere, the incumbent's other knobs have their own peaks
     ran = ran[:2]
     assert (
-        larger_share(planner, here, space, {"gpu_memory_utilization": 0.6}, [], tried, candidate_key, ran)
+        larger_share(
+            Walk.of(planner, space, {"gpu_memory_utilization": 0.6}, [], tried, candidate_key), here, ran
+        )
         is None
     )
     wider = {**here, "tensor_model_parallel_size": 4}
-    assert larger_share(planner, wider, space, {}, [], tried, candidate_key, ran) is None
+    assert larger_share(Walk.of(planner, space, {}, [], tried, candidate_key), wider, ran) is None
 
 
 def test_the_share_is_left_to_the_prior_where_the_prior_reads_it():
@@ -146,4 +149,4 @@ def test_the_share_is_left_to_the_prior_where_the_prior_reads_it():
     # the prior reads it: a smaller KV cache generates in more waves
     assert planner.prior({**here, "vllm_gpu_memory_utilization": 0.2}) < planner.prior(here)
     planner.observe(0, here, "ok", None, 20.0, throughput=5.0)
-    assert larger_share(planner, here, space, {}, [], set(), candidate_key, [(here, "ok")]) is None
+    assert larger_share(Walk.of(planner, space, {}, [], set(), candidate_key), here, [(here, "ok")]) is None

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import COLOCATED
 
 from autotune import configs as lc
 from autotune.candidate.batch import completions_per_step
@@ -51,21 +52,16 @@ def recipe(**kw) -> Recipe:
 
 
 def params(**kw) -> dict:
-    base = dict(
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        num_generations=8,
-        zero_stage=3,
-        offload="none",
-        gradient_checkpointing=True,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_gpu_memory_utilization=0.45,
-        vllm_enable_sleep_mode=True,
-        vllm_tensor_parallel_size=2,
-    )
-    base.update(kw)
-    return base
+    """The colocated candidate of conftest with sleep mode on and a tensor-parallel engine, which the
+    launch files must carry through."""
+    return {
+        **COLOCATED,
+        "gradient_accumulation_steps": 2,
+        "vllm_gpu_memory_utilization": 0.45,
+        "vllm_enable_sleep_mode": True,
+        "vllm_tensor_parallel_size": 2,
+        **kw,
+    }
 
 
 def grpo(kwargs: dict, **extra):

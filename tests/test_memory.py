@@ -1,7 +1,7 @@
 """The memory model: DeepSpeed's estimator formulas, monotonicity, published figures."""
 
 import pytest
-from conftest import saved_activation_bytes
+from conftest import COLOCATED, saved_activation_bytes
 
 from autotune.candidate.footprint import zero_model_states_bytes
 from autotune.candidate.memory import estimate
@@ -9,19 +9,7 @@ from autotune.models import resolve_model
 from autotune.units import GIB
 
 QWEN7 = resolve_model("Qwen2.5-7B-Instruct")
-BASE = dict(
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=4,
-    num_generations=8,
-    zero_stage=3,
-    offload="none",
-    gradient_checkpointing=True,
-    use_vllm=True,
-    vllm_mode="colocate",
-    vllm_gpu_memory_utilization=0.4,
-    vllm_enable_sleep_mode=False,
-    vllm_tensor_parallel_size=1,
-)
+BASE = COLOCATED
 
 
 def est(model=QWEN7, gpus=4, capacity=79.3, prompt=512, completion=1024, **kw):

@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import COLOCATED
 
 from autotune.candidate import constraints
 from autotune.candidate.space_file import load_space
@@ -16,23 +17,12 @@ from autotune.runners import TrialContext
 from autotune.runners.sim import SimRunner
 from autotune.search.cures import CURES, toward_feasible
 from autotune.search.planner import Planner, neighbors
+from autotune.search.walk import Walk
 from autotune.sim.landscape import evaluate
 from autotune.study import Confirmation, TrialRow, candidate_key, choose_best
 from autotune.trial.outcome import Status
 
-BASE = dict(
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=4,
-    num_generations=8,
-    zero_stage=3,
-    offload="none",
-    gradient_checkpointing=True,
-    use_vllm=True,
-    vllm_mode="colocate",
-    vllm_gpu_memory_utilization=0.4,
-    vllm_enable_sleep_mode=False,
-    vllm_tensor_parallel_size=1,
-)
+BASE = COLOCATED
 
 
 def setup(model="Qwen2.5-7B-Instruct", gpus=4, gpu="A100-80GB", **kw):
@@ -338,13 +328,13 @@ def test_when_nothing_has_fit_the_next_proposal_walks_from_the_nearest_oom():
         planner.observe(n, params, "oom", "cuda", None)
         tried.add(repr(sorted(params.items())))
     assert planner.predict(near) < planner.predict(big)
-    step = toward_feasible(planner, space, {}, [], tried, lambda c: repr(sorted(c.items())))
+    step = toward_feasible(Walk.of(planner, space, {}, [], tried, lambda c: repr(sorted(c.items()))))
     assert step is not None and not planner.verdict(step).skip
     assert step in neighbors(near, space, {}, recipe) or step in neighbors(big, space, {}, recipe)
     assert planner.predict(step) < planner.predict(big)
     # once something fits, the local search around the best takes over
     planner.observe(9, step, "ok", None, 40.0, 1.0)
-    assert toward_feasible(planner, space, {}, [], tried, lambda c: repr(sorted(c.items()))) is None
+    assert toward_feasible(Walk.of(planner, space, {}, [], tried, lambda c: repr(sorted(c.items())))) is None
 
 
 def test_a_space_in_the_trainers_own_names_is_judged_by_its_batch():
@@ -583,7 +573,7 @@ def test_the_walk_toward_feasibility_follows_each_failures_cure(kind, cured):
     tried = {key(oom)}
     cure_knobs = set(CURES[kind]) | {"gradient_accumulation_steps"}
     for _ in range(4):  # every step from it is a cure of its kind, and nothing else
-        step = toward_feasible(planner, space, {}, [], tried, key)
+        step = toward_feasible(Walk.of(planner, space, {}, [], tried, key))
         assert step is not None and cured(step, oom), (kind, step)
         assert {k for k in step if step[k] != oom.get(k)} <= cure_knobs, (kind, step)
         tried.add(key(step))

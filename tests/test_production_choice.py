@@ -4,6 +4,8 @@ checkpoint it resumes from. The end-to-end runs are in tests/test_production.py.
 
 import json
 
+from conftest import COLOCATED
+
 from autotune.candidate import constraints
 from autotune.candidate.space_file import load_space
 from autotune.hardware import find_gpu_type
@@ -15,19 +17,7 @@ from autotune.search.planner import Planner
 from autotune.study import TrialRow
 from autotune.study.incidents import Incident
 
-FAILED = dict(
-    per_device_train_batch_size=4,
-    gradient_accumulation_steps=4,
-    num_generations=8,
-    zero_stage=3,
-    offload="none",
-    gradient_checkpointing=True,
-    use_vllm=True,
-    vllm_mode="colocate",
-    vllm_gpu_memory_utilization=0.4,
-    vllm_enable_sleep_mode=False,
-    vllm_tensor_parallel_size=1,
-)
+FAILED = COLOCATED
 SMALLER_BATCH = {**FAILED, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 8}
 MORE_KV = {**FAILED, "vllm_gpu_memory_utilization": 0.6}  # more room for vLLM's KV cache
 LESS_VLLM = {**FAILED, "vllm_gpu_memory_utilization": 0.3}  # leaves the trainer more at start-up

@@ -10,6 +10,7 @@ from autotune.search.headroom import save_risks, unmeasured_risks
 from autotune.search.knobs import KnobMemory
 from autotune.search.momentum import flat_knobs
 from autotune.search.planner import Planner
+from autotune.search.walk import Walk
 from autotune.study import candidate_key, rows
 from autotune.study.ranking import Confirmation, choose_best, eligible
 from autotune.trial.outcome import Status
@@ -368,7 +369,7 @@ def test_a_measured_local_optimum_stops_without_a_prior(tmp_path):
     best = {**PPO, "micro_train_batch_size": 4}
     planner.observe(1, best, "ok", None, 40.0, 3.0)
     tried = {candidate_key(best)}
-    assert not local_optimum(planner, space, fixed, [], tried, candidate_key)
+    assert not local_optimum(Walk.of(planner, space, fixed, [], tried, candidate_key))
     planner.observe(2, {**best, "micro_train_batch_size": 8}, "oom", "cuda", None)
     for n, change in enumerate(
         [
@@ -383,12 +384,12 @@ def test_a_measured_local_optimum_stops_without_a_prior(tmp_path):
         start=3,
     ):
         cand = {**best, **change}
-        assert not local_optimum(planner, space, fixed, [], tried, candidate_key), change
+        assert not local_optimum(Walk.of(planner, space, fixed, [], tried, candidate_key)), change
         planner.observe(n, cand, "ok", None, 40.0, 2.0)
         tried.add(candidate_key(cand))
     # adam_offload x colocate is the last pair: measured flat, it is passed over
-    assert not local_optimum(planner, space, fixed, [], tried, candidate_key)
-    assert local_optimum(planner, space, fixed, [], tried, candidate_key, {"colocate_all_models"})
+    assert not local_optimum(Walk.of(planner, space, fixed, [], tried, candidate_key))
+    assert local_optimum(Walk.of(planner, space, fixed, [], tried, candidate_key), {"colocate_all_models"})
 
 
 def test_a_knob_is_flat_within_the_measured_noise():
@@ -419,7 +420,9 @@ def test_the_priors_nothing_better_says_nothing_of_knobs_it_cannot_see(tmp_path)
     assert "colocate_all_models" in blind and "micro_train_batch_size" not in blind
     planner.observe(1, PPO, "ok", None, 40.0, 3.0)
     tried = {candidate_key(PPO)}
-    assert not local_optimum(planner, space, fixed, [], tried, candidate_key, only={"colocate_all_models"})
+    assert not local_optimum(
+        Walk.of(planner, space, fixed, [], tried, candidate_key), only={"colocate_all_models"}
+    )
     for n, cand in enumerate(
         c
         for c in _neighbours(planner, space, fixed, PPO)
@@ -427,7 +430,9 @@ def test_the_priors_nothing_better_says_nothing_of_knobs_it_cannot_see(tmp_path)
     ):
         planner.observe(10 + n, cand, "oom", "cuda", None)
         tried.add(candidate_key(cand))
-    assert local_optimum(planner, space, fixed, [], tried, candidate_key, only={"colocate_all_models"})
+    assert local_optimum(
+        Walk.of(planner, space, fixed, [], tried, candidate_key), only={"colocate_all_models"}
+    )
 
 
 def _neighbours(planner, space, fixed, params):
@@ -449,10 +454,10 @@ def test_a_runner_up_whose_knob_pays_is_followed_when_it_promises_a_new_best(tmp
     planner.observe(2, {**lean, "micro_train_batch_size": 2}, "ok", None, 30.0, 5.17)
     planner.observe(3, {**lean, "micro_train_batch_size": 4}, "ok", None, 40.0, 6.08)
     tried = {candidate_key(s.params) for s in planner.seen}
-    nxt = promising_onward(planner, 6.72, space, fixed, [], tried, candidate_key)
+    nxt = promising_onward(Walk.of(planner, space, fixed, [], tried, candidate_key), 6.72)
     assert nxt == {**lean, "micro_train_batch_size": 8}
     # a runner-up whose step gained too little to beat the best is not followed
-    assert promising_onward(planner, 7.5, space, fixed, [], tried, candidate_key) is None
+    assert promising_onward(Walk.of(planner, space, fixed, [], tried, candidate_key), 7.5) is None
 
 
 def plain_planner():
@@ -483,7 +488,7 @@ def test_a_knob_measured_to_cost_speed_is_asked_whether_it_saves_the_memory_the_
     tried = {candidate_key(p) for p in (base, {**base, "log_interval": 10}, {**base, "micro_batch_size": 8})}
 
     def ask():
-        return saver_experiment(planner, base, space, {}, [], tried, candidate_key, 0.03)
+        return saver_experiment(Walk.of(planner, space, {}, [], tried, candidate_key), base, 0.03)
 
     assert ask() is None  # nothing measured to cost speed: no knob looks like a saver
     slow = {**base, "activation_offload": True}
@@ -512,7 +517,7 @@ def _plain_stuck():
     tried = {candidate_key(s.params) for s in planner.seen}
 
     def ask():
-        return saver_experiment(planner, base, space, {}, [], tried, candidate_key, 0.03)
+        return saver_experiment(Walk.of(planner, space, {}, [], tried, candidate_key), base, 0.03)
 
     return planner, base, tried, ask
 
@@ -568,7 +573,7 @@ def test_an_oom_holding_a_known_knobs_costly_value_is_still_where_an_experiment_
     planner.observe(3, {**here, "colocate_all_models": True}, "ok", None, None, 1.6)  # and so does this
     planner.observe(4, {**PPO, "zero_stage": 3}, "oom", "cuda", None)  # micro-batch 8
     tried = {candidate_key(s.params) for s in planner.seen}
-    asked = saver_experiment(planner, here, space, fixed, [], tried, candidate_key, 0.03)
+    asked = saver_experiment(Walk.of(planner, space, fixed, [], tried, candidate_key), here, 0.03)
     assert asked == {**PPO, "zero_stage": 3, "colocate_all_models": True}, asked
 
 

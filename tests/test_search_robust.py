@@ -8,6 +8,7 @@ from conftest import LEAN, make_search
 
 from autotune.search import candidates
 from autotune.search.policy import PROPOSAL_ATTR, SEEDS_ATTR, tried
+from autotune.search.walk import Walk
 from autotune.study import candidate_key
 from autotune.study.ranking import headroom_limit
 from autotune.trial.outcome import Outcome
@@ -313,10 +314,11 @@ def test_moving_along_a_knob_while_it_pays_and_not_along_one_that_does_nothing(t
     planner.observe(1, cand(4), "ok", None, 6.0, 4.0)
     planner.observe(2, cand(8), "ok", None, 8.0, 7.0)
     args = (search.space, search.fixed, search.rules, tried(study), candidate_key)
-    assert keep_going(planner, planner.seen[1], *args)["per_device_train_batch_size"] == 16
+    walk = Walk.of(planner, *args)
+    assert keep_going(walk, planner.seen[1])["per_device_train_batch_size"] == 16
     # a slope that will not keep the headroom (peaks 6 -> 18: 16 would need 30 of 21.2 GiB)
     planner.seen[1].peak_gib = 18.0
-    assert keep_going(planner, planner.seen[1], *args) is None
+    assert keep_going(walk, planner.seen[1]) is None
     # checkpointing measured twice to change nothing: no turn of its own
     planner.observe(3, cand(4, gc=False), "ok", None, 6.0, 4.05)
     planner.observe(4, cand(8, gc=False), "ok", None, 8.0, 6.9)
@@ -348,19 +350,19 @@ def test_a_step_that_paid_but_peaked_inside_the_headroom_is_followed_by_the_valu
     def at(fraction):
         return {**base, "vllm_gpu_memory_utilization": fraction}
 
-    args = (search.space, search.fixed, search.rules, tried(study), candidate_key)
+    walk = Walk.of(planner, search.space, search.fixed, search.rules, tried(study), candidate_key)
     planner.observe(1, at(0.3), "ok", None, 0.7 * limit, 4.0)
     planner.observe(2, at(0.5), "ok", None, 1.02 * limit, 4.8)  # +20%, inside the headroom
-    step = between(planner, 4.0, *args)
+    step = between(walk, 4.0)
     assert step is not None and step["vllm_gpu_memory_utilization"] == 0.4
     assert {k: v for k, v in step.items() if k != "vllm_gpu_memory_utilization"} == {
         k: v for k, v in at(0.3).items() if k != "vllm_gpu_memory_utilization"
     }
     # not when the overshoot did not beat the best exportable throughput
-    assert between(planner, 4.8, *args) is None
+    assert between(walk, 4.8) is None
     # nor when both ends kept the headroom (nothing overshot: the walk goes on as it pays)
     planner.seen[1].peak_gib = 0.9 * limit
-    assert between(planner, 4.0, *args) is None
+    assert between(walk, 4.0) is None
 
 
 def local_steps_beside(tmp_path, runner_up: float) -> list[dict]:

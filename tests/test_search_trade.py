@@ -8,6 +8,7 @@ from pathlib import Path
 
 from conftest import make_search
 
+from autotune.search.walk import Walk
 from autotune.study import candidate_key
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,10 +36,13 @@ def test_a_stuck_micro_batch_is_raised_with_a_memory_saver_on(tmp_path):
     up = pick(search, per_device_train_batch_size=2, gradient_checkpointing=False)
     planner.observe(1, here, "ok", None, 9.8, 2.0)  # as the model predicts: it stays as it is
     assert planner.predict(up) < search.recipe.gpu_memory_gib * (1 - search.recipe.headroom)
-    assert next_trade(planner, here, search.space, search.fixed, search.rules, set(), candidate_key) is None
+    assert (
+        next_trade(Walk.of(planner, search.space, search.fixed, search.rules, set(), candidate_key), here)
+        is None
+    )
     planner.observe(2, up, "oom", "cuda", None)
     tried = {candidate_key(here), candidate_key(up)}
-    trade = next_trade(planner, here, search.space, search.fixed, search.rules, tried, candidate_key)
+    trade = next_trade(Walk.of(planner, search.space, search.fixed, search.rules, tried, candidate_key), here)
     assert trade is not None
     assert trade["gradient_checkpointing"] is True and trade["per_device_train_batch_size"] >= 4, trade
     assert not planner.verdict(trade).skip
@@ -60,15 +64,12 @@ def test_a_trade_that_ran_is_not_repeated_smaller_one_that_ran_out_of_memory_is(
 
     for status, then in (("ok", None), ("oom", 4)):
         search, here, tried = stuck(tmp_path / status)
-        trade = next_trade(
-            search.planner, here, search.space, search.fixed, search.rules, tried, candidate_key
-        )
+        walk = Walk.of(search.planner, search.space, search.fixed, search.rules, tried, candidate_key)
+        trade = next_trade(walk, here)
         assert (trade["gradient_checkpointing"], trade["per_device_train_batch_size"]) == (True, 8), trade
         search.planner.observe(3, trade, status, "cuda" if status == "oom" else None, 15.8, 3.0)
         tried.add(candidate_key(trade))
-        again = next_trade(
-            search.planner, here, search.space, search.fixed, search.rules, tried, candidate_key
-        )
+        again = next_trade(walk, here)
         assert (again and again["per_device_train_batch_size"]) == then, again
 
 
@@ -107,7 +108,7 @@ def test_a_knob_of_unknown_memory_effect_is_no_saver(tmp_path):
     planner.observe(1, here, "ok", None, 15.0, 2.0)
     planner.observe(2, up, "oom", "cuda", None)
     tried = {candidate_key(here), candidate_key(up)}
-    trade = next_trade(planner, here, search.space, search.fixed, search.rules, tried, candidate_key)
+    trade = next_trade(Walk.of(planner, search.space, search.fixed, search.rules, tried, candidate_key), here)
     assert trade is not None and trade["micro_train_batch_size"] > 2, trade
     assert trade["colocate_all_models"] is False, trade
     seen = set()
@@ -117,7 +118,9 @@ def test_a_knob_of_unknown_memory_effect_is_no_saver(tmp_path):
             next(k for k in ("adam_offload", "gradient_checkpointing", "zero_stage") if trade[k] != here[k])
         )
         tried.add(candidate_key(trade))
-        trade = next_trade(planner, here, search.space, search.fixed, search.rules, tried, candidate_key)
+        trade = next_trade(
+            Walk.of(planner, search.space, search.fixed, search.rules, tried, candidate_key), here
+        )
     assert "adam_offload" in seen, seen
 
 

@@ -30,12 +30,12 @@ from typing import Any
 
 import optuna
 
-from autotune.candidate import constraints
 from autotune.candidate.space import Space
 from autotune.recipe import Recipe
 from autotune.search.knobs import fraction_knob
 from autotune.search.planner import Planner
 from autotune.search.state import tried, walk_from
+from autotune.search.walk import Walk
 from autotune.study import TrialRow, candidate_key, rows
 from autotune.study.ranking import headroom_limit
 
@@ -63,42 +63,27 @@ def unread(planner: Planner, space: Space, fixed: dict[str, Any], params: dict[s
 
 
 def open_value(
-    planner: Planner,
-    incumbent: dict[str, Any],
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Iterable[Callable[[dict[str, Any]], str | None]],
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-    launched: Iterable[tuple[dict[str, Any], str]],
+    walk: Walk, incumbent: dict[str, Any], launched: Iterable[tuple[dict[str, Any], str]]
 ) -> dict[str, Any] | None:
     """The incumbent with one such knob set to a value not yet settled (``launched``: each launched
     trial's parameters and status), best expected first; None when every value is settled or every
     candidate that would run one is tried or ruled out."""
-    rules, launched = list(rules), list(launched)
+    planner, space, launched = walk.planner, walk.space, list(launched)
     options = []
-    for name in unread(planner, space, fixed, incumbent):
+    for name in unread(planner, space, walk.fixed, incumbent):
         for value in space.params[name].choices or ():
             holding = [status for params, status in launched if params.get(name) == value]
             if "ok" in holding or len(holding) >= ATTEMPTS:
                 continue
-            cand = {**incumbent, **space.params[name].requires, name: value, **fixed}
-            cand = space.normalize(constraints.derive(cand, planner.recipe))
-            if cand.get(name) != value or constraints.violations(cand, planner.recipe, rules):
-                continue
-            if key(cand) not in tried and not planner.verdict(cand).skip:
+            cand = walk.candidate({**incumbent, **space.params[name].requires, name: value, **walk.fixed})
+            if cand.get(name) == value and walk.open(cand):
                 options.append(cand)
     return max(options, key=planner.expected_throughput, default=None)
 
 
 def larger_share(
-    planner: Planner,
+    walk: Walk,
     incumbent: dict[str, Any],
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Iterable[Callable[[dict[str, Any]], str | None]],
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
     launched: list[tuple[dict[str, Any], str]],
     running: Iterable[str] = (),
 ) -> dict[str, Any] | None:
@@ -109,13 +94,13 @@ def larger_share(
     there, after :data:`ATTEMPTS` launched trials above it did not run, while such a raise is still
     running (``running``: the keys of running trials; under ``--parallel`` the next slot would step
     down past it), and on CPU (vLLM's CPU backend sizes its cache otherwise)."""
-    name = fraction_knob(incumbent)
+    planner, name = walk.planner, fraction_knob(incumbent)
     limit = headroom_limit(planner.recipe)
-    if name is None or name in fixed or name not in space.params or not limit:
+    if name is None or name in walk.fixed or name not in walk.space.params or not limit:
         return None
     if "use_vllm" in incumbent or planner.recipe.device == "cpu":
         return None  # TRL's and ms-swift's engine, whose share the prior reads; vLLM on CPU
-    values = sorted((float(v) for v in space.params[name].grid_values(64)), reverse=True)
+    values = sorted((float(v) for v in walk.space.params[name].grid_values(64)), reverse=True)
 
     def alike(params: dict[str, Any]) -> bool:
         return all(params.get(k) == v for k, v in incumbent.items() if k != name)
@@ -135,14 +120,10 @@ def larger_share(
     for value in values:
         if value <= share + 1e-9:
             return None
-        cand = space.normalize(constraints.derive({**incumbent, name: value, **fixed}, planner.recipe))
-        if key(cand) in running:
+        cand = walk.candidate({**incumbent, name: value, **walk.fixed})
+        if walk.key(cand) in running:
             return None
-        if peak + (value - share) * cap > limit:
-            continue
-        if constraints.violations(cand, planner.recipe, rules) or key(cand) in tried:
-            continue
-        if not planner.verdict(cand).skip:
+        if peak + (value - share) * cap <= limit and walk.open(cand):
             return cand
     return None
 
@@ -166,6 +147,5 @@ def unsettled(
     best = walk_from(study, recipe)
     if best is None:
         return False
-    ran = launched(rows(study))
-    args = (planner, best.params, space, fixed, rules, tried(study), candidate_key, ran)
-    return open_value(*args) is not None or larger_share(*args) is not None
+    walk, ran = Walk.of(planner, space, fixed, rules, tried(study), candidate_key), launched(rows(study))
+    return open_value(walk, best.params, ran) is not None or larger_share(walk, best.params, ran) is not None

@@ -18,16 +18,16 @@ nothing runs: find what fits, then climb from it.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from autotune.candidate import constraints
 from autotune.candidate.moves import neighbors
-from autotune.candidate.space import Space
 from autotune.candidate.vector import OFFLOAD_RANK, memory_vector
 from autotune.search.knobs import VLLM_FRACTION, KnobMemory, fraction_knob, order_of
 from autotune.search.planner import Planner, Seen
+from autotune.search.walk import Walk
 
 # knob -> +1 when a larger value cures, -1 when a smaller one does, per failure kind (TRL's names)
 CURES: dict[str, dict[str, int]] = {
@@ -166,30 +166,24 @@ def leanest_open(
     )
 
 
-def toward_feasible(
-    planner: Planner,
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Iterable[Callable[[dict[str, Any]], str | None]],
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-) -> dict[str, Any] | None:
+def toward_feasible(walk: Walk) -> dict[str, Any] | None:
     """While nothing has fit yet: the next step from the OOMs along their cures (see the module)."""
+    planner, space, key = walk.planner, walk.space, walk.key
     if not planner.use_model or any(s.status == "ok" for s in planner.seen):
         return None
     ooms = [s for s in planner.seen if s.status == "oom" and not s.leftover]
-    rules = list(rules)
     batch_name = space.batch.micro_batch if space.batch is not None else None
     options: dict[str, dict[str, Any]] = {}
     for s in ooms:
-        for c in neighbors(s.params, space, fixed, planner.recipe, rules):
+        for c in neighbors(s.params, space, walk.fixed, planner.recipe, walk.rules):
             k = key(c)
-            if k not in tried and k not in options and cures(s, c, planner, batch_name):
+            if k not in walk.tried and k not in options and cures(s, c, planner, batch_name):
                 options[k] = c
     limit = planner.recipe.gpu_memory_gib * (1 - planner.recipe.headroom)
     cuda = [s for s in ooms if (s.oom_kind or "cuda") == "cuda"]
     if len(cuda) >= LEAN_AFTER:  # the walk has not found the edge: find what fits first
-        lean = leanest_open(planner, planner.pool(space, fixed, rules), tried, key, cuda[-1].params)
+        pool = planner.pool(space, walk.fixed, walk.rules)
+        lean = leanest_open(planner, pool, walk.tried, key, cuda[-1].params)
         if lean is not None:
             return lean
     fine = [c for c in options.values() if not planner.verdict(c).skip]

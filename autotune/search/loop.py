@@ -43,6 +43,7 @@ from autotune.search.pruning import BelowBestPruner
 from autotune.search.state import Finished, Previous, SearchState
 from autotune.search.stopping import Budget, Stopping
 from autotune.search.transient import Reruns
+from autotune.search.walk import Walk
 from autotune.study import (
     StudyPaths,
     candidate_key,
@@ -271,8 +272,9 @@ class Search:
             return None
         pool = self.planner.pool(self.space, self.fixed, self.rules)
         done = set(measured_configs(state.study))
-        flat = flat_knobs(self.planner, [n for n in self.space.params if n not in self.fixed], spread)
-        if local_optimum(self.planner, self.space, self.fixed, self.rules, done, candidate_key, flat):
+        walk = Walk.of(self.planner, self.space, self.fixed, self.rules, done, candidate_key)
+        flat = flat_knobs(self.planner, walk.names, spread)
+        if local_optimum(walk, flat):
             return (
                 f"stopped after {launched} trials: converged, every neighbour of the best "
                 f"{state.best_value:.3g} completions/s was measured or ruled out, and "
@@ -280,17 +282,13 @@ class Search:
             )
         if self.planner.improvable(pool, done, candidate_key, state.best_value, spread):
             return None
-        if not prior_agrees(self.planner, spread) and not neighbourhood_measured(
-            self.planner, self.space, self.fixed, self.rules, done, candidate_key
-        ):
+        if not prior_agrees(self.planner, spread) and not neighbourhood_measured(walk):
             return None  # an unchecked prior's "nothing better" is no reason to stop
         best = incumbent(self.planner)
         if best is None:
             return None
         blind = blind_knobs(self.planner, self.space, self.fixed, best.params) - flat
-        if blind and not local_optimum(
-            self.planner, self.space, self.fixed, self.rules, done, candidate_key, flat, blind
-        ):
+        if blind and not local_optimum(walk, flat, blind):
             return None  # the prior cannot see these knobs: its "nothing better" says nothing of them
         return (
             f"stopped after {launched} trials: converged, no untried candidate is expected to beat "

@@ -14,13 +14,12 @@ headroom lies there, and neither end can be exported.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-from autotune.candidate import constraints
-from autotune.candidate.space import Space
 from autotune.search.headroom import fits_headroom
 from autotune.search.planner import Planner, Seen
+from autotune.search.walk import Walk
 from autotune.study.ranking import headroom_limit
 
 FLAT = 0.05  # |log throughput ratio| under which a one-knob pair shows no effect
@@ -52,39 +51,24 @@ def flat_knobs(planner: Planner, names: Iterable[str], noise: float = 0.0) -> se
     return {k for k, v in effects.items() if len(v) >= 2 and max(v) < bar}
 
 
-def keep_going(
-    planner: Planner,
-    incumbent: Seen,
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Iterable[Callable[[dict[str, Any]], str | None]],
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-) -> dict[str, Any] | None:
+def keep_going(walk: Walk, incumbent: Seen) -> dict[str, Any] | None:
     """The next value along the knob that made the incumbent, if it is untried, valid, not ruled
     out and, by the measured memory slope, expected to keep the headroom."""
-    found = onward(planner, incumbent, space, fixed, rules, tried, key)
+    found = onward(walk, incumbent)
     return found[1] if found else None
 
 
-def promising_onward(
-    planner: Planner,
-    best: float,
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Iterable[Callable[[dict[str, Any]], str | None]],
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-) -> dict[str, Any] | None:
+def promising_onward(walk: Walk, best: float) -> dict[str, Any] | None:
     """The next step along a paying knob from a measured trial that is not the best, when going on
     at the gain it showed would beat the ``best`` throughput: a trial that gained 17% by doubling its
     batch with checkpointing on, 6% behind the best without it, is worth one more doubling."""
     ok = sorted(
-        (s for s in planner.seen if s.status == "ok" and s.throughput), key=lambda s: -(s.throughput or 0)
+        (s for s in walk.planner.seen if s.status == "ok" and s.throughput),
+        key=lambda s: -(s.throughput or 0),
     )
     top: tuple[float, dict[str, Any]] | None = None
     for s in ok[:LEADERS]:
-        found = onward(planner, s, space, fixed, rules, tried, key)
+        found = onward(walk, s)
         if found is None:
             continue
         value = (s.throughput or 0) * (1 + found[0])
@@ -93,26 +77,18 @@ def promising_onward(
     return top[1] if top else None
 
 
-def onward(
-    planner: Planner,
-    incumbent: Seen,
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Iterable[Callable[[dict[str, Any]], str | None]],
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-) -> tuple[float, dict[str, Any]] | None:
+def onward(walk: Walk, incumbent: Seen) -> tuple[float, dict[str, Any]] | None:
     """(gain, the next value) along the knob whose one-knob step made ``incumbent`` faster (see
     :func:`keep_going`), the largest gain first."""
-    names = [n for n in space.params if n not in fixed]
+    planner = walk.planner
     ok = [s for s in planner.seen if s.status == "ok" and s.throughput and s is not incumbent]
     limit = planner.recipe.gpu_memory_gib * (1 - planner.recipe.headroom)
     best: tuple[float, dict[str, Any]] | None = None
-    for knob, a, b in one_knob_pairs([incumbent, *ok], names):
+    for knob, a, b in one_knob_pairs([incumbent, *ok], walk.names):
         if a is not incumbent:
             continue
         gain = (incumbent.throughput or 0) / (b.throughput or 1) - 1
-        param = space.params[knob]
+        param = walk.space.params[knob]
         if gain < MIN_GAIN or param.choices is None or len(param.choices) < 3:
             continue
         choices = list(param.choices)
@@ -123,14 +99,12 @@ def onward(
         nxt = choices.index(here) + (1 if step > 0 else -1)
         if not 0 <= nxt < len(choices):
             continue
-        cand = space.normalize(constraints.derive({**incumbent.params, knob: choices[nxt]}, planner.recipe))
-        if key(cand) in tried or constraints.violations(cand, planner.recipe, rules):
-            continue
+        cand = walk.candidate({**incumbent.params, knob: choices[nxt]})
         if incumbent.peak_gib and b.peak_gib:  # the memory slope measured on the way
             span = abs(step)
             if incumbent.peak_gib + (incumbent.peak_gib - b.peak_gib) / span > limit:
                 continue
-        if planner.verdict(cand).skip:
+        if not walk.open(cand):
             continue
         if best is None or gain > best[0]:
             best = (gain, cand)
@@ -158,39 +132,28 @@ def _place(line: list[Any], value: Any) -> int | None:
     return None
 
 
-def between(
-    planner: Planner,
-    best: float,
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Iterable[Callable[[dict[str, Any]], str | None]],
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-) -> dict[str, Any] | None:
+def between(walk: Walk, best: float) -> dict[str, Any] | None:
     """The value halfway between two successes one knob apart, more than one value apart, of which
     the faster peaked inside the headroom (it cannot be exported) and the slower kept it: a step that
     paid overshot the headroom. Taken when the overshoot beat the ``best`` exportable throughput;
     the most promising first. Seen in a PPO search: the vLLM fraction 0.3 -> 0.5 gained 19% but
     peaked at 77.7 of 75.3 GiB, and 0.4, the best configuration of the landscape, was never run."""
-    names = [n for n in space.params if n not in fixed]
-    limit = headroom_limit(planner.recipe)
-    ok = [s for s in planner.seen if s.status == "ok" and s.throughput and not s.leftover]
+    limit = headroom_limit(walk.planner.recipe)
+    ok = [s for s in walk.planner.seen if s.status == "ok" and s.throughput and not s.leftover]
     top: tuple[float, dict[str, Any]] | None = None
-    for knob, a, b in one_knob_pairs(ok, names):
+    for knob, a, b in one_knob_pairs(ok, walk.names):
         if fits_headroom(b.peak_gib, limit):
             a, b = b, a  # a keeps the headroom, b (faster) peaked inside it
         if not fits_headroom(a.peak_gib, limit) or fits_headroom(b.peak_gib, limit):
             continue
-        line = _line(space.params[knob])
+        line = _line(walk.space.params[knob])
         i, j = _place(line, a.params.get(knob)), _place(line, b.params.get(knob))
         # the overshoot's own throughput bounds what lies between (a knob's gain saturates, so the
         # values between may hold most of it: PPO's fraction at 0.4 ran at 0.99 of 0.5's)
         value = b.throughput or 0.0
         if i is None or j is None or abs(i - j) < 2 or value <= best * (1 + MIN_GAIN):
             continue
-        cand = space.normalize(constraints.derive({**a.params, knob: line[(i + j) // 2]}, planner.recipe))
-        if key(cand) in tried or constraints.violations(cand, planner.recipe, rules):
-            continue
-        if not planner.verdict(cand).skip and (top is None or value > top[0]):
+        cand = walk.candidate({**a.params, knob: line[(i + j) // 2]})
+        if walk.open(cand) and (top is None or value > top[0]):
             top = (value, cand)
     return top[1] if top else None

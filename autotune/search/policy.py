@@ -58,6 +58,7 @@ from autotune.search.planner import Planner, Seen
 from autotune.search.seeds import seed_candidates
 from autotune.search.state import tried, walk_from
 from autotune.search.trade import next_trade, saver_experiment
+from autotune.search.walk import Walk
 from autotune.study import candidate_key, confirmations, rows
 from autotune.study.claims import pending_keys
 from autotune.study.ranking import noise
@@ -190,56 +191,43 @@ class PolicySampler(BaseSampler):
         """The most promising untried neighbour of the best trial so far."""
         if self.planner is None:
             return None
+        walk = Walk.of(self.planner, self.space, self.fixed, self.rules, tried(study), candidate_key)
         best = walk_from(study, self.recipe)
         if best is None:  # nothing fits yet: walk from the nearest OOM
-            return cures.toward_feasible(
-                self.planner, self.space, self.fixed, self.rules, tried(study), candidate_key
-            )
-        done = tried(study)
+            return cures.toward_feasible(walk)
         incumbent = next((s for s in self.planner.seen if s.number == best.number), None)
         if incumbent is not None:  # along the knob that made the incumbent, while it pays
-            onward = keep_going(
-                self.planner, incumbent, self.space, self.fixed, self.rules, done, candidate_key
-            )
+            onward = keep_going(walk, incumbent)
             if onward is not None:
                 return onward
         table = rows(study)  # read once: the coverage and the noise below both read it
         ran = coverage.launched(table)
-        args = (self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, ran)
-        unread = coverage.open_value(*args)
+        unread = coverage.open_value(walk, best.params, ran)
         if unread is not None:  # a switch nothing describes, at a value not yet settled
             return unread
         if self.settling:  # the search would stop as converged: vLLM's share, up while the peak has room
-            if (share := coverage.larger_share(*args, pending_keys(study))) is not None:
+            if (share := coverage.larger_share(walk, best.params, ran, pending_keys(study))) is not None:
                 self.settling = False  # one raise for each stop held back (converged asks again)
                 return share
-        further = promising_onward(
-            self.planner, best.throughput or 0.0, self.space, self.fixed, self.rules, done, candidate_key
-        )
+        further = promising_onward(walk, best.throughput or 0.0)
         if further is not None:  # a runner-up whose paying knob, followed, would beat the best
             return further
-        inside = between(
-            self.planner, best.throughput or 0.0, self.space, self.fixed, self.rules, done, candidate_key
-        )
+        inside = between(walk, best.throughput or 0.0)
         if inside is not None:  # a step that paid peaked inside the headroom: the value between
             return inside
-        traded = next_trade(
-            self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key
-        )
+        traded = next_trade(walk, best.params)
         if traded is not None:  # the micro-batch is stuck: a memory saver on, and what it frees spent
             return traded
         spread = noise(table, confirmations(study))
-        asked = saver_experiment(
-            self.planner, best.params, self.space, self.fixed, self.rules, done, candidate_key, spread
-        )
+        asked = saver_experiment(walk, best.params, spread)
         if asked is not None:  # ... and a knob nobody knows the memory of may be the saver
             return asked
-        flat = flat_knobs(self.planner, [n for n in self.space.params if n not in self.fixed])
+        flat = flat_knobs(self.planner, walk.names)
         self.local_turns += 1
         leaders = co_leaders(self.planner, best.number, spread)
         for center in rotate([s.params for s in leaders], self.local_turns) or [best.params]:
             step = self.planner.next_local(
-                center, self.space, self.fixed, self.rules, done, candidate_key, flat
+                center, self.space, self.fixed, self.rules, walk.tried, candidate_key, flat
             )
             if step is not None:
                 return step

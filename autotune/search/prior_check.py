@@ -13,7 +13,6 @@ moves no knob measured to change nothing (:func:`local_optimum`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from itertools import combinations
 from typing import Any
 
@@ -21,6 +20,7 @@ from autotune.candidate.moves import neighbors
 from autotune.candidate.space import Space
 from autotune.search.headroom import incumbent
 from autotune.search.planner import Planner
+from autotune.search.walk import Walk
 
 MIN_PAIRS = 3  # pairs told apart by measurement before the prior's ranking counts as checked
 AGREEMENT = 0.8  # share of those pairs the prior must order as measured
@@ -38,22 +38,16 @@ def prior_agrees(planner: Planner, noise: float) -> bool:
     return total >= MIN_PAIRS and agree >= AGREEMENT * total
 
 
-def neighbourhood_measured(
-    planner: Planner,
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Iterable[Callable[[dict[str, Any]], str | None]],
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-) -> bool:
+def neighbourhood_measured(walk: Walk) -> bool:
     """Whether every neighbour of the fastest measured trial that keeps the headroom is tried or
     ruled out."""
+    planner = walk.planner
     best = incumbent(planner)
     if best is None:
         return False
     return all(
-        key(c) in tried or planner.verdict(c).skip
-        for c in neighbors(best.params, space, fixed, planner.recipe, rules)
+        walk.key(c) in walk.tried or planner.verdict(c).skip
+        for c in neighbors(best.params, walk.space, walk.fixed, planner.recipe, walk.rules)
     )
 
 
@@ -72,14 +66,7 @@ def blind_knobs(planner: Planner, space: Space, fixed: dict[str, Any], params: d
 
 
 def local_optimum(
-    planner: Planner,
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Iterable[Callable[[dict[str, Any]], str | None]],
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-    flat: set[str] | frozenset[str] = frozenset(),
-    only: set[str] | None = None,
+    walk: Walk, flat: set[str] | frozenset[str] = frozenset(), only: set[str] | None = None
 ) -> bool:
     """Whether the fastest measured trial is a local optimum by measurement: every neighbour (one or
     two knobs away: trading memory between two knobs is how the fastest configurations are reached)
@@ -90,13 +77,14 @@ def local_optimum(
     its own knob names, whose speed the prior does not describe): after the patience, a measured
     local optimum is what a search without a trusted model can know. The best is the fastest that
     keeps the headroom free: one that ran inside it is no optimum to stop at."""
+    planner = walk.planner
     best = incumbent(planner)
     if best is None:
         return False
-    for cand in neighbors(best.params, space, fixed, planner.recipe, rules):
-        moved = {n for n in space.params if cand.get(n) != best.params.get(n)}
+    for cand in neighbors(best.params, walk.space, walk.fixed, planner.recipe, walk.rules):
+        moved = {n for n in walk.space.params if cand.get(n) != best.params.get(n)}
         if moved & set(flat) or (only is not None and not moved & only):
             continue
-        if key(cand) not in tried and not planner.verdict(cand).skip:
+        if walk.key(cand) not in walk.tried and not planner.verdict(cand).skip:
             return False
     return True

@@ -23,15 +23,12 @@ unknown here, so a second stuck OOM may ask it again).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
 from typing import Any
 
-from autotune.candidate import constraints
 from autotune.candidate.space import Space
 from autotune.candidate.vector import at_least
 from autotune.search.planner import Planner
-
-Rules = Iterable[Callable[[dict[str, Any]], "str | None"]]
+from autotune.search.walk import Walk
 
 
 def micro_name(space: Space) -> str | None:
@@ -53,41 +50,24 @@ def larger_sizes(space: Space, incumbent: dict[str, Any], fixed: dict[str, Any])
     return micro, [m for m in sorted(space.params[micro].choices or []) if m > here]
 
 
-def moved(planner: Planner, space: Space, params: dict[str, Any], name: str, value: Any) -> dict[str, Any]:
-    """``params`` with one knob moved, derived and normalized as a candidate."""
-    return space.normalize(constraints.derive({**params, name: value}, planner.recipe))
-
-
-def next_trade(
-    planner: Planner,
-    incumbent: dict[str, Any],
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Rules,
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-) -> dict[str, Any] | None:
+def next_trade(walk: Walk, incumbent: dict[str, Any]) -> dict[str, Any] | None:
     """The untried trade from ``incumbent`` with the best expected throughput, or None (no trade is
     needed while the micro-batch can still go up by itself). A trade that ran is not followed by the
     same trade one micro-batch smaller; only one that ran out of memory is."""
+    planner, space, fixed = walk.planner, walk.space, walk.fixed
     micro, larger = larger_sizes(space, incumbent, fixed)
     if micro is None:
         return None
-    rules = list(rules)
 
     def with_micro(params: dict[str, Any], m: Any) -> dict[str, Any]:
-        return moved(planner, space, params, micro, m)
+        return walk.candidate({**params, micro: m})
 
     def fits(cand: dict[str, Any]) -> bool:
-        if key(cand) in tried or constraints.violations(cand, planner.recipe, rules):
-            return False
-        if planner.verdict(cand).skip:
-            return False
-        return planner.expected_to_fit(cand)
+        return walk.open(cand) and planner.expected_to_fit(cand)
 
     if not larger or fits(with_micro(incumbent, larger[0])):
         return None  # the plain step up is open: the local walk takes it
-    ran = {key(s.params) for s in planner.seen if s.status == "ok"}
+    ran = {walk.key(s.params) for s in planner.seen if s.status == "ok"}
     base = planner.vector(incumbent)
     trades = []
     for name, param in space.params.items():
@@ -108,7 +88,7 @@ def next_trade(
                 continue  # needs no less memory in every known knob
             for m in reversed(larger):  # the largest micro-batch it may afford
                 cand = with_micro(saver, m)
-                if key(cand) in ran:
+                if walk.key(cand) in ran:
                     break  # this trade was measured
                 if fits(cand):
                     trades.append(cand)
@@ -116,27 +96,19 @@ def next_trade(
     return max(trades, key=planner.expected_throughput) if trades else None
 
 
-def saver_experiment(
-    planner: Planner,
-    incumbent: dict[str, Any],
-    space: Space,
-    fixed: dict[str, Any],
-    rules: Rules,
-    tried: set[str],
-    key: Callable[[dict[str, Any]], str],
-    spread: float,
-) -> dict[str, Any] | None:
+def saver_experiment(walk: Walk, incumbent: dict[str, Any], spread: float) -> dict[str, Any] | None:
     """An OOM at the incumbent's next micro-batch with one knob of unknown effect moved to a value
     measured to cost speed (:func:`costly_values`), or None. Seen: a trainer logging no memory,
     micro-batch 8 out of memory twice without activation offload, which halves the activations'
     memory; offload was measured 24% slower at micro-batch 4 and never tried at 8, and micro-batch 4
     was exported (0.81 of the best possible)."""
-    micro, larger = larger_sizes(space, incumbent, fixed)
+    planner, fixed = walk.planner, walk.fixed
+    micro, larger = larger_sizes(walk.space, incumbent, fixed)
     if micro is None or not larger:
         return None
     known = planner.knobs
-    step = planner.vector(moved(planner, space, incumbent, micro, larger[0]))
-    slower = [(n, v) for n, v in costly_values(planner, spread) if n in space.params]
+    step = planner.vector(walk.candidate({**incumbent, micro: larger[0]}))
+    slower = [(n, v) for n, v in costly_values(planner, spread) if n in walk.space.params]
     stuck = [
         o
         for o in planner.seen
@@ -159,10 +131,8 @@ def saver_experiment(
         for name, value in slower:
             if name in fixed or known.direction(name, o.params) is not None or o.params.get(name) == value:
                 continue
-            cand = moved(planner, space, o.params, name, value)
-            if key(cand) in tried or constraints.violations(cand, planner.recipe, list(rules)):
-                continue
-            if not planner.verdict(cand).skip:
+            cand = walk.candidate({**o.params, name: value})
+            if walk.open(cand):
                 out.append(cand)
     return max(out, key=planner.expected_throughput) if out else None
 
