@@ -360,7 +360,7 @@ def run_trial(recipe_factory, tmp_path, params, model="tiny-qwen", **recipe_kw):
     return result, trial_dir, lines
 
 
-#: A 7B-class TRL candidate the memory and planner tests start from: ZeRO-3, checkpointing,
+#: A 7B-class TRL candidate the memory, planner, restart and export tests start from: ZeRO-3, checkpointing,
 #: micro-batch 4 x 4 accumulation, 8 generations, vLLM colocated at 0.4 without sleep mode.
 COLOCATED = dict(
     per_device_train_batch_size=4,

@@ -9,7 +9,7 @@ from autotune.models import resolve_model
 from autotune.units import GIB
 
 QWEN7 = resolve_model("Qwen2.5-7B-Instruct")
-BASE = COLOCATED
+BASE = dict(COLOCATED)  # a copy: a test that changed it would change no other module
 
 
 def est(model=QWEN7, gpus=4, capacity=79.3, prompt=512, completion=1024, **kw):

@@ -22,7 +22,7 @@ from autotune.sim.landscape import evaluate
 from autotune.study import Confirmation, TrialRow, candidate_key, choose_best
 from autotune.trial.outcome import Status
 
-BASE = COLOCATED
+BASE = dict(COLOCATED)  # a copy: a test that changed it would change no other module
 
 
 def setup(model="Qwen2.5-7B-Instruct", gpus=4, gpu="A100-80GB", **kw):

@@ -17,7 +17,7 @@ from autotune.search.planner import Planner
 from autotune.study import TrialRow
 from autotune.study.incidents import Incident
 
-FAILED = COLOCATED
+FAILED = dict(COLOCATED)  # a copy: a test that changed it would change no other module
 SMALLER_BATCH = {**FAILED, "per_device_train_batch_size": 2, "gradient_accumulation_steps": 8}
 MORE_KV = {**FAILED, "vllm_gpu_memory_utilization": 0.6}  # more room for vLLM's KV cache
 LESS_VLLM = {**FAILED, "vllm_gpu_memory_utilization": 0.3}  # leaves the trainer more at start-up

@@ -64,12 +64,15 @@ def test_a_trade_that_ran_is_not_repeated_smaller_one_that_ran_out_of_memory_is(
 
     for status, then in (("ok", None), ("oom", 4)):
         search, here, tried = stuck(tmp_path / status)
-        walk = Walk.of(search.planner, search.space, search.fixed, search.rules, tried, candidate_key)
-        trade = next_trade(walk, here)
+        trade = next_trade(
+            Walk.of(search.planner, search.space, search.fixed, search.rules, tried, candidate_key), here
+        )
         assert (trade["gradient_checkpointing"], trade["per_device_train_batch_size"]) == (True, 8), trade
         search.planner.observe(3, trade, status, "cuda" if status == "oom" else None, 15.8, 3.0)
         tried.add(candidate_key(trade))
-        again = next_trade(walk, here)
+        again = next_trade(
+            Walk.of(search.planner, search.space, search.fixed, search.rules, tried, candidate_key), here
+        )
         assert (again and again["per_device_train_batch_size"]) == then, again
 
 

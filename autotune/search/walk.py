@@ -5,8 +5,8 @@ Each step of the local walk (:mod:`~autotune.search.momentum`, :mod:`~autotune.s
 (:mod:`~autotune.search.prior_check`) asks the same things: what the planner measured and rules out,
 which knobs the space has and which the user pinned, the rules a candidate must pass, which
 candidates were already tried and how a candidate's key is made. The policy builds one :class:`Walk`
-for a proposal and hands it to every step it asks, so a step's signature says only what is its own
-(the trial it steps from, the bar it must beat).
+for a proposal, and the convergence test one for each time it asks, and hands it to every step, so
+a step's signature says only what is its own (the trial it steps from, the bar it must beat).
 """
 
 from __future__ import annotations
@@ -22,15 +22,17 @@ from autotune.search.planner import Planner
 Rule = Callable[[dict[str, Any]], "str | None"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Walk:
-    """The ground a walk step stands on (see the module)."""
+    """The ground a walk step stands on (see the module). Frozen only against reassigning a field:
+    ``tried`` is the caller's own set, read and never copied, so a caller that adds to it between two
+    asks is seen by the next."""
 
     planner: Planner
     space: Space
     fixed: dict[str, Any]  # the user's pins: never moved
     rules: tuple[Rule, ...]  # the space's and the user's rules
-    tried: set[str]  # keys of the candidates the study has tried (read, never changed, by a step)
+    tried: set[str]  # keys the caller counts as tried (the policy: measured or running; the stop: measured)
     key: Callable[[dict[str, Any]], str]
 
     @classmethod
