@@ -11,8 +11,9 @@ rhythm bets on; this reads it from a benchmark run kept with ``--keep-trials`` (
 proposer, status and value in truth). Phases count launched trials in the order they ran. A trial
 that ran counts at 0.95 when its value in truth is at least 0.95 of the best possible (as the
 report's scores count), and safely when a long run of it also keeps the headroom free in truth (as
-``measured_best`` counts). Each run's export is traced to the first trial that ran its
-configuration (status ok): the second table says how often each proposer's exports reached 0.95.
+``measured_best`` counts); each proposer's row "all" sums its phases. Each run's export is traced
+to the first trial that ran its configuration (status ok): the second table says how often each
+proposer's exports reached 0.95.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ UNTRACED = "(untraced)"  # an export no trial that ran had measured: a tracing f
 
 
 def phase_name(i: int) -> str:
+    if i == PHASES:
+        return "all"
     first = i * PHASE + 1
     return f"{first}-{first + PHASE - 1}" if i < PHASES - 1 else f"{first}+"
 
@@ -48,13 +51,15 @@ def tables(rows: list[dict[str, Any]]) -> list[str]:
     for r in rows:
         first_by: dict[str, str] = {}
         for i, (_number, proposer, status, value, safe, params) in enumerate(r["trials"]):
-            cell = cells[(r["family"], proposer or "?", min(i // PHASE, PHASES - 1))]
-            cell[0] += 1
+            for phase in (min(i // PHASE, PHASES - 1), PHASES):  # its phase, and the whole search
+                cell = cells[(r["family"], proposer or "?", phase)]
+                cell[0] += 1
+                if status == "ok":
+                    cell[1] += 1
+                    cell[2] += value >= GOOD
+                    cell[3] += safe >= GOOD
+                    cell[4] += value
             if status == "ok":
-                cell[1] += 1
-                cell[2] += value >= GOOD
-                cell[3] += safe >= GOOD
-                cell[4] += value
                 first_by.setdefault(json.dumps(params, sort_keys=True), proposer or "?")
         if r["exported"]:
             by = first_by.get(json.dumps(r["exported"], sort_keys=True), UNTRACED)

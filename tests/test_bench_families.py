@@ -382,8 +382,9 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
 def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path):
     """scripts/bench_proposers.py: with --keep-trials each autotune run keeps its launched trials
     (proposer, status, value and safe value in truth); without it the JSON stays as it was. The
-    table counts every launched trial once, by the proposer the study recorded (the same counts as
-    the run's ``by_proposer``), a trial at 0.95 safely only where it ran; every export is traced to
+    table counts every launched trial once in its phase and once in its proposer's row "all", by the
+    proposer the study recorded (the same counts as the run's ``by_proposer``), a trial at 0.95
+    safely only where it ran; every export is traced to
     one proposer. Bad input: one line naming the fix, exit 2."""
     out = tmp_path / "bench.md"
     tiny = ["--landscapes", "3", "--families", "plain,ppo", "--trials", "8", "--policies", "autotune"]
@@ -403,11 +404,13 @@ def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path)
     trials, exports = (
         [line.split("|") for line in block.splitlines()[2:]] for block in table.stdout.split("\n\n")[1:3]
     )
-    assert sum(int(c[4]) for c in trials) == sum(r["launched"] for r in rows)
+    whole = [c for c in trials if c[3].strip() == "all"]  # each proposer's phases summed
     ran = sum(1 for r in rows for t in r["trials"] if t[2] == "ok")
-    assert sum(int(c[5]) for c in trials) == ran
     safe = sum(1 for r in rows for t in r["trials"] if t[2] == "ok" and t[4] >= 0.95)
-    assert sum(int(c[7].split()[0]) for c in trials if c[7].strip() != "-") == safe
+    for cells in ([c for c in trials if c[3].strip() != "all"], whole):
+        assert sum(int(c[4]) for c in cells) == sum(r["launched"] for r in rows)
+        assert sum(int(c[5]) for c in cells) == ran
+        assert sum(int(c[7].split()[0]) for c in cells if c[7].strip() != "-") == safe
     assert sum(int(c[3]) for c in exports) == sum(1 for r in rows if r["exported"])
     assert all(c[2].strip() in {"seed", "local", "pool", "valid", "tpe", "rerun"} for c in exports)
     plain = tmp_path / "plain.md"
@@ -431,7 +434,7 @@ def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path)
 def test_the_proposers_table_phases_each_trial_and_traces_each_export_to_the_trial_that_ran_it():
     """bench_proposers.tables on runs written out by hand: the phase is the launched trial's place
     (the 19th and later share the last), a trial counts at 0.95 by its value and safely by its safe
-    value, the mean is of the trials that ran, and an export is traced to the first trial that ran
+    value, the mean is of the trials that ran, each proposer's "all" row sums its phases, and an export is traced to the first trial that ran
     its configuration (a crash of it before does not count), scored as the report scores it."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_proposers import tables
@@ -456,6 +459,10 @@ def test_the_proposers_table_phases_each_trial_and_traces_each_export_to_the_tri
     assert cells[("plain", "local", "13-18")] == ["6", "6", "0 (0%)", "0 (0%)", "0.50"]
     assert cells[("plain", "local", "19+")] == ["7", "7", "1 (14%)", "0 (0%)", "0.59"]
     assert cells[("plain", "pool", "19+")] == ["1", "1", "1 (100%)", "1 (100%)", "0.96"]
+    # each proposer's whole search, its phases summed: 22 local trials, all ran, 21 at 0.5 and one at
+    # 1.1 (at 0.95, not safely), so 11.6 / 22; the pool's crash launched and did not run
+    assert cells[("plain", "local", "all")] == ["22", "22", "1 (5%)", "0 (0%)", "0.53"]
+    assert cells[("plain", "pool", "all")] == ["2", "1", "1 (100%)", "1 (100%)", "0.96"]
     assert ("plain", "pool", "1-6") not in cells and ("plain", "local", "25+") not in cells
     # the exports: traced past the crash to the re-run that ran it; scored as the report scores them
     assert cells[("plain", "rerun", "1")] == ["1 (100%)", "0 (0%)"]
