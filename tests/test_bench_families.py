@@ -384,8 +384,8 @@ def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path)
     (proposer, status, value and safe value in truth); without it the JSON stays as it was. The
     table counts every launched trial once in its phase and once in its proposer's row "all", by the
     proposer the study recorded (the same counts as the run's ``by_proposer``), a trial at 0.95
-    safely only where it ran; every export is traced to
-    one proposer. Bad input: one line naming the fix, exit 2."""
+    safely only where it ran; every export is traced to one proposer. Bad input: one line naming the
+    fix, exit 2."""
     out = tmp_path / "bench.md"
     tiny = ["--landscapes", "3", "--families", "plain,ppo", "--trials", "8", "--policies", "autotune"]
     run = bench_script("bench_search.py", *tiny, "--keep-trials", "--out", str(out), cwd=tmp_path)
@@ -434,8 +434,9 @@ def test_each_proposers_trials_are_kept_on_request_and_tabled_by_phase(tmp_path)
 def test_the_proposers_table_phases_each_trial_and_traces_each_export_to_the_trial_that_ran_it():
     """bench_proposers.tables on runs written out by hand: the phase is the launched trial's place
     (the 19th and later share the last), a trial counts at 0.95 by its value and safely by its safe
-    value, the mean is of the trials that ran, each proposer's "all" row sums its phases, and an export is traced to the first trial that ran
-    its configuration (a crash of it before does not count), scored as the report scores it."""
+    value, the mean is of the trials that ran, each proposer's "all" row sums its phases, and an
+    export is traced to the first trial that ran its configuration (a crash of it before does not
+    count), scored as the report scores it."""
     sys.path.insert(0, str(ROOT / "scripts"))
     from bench_proposers import tables
 
