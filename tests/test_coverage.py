@@ -137,6 +137,40 @@ def test_vllm_s_share_is_raised_where_the_measured_peak_leaves_room_for_all_of_i
     assert larger_share(Walk.of(planner, space, {}, [], tried, candidate_key), wider, ran) is None
 
 
+def test_without_a_measured_peak_the_share_goes_up_one_value_at_a_time():
+    """A trainer that logs no memory, on a machine NVML cannot see: no trial says how much room there
+    is, so the walk raises vLLM's share one value above the largest that ran at the incumbent's other
+    knobs, and each raise that runs is the next one's floor (0/#2008 of the NeMo-RL-style family
+    stopped converged at 0.64 on the default 0.6, every good configuration at 0.7 or more)."""
+    space, planner = setting()
+    here = space.normalize(space.defaults())  # the engine at 0.6
+    ran: list[tuple[dict, str]] = []
+    tried: set[str] = set()
+
+    def ask(running=()):
+        return larger_share(Walk.of(planner, space, {}, [], tried, candidate_key), here, ran, running)
+
+    def measure(number, params, status="ok"):
+        planner.observe(number, params, status, None if status == "ok" else "cuda", None, throughput=5.0)
+        ran.append((params, status))
+        tried.add(candidate_key(params))
+
+    assert ask() is None  # nothing ran at these knobs
+    measure(0, here)
+    assert ask()["gpu_memory_utilization"] == 0.7  # one value up, not as far as the card goes
+    measure(1, {**here, "gpu_memory_utilization": 0.7})
+    assert ask()["gpu_memory_utilization"] == 0.8
+    assert ask(running={candidate_key({**here, "gpu_memory_utilization": 0.8})}) is None
+    # a raise that did not run is not launched again; ATTEMPTS above the floor settle it
+    measure(2, {**here, "gpu_memory_utilization": 0.8}, "oom")
+    assert ask() is None
+    ran.append(({**here, "gpu_memory_utilization": 0.9}, "crash"))
+    assert ATTEMPTS == 2 and ask() is None
+    # another setting of the other knobs has its own floor
+    wider = {**here, "tensor_model_parallel_size": 4}
+    assert larger_share(Walk.of(planner, space, {}, [], tried, candidate_key), wider, ran) is None
+
+
 def test_the_share_is_left_to_the_prior_where_the_prior_reads_it():
     """TRL's colocated engine: the speed prior reads its share (its KV cache against the rollout,
     candidate/speed.py), so its ranking weighs it already and the share is not raised on top."""

@@ -19,8 +19,9 @@ share is never slower; what it costs is memory. Where the speed prior does not r
 trainer without TRL's vLLM switch: NeMo-RL, verl, OpenRLHF), one step that ran no faster had told the
 walk the knob was flat, while the rollout's waves fall in steps (0/#2104 stopped converged at 0.71,
 one share step from 0.96). Where the search would stop as converged, the walk raises it as far as
-the measured peak leaves room for all of it (:func:`larger_share`), and the stop waits for that: in
-the walk's own turns the steps crowded out others and lost as many searches as they won.
+the measured peak leaves room for all of it (:func:`larger_share`), or one value at a time where no
+peak is measured, and the stop waits for that: in the walk's own turns the steps crowded out others
+and lost as many searches as they won.
 """
 
 from __future__ import annotations
@@ -90,8 +91,12 @@ def larger_share(
     """The incumbent with vLLM's share of the card raised, where the speed prior does not read the
     share (a trainer without TRL's ``use_vllm`` switch, whose generation the prior reads): to the
     largest value whose extra engine memory, all of it landing on the peak, stays inside the limit
-    above the largest share measured at the incumbent's other knobs. None where no peak was measured
-    there, after :data:`ATTEMPTS` launched trials above it did not run, while such a raise is still
+    above the largest share measured at the incumbent's other knobs. Where no peak was measured there
+    (a trainer that logs no memory, on a machine NVML cannot see) but a trial there ran, one value above
+    the largest share that ran: nothing says how far the room goes, so each raise that runs is the
+    next one's floor (0/#2008 of the NeMo-RL-style family stopped at 0.64 on the space's default 0.6,
+    the best configurations all at 0.7 or more). None where nothing ran there, after
+    :data:`ATTEMPTS` launched trials above it did not run, while such a raise is still
     running (``running``: the keys of running trials; under ``--parallel`` the next slot would step
     down past it), and on CPU (vLLM's CPU backend sizes its cache otherwise)."""
     planner, name = walk.planner, fraction_knob(incumbent)
@@ -110,20 +115,26 @@ def larger_share(
         for s in planner.seen
         if s.status == "ok" and s.peak_gib and alike(s.params)
     ]
-    if not measured:
-        return None
-    share, peak = max(measured)
+    peak: float | None
+    if measured:
+        share, peak = max(measured)
+    else:  # a trainer that logs no memory where NVML sees none: what ran is all that is known
+        ran = [float(p.get(name) or 0) for p, status in launched if status == "ok" and alike(p)]
+        if not ran:
+            return None
+        share, peak = max(ran), None
     above = [p for p, status in launched if status != "ok" and float(p.get(name) or 0) > share + 1e-9]
     if sum(alike(p) for p in above) >= ATTEMPTS:
         return None
     cap, running = planner.recipe.gpu_memory_gib, set(running)
-    for value in values:
-        if value <= share + 1e-9:
-            return None
+    higher = [v for v in values if v > share + 1e-9]  # largest first
+    if peak is None:
+        higher = higher[-1:]  # no room is known: the next value up, which a trial then judges
+    for value in higher:
         cand = walk.candidate({**incumbent, name: value, **walk.fixed})
         if walk.key(cand) in running:
             return None
-        if peak + (value - share) * cap <= limit and walk.open(cand):
+        if (peak is None or peak + (value - share) * cap <= limit) and walk.open(cand):
             return cand
     return None
 
