@@ -226,12 +226,14 @@ class Search:
         )
 
     def converged(self, launched: int) -> str | None:
-        """Why to stop as converged, or None: not while a value is unsettled (search/coverage.py)."""
+        """Why to stop as converged, or None: not while a value is unsettled (search/coverage.py);
+        while it is, and in the last launches of --trials, the walk raises vLLM's share."""
         reason = self._converged(launched)
         args = (self.planner, self.state.study, self.recipe, self.space, self.fixed, self.rules)
-        held = reason is not None and self.planner is not None and coverage.unsettled(*args)
-        self.state.study.sampler.settling = held  # while a stop is held back, the walk raises vLLM's share
-        return None if held else reason
+        ending = reason is not None or coverage.closing(launched, self.recipe.trials)
+        unsettled = ending and self.planner is not None and coverage.unsettled(*args)
+        self.state.study.sampler.settling = unsettled
+        return None if unsettled else reason
 
     def _converged(self, launched: int) -> str | None:
         """Why to stop now that nothing untried is likely to beat the incumbent, or None.

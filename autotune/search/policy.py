@@ -106,7 +106,7 @@ class PolicySampler(BaseSampler):
         self.asked = 0  # proposals in this session: the local-search rhythm counts them
         self.stall = 0  # proposals in a row that needed no launch (invalid, a repeat, skipped)
         self.local_turns = 0  # one-knob steps proposed: they take the co-leaders in turn
-        self.settling = False  # the search would stop as converged but for a value still open
+        self.settling = False  # the search would stop as converged, or ends, with a value still open
 
     # -- Optuna's sampler interface: TPE does the sampling --------------------------------------
     def infer_relative_search_space(
@@ -205,7 +205,7 @@ class PolicySampler(BaseSampler):
         unread = coverage.open_value(walk, best.params, ran)
         if unread is not None:  # a switch nothing describes, at a value not yet settled
             return unread
-        if self.settling:  # the search would stop as converged: vLLM's share, up while the peak has room
+        if self.settling:  # the search would stop or ends: vLLM's share, up while the peak has room
             if (share := coverage.larger_share(walk, best.params, ran, pending_keys(study))) is not None:
                 self.settling = False  # one raise for each stop held back (converged asks again)
                 return share
