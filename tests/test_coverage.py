@@ -161,14 +161,26 @@ def test_without_a_measured_peak_the_share_goes_up_one_value_at_a_time():
     measure(1, {**here, "gpu_memory_utilization": 0.7})
     assert ask()["gpu_memory_utilization"] == 0.8
     assert ask(running={candidate_key({**here, "gpu_memory_utilization": 0.8})}) is None
-    # a raise that did not run is not launched again; ATTEMPTS above the floor settle it
+    # ATTEMPTS launches above the floor that did not run settle it, 0.8 still untried
+    ran += [
+        ({**here, "gpu_memory_utilization": 0.9}, "oom"),
+        ({**here, "gpu_memory_utilization": 0.9}, "crash"),
+    ]
+    assert ATTEMPTS == 2 and ask() is None
+    del ran[-2:]
+    assert ask()["gpu_memory_utilization"] == 0.8
+    # a raise that did not run is not launched again
     measure(2, {**here, "gpu_memory_utilization": 0.8}, "oom")
     assert ask() is None
-    ran.append(({**here, "gpu_memory_utilization": 0.9}, "crash"))
-    assert ATTEMPTS == 2 and ask() is None
     # another setting of the other knobs has its own floor
     wider = {**here, "tensor_model_parallel_size": 4}
     assert larger_share(Walk.of(planner, space, {}, [], tried, candidate_key), wider, ran) is None
+    # a share without a step (64 points of 0.3-0.9) still goes up by a tenth of its range, not by 1/63
+    space.params["gpu_memory_utilization"] = replace(space.params["gpu_memory_utilization"], step=None)
+    del ran[:]
+    ran.append((here, "ok"))
+    raised = larger_share(Walk.of(planner, space, {}, [], set(), candidate_key), here, ran)
+    assert 0.66 - 1e-9 <= raised["gpu_memory_utilization"] < 0.67
 
 
 def test_the_share_is_left_to_the_prior_where_the_prior_reads_it():

@@ -469,18 +469,22 @@ def test_where_the_search_would_stop_the_walk_raises_vllm_s_share_while_the_peak
 def test_in_the_last_launches_the_walk_raises_vllm_s_share_though_no_stop_would_fire(tmp_path):
     """Most searches of this family end at --trials, never held at a stop (62 of seed 0's 105): their
     last CLOSING launches raise vLLM's share as a held stop does (search/coverage.closing), the one step
-    whose sign is known, and not before."""
+    whose sign is known, and not before. The study's launches are counted, running claims included
+    (under --parallel the slots hold launches not yet told)."""
     from autotune.search.coverage import CLOSING
+    from autotune.study.claims import LAUNCHING
 
     search, best, ran = converging(tmp_path)
     search._converged = lambda launched: None  # no stop would fire
     ran(best, 10.0, 60.0)  # 15 GiB of room: 0.6 -> 0.7
     ran({**best, "recompute_granularity": "selective"}, 9.5, 60.0)
-    sampler, study, trials = search.state.study.sampler, search.state.study, search.recipe.trials
+    sampler, study = search.state.study.sampler, search.state.study
     raised = {**best, "gpu_memory_utilization": 0.7}
-    assert search.converged(trials - CLOSING - 1) is None and not sampler.settling
+    search.recipe.trials = 2 + CLOSING + 1  # two launched: one launch before the last ones
+    assert search.converged(2) is None and not sampler.settling
     assert sampler.local(study) != raised
-    assert search.converged(trials - CLOSING) is None and sampler.settling
+    study.ask().set_user_attr(LAUNCHING, True)  # a third, running in another slot
+    assert search.converged(2) is None and sampler.settling
     assert sampler.local(study) == raised
     assert not sampler.settling  # one raise, then the stop is asked again
 

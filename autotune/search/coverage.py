@@ -38,6 +38,7 @@ from autotune.search.planner import Planner
 from autotune.search.state import tried, walk_from
 from autotune.search.walk import Walk
 from autotune.study import TrialRow, candidate_key, rows
+from autotune.study.claims import launches
 from autotune.study.ranking import headroom_limit
 
 ATTEMPTS = 2  # launched trials of a value that did not run (OOM, crash) before it is settled unrun
@@ -93,11 +94,12 @@ def larger_share(
     share (a trainer without TRL's ``use_vllm`` switch, whose generation the prior reads): to the
     largest value whose extra engine memory, all of it landing on the peak, stays inside the limit
     above the largest share measured at the incumbent's other knobs. Where no peak was measured there
-    (a trainer that logs no memory, on a machine NVML cannot see) but a trial there ran, one value above
-    the largest share that ran: nothing says how far the room goes, so each raise that runs is the
-    next one's floor (0/#2008 of the NeMo-RL-style family stopped at 0.64 on the space's default 0.6,
-    the best configurations all at 0.7 or more). None where nothing ran there, after
-    :data:`ATTEMPTS` launched trials above it did not run, while such a raise is still
+    (a trainer that logs no memory, on a machine NVML cannot see) but a trial there ran, the smallest
+    value a tenth of the range above the largest share that ran (a space's share without a step has
+    64 points): nothing says how far the room goes, so each raise that runs is the next one's floor
+    (0/#2008 of the NeMo-RL-style family stopped at 0.64 on the space's default 0.6, the best
+    configurations all at 0.7 or more). None where nothing ran there, after :data:`ATTEMPTS`
+    launched trials above it did not run, while such a raise is still
     running (``running``: the keys of running trials; under ``--parallel`` the next slot would step
     down past it), and on CPU (vLLM's CPU backend sizes its cache otherwise)."""
     planner, name = walk.planner, fraction_knob(incumbent)
@@ -129,8 +131,9 @@ def larger_share(
         return None
     cap, running = planner.recipe.gpu_memory_gib, set(running)
     higher = [v for v in values if v > share + 1e-9]  # largest first
-    if peak is None:
-        higher = higher[-1:]  # no room is known: the next value up, which a trial then judges
+    if peak is None:  # no room is known: the next value up by a tenth of the range, a trial judges it
+        tenth = (max(values) - min(values)) / 10
+        higher = [v for v in higher if v >= share + tenth - 1e-9][-1:] or higher[:1]
     for value in higher:
         cand = walk.candidate({**incumbent, name: value, **walk.fixed})
         if walk.key(cand) in running:
@@ -140,15 +143,16 @@ def larger_share(
     return None
 
 
-def closing(launched: int, trials: int) -> bool:
-    """Whether ``launched`` trials leave only the last :data:`CLOSING` of ``trials``, where the walk
+def closing(study: optuna.Study, trials: int) -> bool:
+    """Whether the study's launches (every controller's, running claims included: under ``--parallel``
+    the slots hold launches not yet told) leave only the last :data:`CLOSING` of ``trials``, where the walk
     raises vLLM's share as at a held stop. Most searches of a trainer whose knobs the speed prior does
     not read end at the limit, never held: on the NeMo-RL-style family, 62 of seed 0's 105 (their
     walk still stepping one knob at a time), and 0/#2098 ended there at 0.78 with the space's default
     share, 1.00 one raise up. A raise is the one step whose sign is known (a larger share is never
     slower), so the last launches go to it before the walk's next guess; where the share does not
     pay (a rollout already in one wave), they are the walk's steps lost."""
-    return launched >= trials - CLOSING
+    return launches(study) >= trials - CLOSING
 
 
 def launched(table: Iterable[TrialRow]) -> list[tuple[dict[str, Any], str]]:

@@ -230,7 +230,7 @@ class Search:
         while it is, and in the last launches of --trials, the walk raises vLLM's share."""
         reason = self._converged(launched)
         args = (self.planner, self.state.study, self.recipe, self.space, self.fixed, self.rules)
-        ending = reason is not None or coverage.closing(launched, self.recipe.trials)
+        ending = reason is not None or coverage.closing(self.state.study, self.recipe.trials)
         unsettled = ending and self.planner is not None and coverage.unsettled(*args)
         self.state.study.sampler.settling = unsettled
         return None if unsettled else reason
