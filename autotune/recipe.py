@@ -180,8 +180,8 @@ class Recipe:
             "noise (the larger of 3% and the spread of its own one-knob pairs the speed prior "
             "cannot tell apart), after at least 6 more launched, once each value of a switch "
             "neither the memory model nor the speed prior reads has run, and once vLLM's share, "
-            "where the prior does not read it, is as high as the measured peak has room for (one "
-            "value at a time where no peak is measured) (0: never)."
+            "where the prior does not read it, is as high as the measured peak has room for, one "
+            "value at a time where no peak is measured (0: never)."
         ),
     )
     warmup_steps: int = field(default=2, metadata=_opt("Steps before a trial's throughput is measured."))
