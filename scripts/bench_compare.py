@@ -85,11 +85,13 @@ def name(key: Key) -> str:
 
 
 def label(path: Path, runs: list[dict[str, Any]]) -> str:
-    """A file as the user named it, with the luck its compared runs were drawn with and whether they were
-    measured exactly (``bench_search.py --exact``)."""
+    """A file as the user named it, with the luck its compared runs were drawn with, whether they were
+    measured exactly (``bench_search.py --exact``) and what the truth told them (``--oracle``)."""
     lucks = sorted({r.get("luck", 0) for r in runs})
     exact = ", measured exactly" if any(r.get("exact") for r in runs) else ""
-    return f"{path} (luck {', '.join(map(str, lucks))}{exact})"
+    oracles = sorted({r["oracle"] for r in runs if r.get("oracle")})
+    told = f", told the truth's {' and '.join(oracles)}" if oracles else ""
+    return f"{path} (luck {', '.join(map(str, lucks))}{exact}{told})"
 
 
 def p_value(p: float) -> str:

@@ -1,15 +1,15 @@
 #!/usr/bin/env python
 """One benchmark run, trial by trial, beside its landscape's truth: what the notes read a miss by.
 
-    python scripts/bench_inspect.py 1/6 [--trials 30] [--luck N] [--exact]
+    python scripts/bench_inspect.py 1/6 [--trials 30] [--luck N] [--exact] [--oracle memory,prior]
 
 ``SEED/INDEX`` names a run as docs/benchmarks.md does (seed 1, landscape #6). The run is autotune's
-search on that landscape exactly as ``scripts/bench_search.py --seed SEED [--luck N] [--exact]`` runs
-it (the same recipe, executor and seeds, so the same decisions), printed with what the benchmark knows
-and the search does not: each launched trial's and each confirmation's value in truth, the export's score,
-and the landscape's best configurations. A trial's knobs are shown where they differ from the
-landscape's best, so a walk that never reached it shows which knobs it never moved. For a run that
-exported something below 0.95 of the best possible (its value in truth), last, what the search's
+search on that landscape exactly as ``scripts/bench_search.py --seed SEED [--luck N] [--exact] [--oracle
+...]`` runs it (the same recipe, executor and seeds, so the same decisions), printed with what the
+benchmark knows and the search does not: each launched trial's and each confirmation's value in truth,
+the export's score, and the landscape's best configurations. A trial's knobs are shown where they differ
+from the landscape's best, so a walk that never reached it shows which knobs it never moved. For a run
+that exported something below 0.95 of the best possible (its value in truth), last, what the search's
 planner thought at its end of the configurations at 0.95 fewest knobs from the export
 (:func:`as_planned`).
 """
@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_landscapes import build_landscape  # noqa: E402
-from bench_search import APART, policy_autotune, quiet, search_seed  # noqa: E402
+from bench_search import APART, ORACLES, policy_autotune, quiet, search_seed  # noqa: E402
 
 from autotune.candidate.moves import knobs_apart  # noqa: E402
 from autotune.sim.families import landscape  # noqa: E402
@@ -59,7 +59,14 @@ def main() -> int:
     parser.add_argument(
         "--exact", action="store_true", help="the run of bench_search.py ... --exact (measured without noise)"
     )
+    parser.add_argument(
+        "--oracle", default="", help="the run of bench_search.py ... --oracle (its planner told the truth)"
+    )
     args = parser.parse_args()
+    oracle = frozenset(o for o in args.oracle.split(",") if o)
+    if oracle - set(ORACLES):
+        print(f"error: --oracle {args.oracle}: give memory, prior or memory,prior")
+        return 2
     try:
         seed, index = run_of(args.run)
     except ValueError:
@@ -76,6 +83,7 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     quiet()
     land = build_landscape(d, args.trials, exact=args.exact)
+    land.oracle = oracle
     run = policy_autotune(land, search_seed(seed, index, args.luck), args.trials)
     by_key = {candidate_key(c): c for c in land.candidates}
     ranked = sorted(land.safe.items(), key=lambda kv: -kv[1])

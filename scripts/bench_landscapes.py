@@ -89,6 +89,10 @@ class Landscape:
     # (bench_search.py --exact): what the search reaches when its throughputs are exact (a run's memory
     # luck, creep and fragmentation, stays: the truth has it too)
     exact: bool = False
+    # what autotune's planner is told by the truth itself (bench_search.py --oracle): "memory" skips
+    # every configuration a long run of which dies or peaks inside the headroom, "prior" ranks by the
+    # truth's own throughputs; bounds on what a perfect memory model or speed prior would buy
+    oracle: frozenset[str] = frozenset()
 
     @property
     def best(self) -> float:
@@ -106,6 +110,12 @@ class Landscape:
         """Its value counted only when a long run also keeps the headroom free (0 otherwise)."""
         self.value(params)
         return self.safe[candidate_key(params)]
+
+    def complete(self, params: dict[str, Any]) -> dict[str, Any]:
+        """``params`` as a configuration of the space: what it leaves out at the space's defaults, what
+        a value it holds requires set (the planner also asks of partial configurations)."""
+        space = self.context.space
+        return space.normalize({**space.defaults(), **params})
 
     def executor(self, seed: int) -> Any:
         """The in-process executor of one search with this seed (transient crashes included, unless

@@ -239,6 +239,15 @@ EXACT_TEXT = (
     "without `--exact` tells how much of each miss is the noise's and how much the search's."
 )
 
+ORACLE_TEXT = (
+    "**Told the truth** (`--oracle {told}`): here autotune's planner knew what the landscape's truth says "
+    "(memory: it skipped every configuration a long run of which dies or peaks inside the headroom; "
+    "prior: it ranked by each configuration's true throughput where the speed prior stands), on the "
+    "same landscapes with the same best possible: a bound on what knowing that side better could buy, "
+    "not the search as it runs. `python scripts/bench_compare.py` against the same run without "
+    "`--oracle` tells how far it is."
+)
+
 
 def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[str]:
     ours = [r for r in rows if r["policy"] == "autotune"]
@@ -248,14 +257,16 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
     lucks = sorted({r.get("luck", 0) for r in rows})
     draws = len(lucks)
     exact = any(r.get("exact") for r in rows)
-    # an exact run is kept out of docs/ (bench_search.py refuses it there): its --out as given; a
-    # held-out family's report is not the default file, which the command without --out would overwrite
-    out = str(args.out) if exact else f"docs/{Path(args.out).name}"
+    told = next((r["oracle"] for r in rows if r.get("oracle")), "")
+    # an exact or told run is kept out of docs/ (bench_search.py refuses it there): its --out as given;
+    # a held-out family's report is not the default file, which the command without --out would overwrite
+    out = str(args.out) if exact or told else f"docs/{Path(args.out).name}"
     cmd = (
         f"python scripts/bench_search.py --landscapes {args.landscapes} --families {args.families} "
         f"--trials {args.trials} --seed {args.seed} --jobs {args.jobs}"
         + (f" --luck {','.join(map(str, lucks))}" if lucks != [0] else "")
         + (" --exact" if exact else "")
+        + (f" --oracle {told}" if told else "")
         + (f" --out {out}" if out != "docs/benchmarks.md" else "")
     )
     per_seed = (
@@ -280,6 +291,7 @@ def write_report(rows: list[dict[str, Any]], args: Any, seconds: float) -> list[
         "from step to step, 0-5% of trials dying of an NCCL watchdog timeout.",
         "",
         *([EXACT_TEXT, ""] if exact else []),
+        *([ORACLE_TEXT.format(told=told), ""] if told else []),
         "*best possible*: the fastest configuration in the whole valid grid that survives long runs (warm-up "
         "+ 3 x measured steps, three truth seeds, throughput averaged, without run-to-run noise or transient "
         "crashes: the expected throughput) with the headroom free. A run scores "

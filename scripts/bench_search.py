@@ -54,6 +54,7 @@ from autotune.errors import SearchStopped  # noqa: E402
 from autotune.runners import TrialContext  # noqa: E402
 from autotune.search.confirm import CONFIRM_NUMBER_OFFSET  # noqa: E402
 from autotune.search.loop import Search  # noqa: E402
+from autotune.search.planner import Planner, Verdict  # noqa: E402
 from autotune.search.policy import PROPOSAL_ATTR  # noqa: E402
 from autotune.sim.families import (  # noqa: E402
     FAMILIES,
@@ -321,6 +322,40 @@ def policy_hf(land: Landscape, seed: int, trials: int) -> Run:
 RESUMES = 2
 
 
+ORACLES = ("memory", "prior")
+
+
+def tell_truth(planner: Planner, land: Landscape) -> None:
+    """Give the search's planner what ``--oracle`` names, from the landscape's truth (the long-run
+    throughput counted only where the headroom stays free, what *best possible* is taken over):
+    ``memory``, a veto of every configuration that has none, as a perfect memory model and a
+    trainer that always logged its peak would give; ``prior``, that value as the speed prior
+    (never 0: the search divides by it), a ranking that knows every knob and every edge but vetoes
+    nothing. Each is an upper bound on what knowing that side better could buy."""
+    floor = 1e-3 * max(land.best, 1e-9)
+
+    def value(params: dict[str, Any]) -> float:
+        try:  # the planner also asks of partial configurations (a knob set into another's)
+            return land.safe_value(params if land.case.family == "trl" else land.complete(params))
+        except (KeyError, ValueError):
+            return 0.0
+
+    if "memory" in land.oracle:
+        verdict = planner.verdict
+
+        def vetoed(params: dict[str, Any]) -> Verdict:
+            said = verdict(params)
+            if not said.skip and value(params) == 0:
+                return Verdict(
+                    True, "dies or peaks inside the headroom in truth (--oracle)", said.predicted_gib
+                )
+            return said
+
+        planner.verdict = vetoed  # type: ignore[method-assign]
+    if "prior" in land.oracle:
+        planner.prior = lambda params: max(value(params), floor)  # type: ignore[method-assign]
+
+
 def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     recipe = make_recipe(land.case, seed, trials)
     context = TrialContext(recipe, land.context.space, land.context.model, land.context.gpu)
@@ -338,6 +373,8 @@ def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
                 storage=storage,
                 report=False,
             )
+            if land.oracle and search.planner is not None:
+                tell_truth(search.planner, land)
             try:
                 result = search.run()
                 break
@@ -464,13 +501,20 @@ def search_seed(seed: int, index: int, luck: int = 0) -> int:
     return (luck * APART + seed) * APART + index
 
 
-def run_landscape(job: tuple[Any, list[str], int, int, int, bool]) -> tuple[Any, list[dict[str, Any]]]:
+def run_landscape(
+    job: tuple[Any, list[str], int, int, int, bool, frozenset[str]],
+) -> tuple[Any, list[dict[str, Any]]]:
     """Every policy on one landscape (a unit of work for --jobs)."""
-    d, policies, trials, seed, luck, exact = job
+    d, policies, trials, seed, luck, exact, oracle = job
     quiet()
     land = build_landscape(d, trials, exact=exact)
+    land.oracle = oracle
     # the JSON of the benchmark's own draw, measured as it is, stays as it was
-    drawn = {**({"luck": luck} if luck else {}), **({"exact": True} if exact else {})}
+    drawn = {
+        **({"luck": luck} if luck else {}),
+        **({"exact": True} if exact else {}),
+        **({"oracle": ",".join(sorted(oracle))} if oracle else {}),
+    }
     return d, [
         {
             "seed": seed,
@@ -483,7 +527,7 @@ def run_landscape(job: tuple[Any, list[str], int, int, int, bool]) -> tuple[Any,
 
 #: What the JSON keeps of a baseline's run: its name and the figures the report's tables count.
 BASELINE_FIELDS = (
-    *("seed", "luck", "exact", "landscape", "family", "policy"),
+    *("seed", "luck", "exact", "oracle", "landscape", "family", "policy"),
     *("final", "final_safe", "fitting", "cost", "at20", "ooms", "launched"),
 )
 
@@ -550,6 +594,15 @@ def main() -> int:
         "exact; scripts/bench_compare.py against the same run without it tells the noise's share of the "
         "misses. Give it an --out of its own",
     )
+    parser.add_argument(
+        "--oracle",
+        default="",
+        help="tell autotune's planner the landscape's truth: memory (skip every configuration that dies "
+        "or peaks inside the headroom in a long run, as a perfect memory model would), prior (rank by "
+        "each configuration's true throughput instead of the speed prior), or memory,prior: bounds on "
+        "what knowing one side better could buy, compared with scripts/bench_compare.py against the "
+        "same run without it. Give it an --out of its own",
+    )
     args = parser.parse_args()
     families = [f for f in args.families.split(",") if f]
     bad = [f for f in families if f not in FAMILIES + HELD_OUT] + [
@@ -583,6 +636,13 @@ def main() -> int:
             "comma-separated: --luck 0,1,2"
         )
         return 2
+    oracle = frozenset(o for o in args.oracle.split(",") if o)
+    if oracle - set(ORACLES):
+        print(f"error: --oracle {args.oracle}: give memory, prior or memory,prior")
+        return 2
+    if oracle and args.out.resolve().parent == (ROOT / "docs").resolve():
+        print(f"error: --oracle writes {args.out}: give --out a file outside docs/, as --out /tmp/oracle.md")
+        return 2
     if args.exact and args.out.resolve().parent == (ROOT / "docs").resolve():
         # the documented reports are the benchmark as measured: an exact run beside them is a measurement
         print(f"error: --exact writes {args.out}: give --out a file outside docs/, as --out /tmp/exact.md")
@@ -615,7 +675,7 @@ def main() -> int:
             )
             return 2
         jobs += [
-            (d, args.policies.split(","), args.trials, seed, luck, args.exact)
+            (d, args.policies.split(","), args.trials, seed, luck, args.exact, oracle)
             for luck in lucks
             for d in chosen
         ]

@@ -356,7 +356,11 @@ def test_a_tiny_benchmark_run_writes_its_table(tmp_path):
     # the figures the tables count
     ours = [r for r in rows if r["policy"] == "autotune"]
     assert all("drawn" in r and "log" not in r and "trials" not in r for r in ours)
-    assert all(set(r) == set(BASELINE_FIELDS) - {"luck", "exact"} for r in rows if r["policy"] != "autotune")
+    assert all(
+        set(r) == set(BASELINE_FIELDS) - {"luck", "exact", "oracle"}
+        for r in rows
+        if r["policy"] != "autotune"
+    )
     assert "Their drawn physics and, for the worst three, every launched trial" in text
     worst = min(ours, key=lambda r: (r["final"], -r["cost"]))
     report = text.splitlines()
@@ -807,6 +811,55 @@ def test_a_run_measured_exactly_searches_the_same_landscapes_without_noise(tmp_p
         ], (refused.stdout, refused.stderr[-500:])
         assert "Traceback" not in refused.stderr
     assert documented.stat().st_mtime_ns == before
+
+
+def test_a_search_told_the_truth_bounds_what_a_better_memory_model_or_prior_would_buy(tmp_path):
+    """``bench_search.py --oracle memory`` gives autotune's planner a veto of every configuration that
+    dies or peaks inside the headroom in truth, ``--oracle prior`` the truth's throughputs as its
+    speed prior: on the same landscapes (the same best possible), the told search launches nothing that
+    dies, and the one that knows the truth's ranking runs the best possible configuration. Its JSON,
+    report and bench_compare.py say what it was told; a bad oracle, or a told run written into docs/,
+    gets one line and exit 2 with nothing written."""
+    tiny = ["--landscapes", "2", "--families", "plain", "--trials", "8", "--policies", "autotune"]
+    runs = {}
+    for told in ("", "memory", "prior"):
+        out = tmp_path / f"{told or 'base'}.md"
+        more = ["--oracle", told] if told else []
+        run = bench_script(
+            "bench_search.py", *tiny, "--seed", "1", "--keep-trials", *more, "--out", str(out), cwd=tmp_path
+        )
+        assert run.returncode == 0, run.stderr[-2000:]
+        runs[told] = json.loads(out.with_suffix(".json").read_text())
+        text = out.read_text()
+        assert (f"--oracle {told} --out {out}` (" in text) == bool(told)
+        assert (f"**Told the truth** (`--oracle {told}`)" in text) == bool(told)
+        assert all(r.get("oracle") == (told or None) for r in runs[told])
+    same = ("seed", "landscape", "best_possible")
+    assert len({json.dumps([[r[k] for k in same] for r in rows]) for rows in runs.values()}) == 1
+    # a kept trial: number, proposer, status, value and safe value in truth (over the best), params
+    assert sum(r["ooms"] for r in runs[""]) > 0  # without the veto, these searches ran out of memory
+    assert all(r["ooms"] == 0 and all(t[4] > 0 for t in r["trials"]) for r in runs["memory"])
+    assert all(max(t[4] for t in r["trials"]) == 1.0 for r in runs["prior"])
+    base_json, told_json = str(tmp_path / "base.json"), str(tmp_path / "memory.json")
+    shown = bench_script("bench_compare.py", base_json, told_json, cwd=tmp_path)
+    assert shown.returncode == 0, shown.stdout + shown.stderr[-2000:]
+    assert f"| {told_json} (luck 0, told the truth's memory) | 2 |" in shown.stdout
+    documented = ROOT / "docs" / "benchmarks.md"
+    before = documented.stat().st_mtime_ns
+    for more, said in (
+        (
+            ["--oracle", "speed", "--out", str(tmp_path / "x.md")],
+            "error: --oracle speed: give memory, prior or memory,prior",
+        ),
+        (
+            ["--oracle", "prior"],
+            f"error: --oracle writes {documented}: give --out a file outside docs/, as --out /tmp/oracle.md",
+        ),
+    ):
+        refused = bench_script("bench_search.py", *tiny, *more, cwd=tmp_path, timeout=120)
+        assert refused.returncode == 2 and refused.stdout.strip().splitlines() == [said], refused.stdout
+        assert "Traceback" not in refused.stderr
+    assert documented.stat().st_mtime_ns == before and not (tmp_path / "x.md").exists()
 
 
 def test_a_landscape_where_nothing_fits_is_recorded_so():
