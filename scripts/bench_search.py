@@ -326,17 +326,19 @@ ORACLES = ("memory", "prior")
 
 
 def tell_truth(planner: Planner, land: Landscape) -> None:
-    """Give the search's planner what ``--oracle`` names, from the landscape's truth (the long-run
-    throughput counted only where the headroom stays free, what *best possible* is taken over):
-    ``memory``, a veto of every configuration that has none, as a perfect memory model and a
-    trainer that always logged its peak would give; ``prior``, that value as the speed prior
-    (never 0: the search divides by it), a ranking that knows every knob and every edge but vetoes
-    nothing. Each is an upper bound on what knowing that side better could buy."""
+    """Give the search's planner what ``--oracle`` names, from the landscape's truth: ``memory``, a veto
+    of every configuration a long run of which dies or peaks inside the headroom (what *best possible*
+    leaves out), as a perfect memory model and a trainer that always logged its peak would give;
+    ``prior``, each configuration's long-run throughput as the speed prior (inside the headroom too: a
+    prior says speed, not room), floored where it dies, since the search divides by its prior. The
+    floor leaks what dies into the ranking, never into a veto: the search still launches it if it is
+    all there is. Each is an upper bound on what knowing that side better could buy."""
     floor = 1e-3 * max(land.best, 1e-9)
 
-    def value(params: dict[str, Any]) -> float:
+    def truth(params: dict[str, Any], safe: bool) -> float:
         try:  # the planner also asks of partial configurations (a knob set into another's)
-            return land.safe_value(params if land.case.family == "trl" else land.complete(params))
+            full = params if land.case.family == "trl" else land.complete(params)
+            return land.safe_value(full) if safe else land.value(full)
         except (KeyError, ValueError):
             return 0.0
 
@@ -345,7 +347,7 @@ def tell_truth(planner: Planner, land: Landscape) -> None:
 
         def vetoed(params: dict[str, Any]) -> Verdict:
             said = verdict(params)
-            if not said.skip and value(params) == 0:
+            if not said.skip and truth(params, safe=True) == 0:
                 return Verdict(
                     True, "dies or peaks inside the headroom in truth (--oracle)", said.predicted_gib
                 )
@@ -353,7 +355,7 @@ def tell_truth(planner: Planner, land: Landscape) -> None:
 
         planner.verdict = vetoed  # type: ignore[method-assign]
     if "prior" in land.oracle:
-        planner.prior = lambda params: max(value(params), floor)  # type: ignore[method-assign]
+        planner.prior = lambda params: max(truth(params, safe=False), floor)  # type: ignore[method-assign]
 
 
 def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
