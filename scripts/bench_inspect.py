@@ -26,7 +26,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_landscapes import build_landscape  # noqa: E402
-from bench_search import APART, ORACLES, policy_autotune, quiet, search_seed  # noqa: E402
+from bench_search import APART, oracle_of, policy_autotune, quiet, search_seed  # noqa: E402
 
 from autotune.candidate.moves import knobs_apart  # noqa: E402
 from autotune.sim.families import landscape  # noqa: E402
@@ -63,8 +63,8 @@ def main() -> int:
         "--oracle", default="", help="the run of bench_search.py ... --oracle (its planner told the truth)"
     )
     args = parser.parse_args()
-    oracle = frozenset(o for o in args.oracle.split(",") if o)
-    if oracle - set(ORACLES):
+    oracle = oracle_of(args.oracle)
+    if oracle is None:
         print(f"error: --oracle {args.oracle}: give memory, prior or memory,prior")
         return 2
     try:

@@ -325,6 +325,12 @@ RESUMES = 2
 ORACLES = ("memory", "prior")
 
 
+def oracle_of(text: str) -> frozenset[str] | None:
+    """``--oracle``'s value as the sides it names, None where it names one that is not an oracle."""
+    oracle = frozenset(o for o in text.split(",") if o)
+    return None if oracle - set(ORACLES) else oracle
+
+
 def tell_truth(planner: Planner, land: Landscape) -> None:
     """Give the search's planner what ``--oracle`` names, from the landscape's truth: ``memory``, a veto
     of every configuration a long run of which dies or peaks inside the headroom (what *best possible*
@@ -638,8 +644,8 @@ def main() -> int:
             "comma-separated: --luck 0,1,2"
         )
         return 2
-    oracle = frozenset(o for o in args.oracle.split(",") if o)
-    if oracle - set(ORACLES):
+    oracle = oracle_of(args.oracle)
+    if oracle is None:
         print(f"error: --oracle {args.oracle}: give memory, prior or memory,prior")
         return 2
     if oracle and args.out.resolve().parent == (ROOT / "docs").resolve():
