@@ -51,6 +51,7 @@ from bench_report import run_name, write_report  # noqa: E402
 
 from autotune.candidate import constraints  # noqa: E402
 from autotune.errors import SearchStopped  # noqa: E402
+from autotune.recipe import Recipe  # noqa: E402
 from autotune.runners import TrialContext  # noqa: E402
 from autotune.search.confirm import CONFIRM_NUMBER_OFFSET  # noqa: E402
 from autotune.search.loop import Search  # noqa: E402
@@ -362,27 +363,36 @@ def tell_truth(planner: Planner, land: Landscape) -> None:
         planner.verdict = vetoed  # type: ignore[method-assign]
     if "prior" in land.oracle:
         planner.prior = lambda params: max(truth(params, safe=False), floor)  # type: ignore[method-assign]
+        # the search's start-up check ranked the grid by the old prior, and the pool is ranked once
+        # a search: without this the seeds and the pool kept the old order (the first runs' flaw)
+        planner._pool = None  # noqa: SLF001
+
+
+def told_search(land: Landscape, recipe: Recipe, folder: Path, execute: Any, storage: Any) -> Search:
+    """autotune's search of ``land`` in ``folder``, its planner told what ``--oracle`` names."""
+    context = TrialContext(recipe, land.context.space, land.context.model, land.context.gpu)
+    search = Search(
+        recipe,
+        StudyPaths(folder, recipe.name),
+        context,
+        Quiet(recipe.trials),
+        execute=execute,
+        storage=storage,
+        report=False,
+    )
+    if land.oracle and search.planner is not None:
+        tell_truth(search.planner, land)
+    return search
 
 
 def policy_autotune(land: Landscape, seed: int, trials: int) -> Run:
     recipe = make_recipe(land.case, seed, trials)
-    context = TrialContext(recipe, land.context.space, land.context.model, land.context.gpu)
     tracker = Tracker(land, land.executor(seed))
     storage = optuna.storages.InMemoryStorage()
     result, stops = None, []
     with tempfile.TemporaryDirectory() as tmp:
         for _ in range(RESUMES + 1):  # the same study each time, as `autotune resume` continues it
-            search = Search(
-                recipe,
-                StudyPaths(Path(tmp), recipe.name),
-                context,
-                Quiet(trials),
-                execute=tracker,
-                storage=storage,
-                report=False,
-            )
-            if land.oracle and search.planner is not None:
-                tell_truth(search.planner, land)
+            search = told_search(land, recipe, Path(tmp), tracker, storage)
             try:
                 result = search.run()
                 break

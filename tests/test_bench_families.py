@@ -862,6 +862,26 @@ def test_a_search_told_the_truth_bounds_what_a_better_memory_model_or_prior_woul
     assert documented.stat().st_mtime_ns == before and not (tmp_path / "x.md").exists()
 
 
+def test_a_search_told_the_prior_ranks_its_whole_grid_by_it(tmp_path):
+    """The search's start-up check ranks the grid (the pool its seeds and its pool proposer read) before
+    ``--oracle`` tells the planner anything, and the pool is ranked once a search: a told prior must
+    rank it again (it did not, and verl's seed 0 read 80 at 0.95 under a prior that gives 98)."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import optuna
+    from bench_search import build_landscape, make_recipe, told_search
+
+    land = build_landscape(landscape(1000, 0), 30)
+    land.oracle = "prior"
+    search = told_search(
+        land, make_recipe(land.case, 0, 30), tmp_path, None, optuna.storages.InMemoryStorage()
+    )
+    pool = search.planner.pool(search.space, search.fixed, search.rules)
+    priors = [prior for prior, _ in pool]
+    assert priors == sorted(priors, reverse=True)
+    assert all(prior == max(land.value(land.complete(c)), 1e-3 * land.best) for prior, c in pool[:50])
+    assert land.value(land.complete(pool[0][1])) == max(land.value(land.complete(c)) for _, c in pool)
+
+
 def test_a_landscape_where_nothing_fits_is_recorded_so():
     """verl 1/#1025 (3B on 4 x 24 GB under its drawn physics) has no configuration that survives a
     long run: its record says nothing fits (the best possible is clamped for the division, and the flag
